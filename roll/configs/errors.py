@@ -1,0 +1,30 @@
+"""The one error type for bad configuration: it names the key path and says how to fix it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as ``ConfigError: <key path>: <message>``.
+
+    >>> raise ConfigError("actor_train.device_mapping", "device 9 does not exist")
+    """
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """Return ' (did you mean 'x'?)' for the closest candidate, or '' when none is close."""
+    match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def join_path(prefix: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{prefix}[{key}]"
+    return f"{prefix}.{key}" if prefix else str(key)

@@ -1,0 +1,239 @@
+"""Typed ``strategy_config`` for each strategy, loaded strictly like the rest of the config.
+
+These classes import nothing heavy, so configs validate (and ``--dry_run`` plans) on machines
+where megatron-core, vLLM or SGLang are not installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from roll.configs.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Model-parallel layout of one role. ``dp`` is derived from the role's world size."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    dp: int = 1
+
+    def describe(self) -> str:
+        return f"TP={self.tp} PP={self.pp} CP={self.cp} EP={self.ep} DP={self.dp}" + (
+            f" VPP={self.vpp}" if self.vpp > 1 else ""
+        )
+
+
+class _DataParallelOnly:
+    """Mixin for strategies where every worker is one data-parallel replica."""
+
+    devices_per_worker = 1
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        return ParallelSizes(dp=world_size)
+
+    def validate(self, num_devices: int, path: str) -> None:
+        return None
+
+
+@dataclass
+class HFInferConfig(_DataParallelOnly):
+    """transformers' generate() and forward; one full model replica per worker."""
+
+    # Offload moves the weights to CPU memory between uses (for colocated layouts).
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FSDP2Config(_DataParallelOnly):
+    """torch FSDP2 (fully_shard) on GPU; on CPU the same API over gloo."""
+
+    reshard_after_forward: bool = True
+    # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
+    sharding: str = "full_shard"
+    mixed_precision: bool = True
+    cpu_offload: bool = False
+
+    def validate(self, num_devices: int, path: str) -> None:
+        if self.sharding not in ("full_shard", "no_shard"):
+            raise ConfigError(f"{path}.sharding", f"expected 'full_shard' or 'no_shard', got {self.sharding!r}")
+
+
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
+
+
+@dataclass
+class MegatronConfig:
+    """megatron-core options (names as in Megatron-LM's arguments)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_layer_recompute: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    # Offload for colocated layouts (moved to CPU between training steps).
+    offload_params: bool = False
+    offload_grads: bool = True
+    offload_optimizer: bool = True
+    # Attention kernel for the plain-torch layer spec: "sdpa" or "local" (megatron-core's unfused one).
+    attention_backend: str = "sdpa"
+    # Passed through to megatron-core's TransformerConfig untouched (advanced use).
+    transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    devices_per_worker = 1
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        return ParallelSizes(
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=self.expert_model_parallel_size,
+            vpp=self.virtual_pipeline_model_parallel_size or 1,
+            dp=max(world_size // (tp * pp * cp), 1),
+        )
+
+    def validate(self, num_devices: int, path: str) -> None:
+        sizes = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+        }
+        for key, value in sizes.items():
+            if value < 1:
+                raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        model_parallel = tp * pp * cp
+        if num_devices % model_parallel:
+            raise ConfigError(
+                f"{path}.tensor_model_parallel_size",
+                f"TP x PP x CP = {tp} x {pp} x {cp} = {model_parallel} does not divide the role's "
+                f"{num_devices} devices; change the sizes or the device_mapping",
+            )
+        dp = num_devices // model_parallel
+        etp = self.expert_tensor_parallel_size or tp
+        ep = self.expert_model_parallel_size
+        if (tp * cp * dp) % (etp * ep):
+            raise ConfigError(
+                f"{path}.expert_model_parallel_size",
+                f"EP x expert-TP = {ep} x {etp} must divide TP x CP x DP = {tp} x {cp} x {dp} "
+                f"(the devices of one pipeline stage)",
+            )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and pp == 1:
+            raise ConfigError(
+                f"{path}.virtual_pipeline_model_parallel_size",
+                "needs pipeline_model_parallel_size > 1",
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError(f"{path}.sequence_parallel", "needs tensor_model_parallel_size > 1")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ConfigError(
+                f"{path}.recompute_granularity",
+                f"expected one of {list(RECOMPUTE_GRANULARITIES)}, got {self.recompute_granularity!r}",
+            )
+        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
+            raise ConfigError(
+                f"{path}.moe_token_dispatcher_type",
+                f"expected one of {list(TOKEN_DISPATCHERS)}, got {self.moe_token_dispatcher_type!r}",
+            )
+        if self.attention_backend not in ("sdpa", "local"):
+            raise ConfigError(
+                f"{path}.attention_backend", f"expected 'sdpa' or 'local', got {self.attention_backend!r}"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM V1 engine options; a worker owns ``tensor_parallel_size`` devices."""
+
+    gpu_memory_utilization: float = 0.8
+    block_size: int = 16
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    # 0: never sleep; 1: offload weights, drop KV cache; 2: drop both (weights come back by model update).
+    sleep_level: int = 1
+    load_format: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    enable_chunked_prefill: bool | None = None
+    # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.tensor_parallel_size
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
+
+    def validate(self, num_devices: int, path: str) -> None:
+        _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{path}.gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"{path}.sleep_level", f"expected 0, 1 or 2, got {self.sleep_level}")
+        if self.load_format not in ("auto", "dummy", "safetensors", "pt"):
+            raise ConfigError(
+                f"{path}.load_format", f"expected 'auto', 'dummy', 'safetensors' or 'pt', got {self.load_format!r}"
+            )
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang Engine options; a worker owns ``tensor_parallel_size`` devices."""
+
+    mem_fraction_static: float = 0.8
+    tensor_parallel_size: int = 1
+    context_length: int | None = None
+    enable_memory_saver: bool = True
+    load_format: str = "auto"
+    max_running_requests: int | None = None
+    disable_radix_cache: bool = False
+    # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.tensor_parallel_size
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
+
+    def validate(self, num_devices: int, path: str) -> None:
+        _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError(f"{path}.mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+
+
+def _check_engine_tp(tp: int, num_devices: int, path: str) -> None:
+    if tp < 1:
+        raise ConfigError(path, f"must be >= 1, got {tp}")
+    if num_devices % tp:
+        raise ConfigError(path, f"{tp} does not divide the role's {num_devices} devices")

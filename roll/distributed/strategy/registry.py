@@ -1,0 +1,87 @@
+"""Strategy registry: exact ``strategy_name`` -> strategy class, imported only when used.
+
+>>> spec = get_strategy_spec("hf_infer")
+>>> strategy_cls = load_strategy_class("hf_infer")   # imports transformers only now
+
+The config dataclasses are light, so validation and ``--dry_run`` work without megatron-core,
+vLLM or SGLang installed; importing a strategy whose engine is missing raises a ConfigError that
+names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from roll.configs.errors import ConfigError, did_you_mean
+from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, SGLangConfig, VLLMConfig
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    # "module:ClassName", imported lazily.
+    target: str
+    config_cls: type
+    side: Literal["train", "infer"]
+    # pip extra that provides the engine, named in the error when the import fails.
+    extra: str | None = None
+    # Python modules the strategy needs; a missing one becomes a ConfigError naming ``extra``.
+    requires: tuple[str, ...] = ()
+
+
+_S = "roll.distributed.strategy"
+STRATEGIES: dict[str, StrategySpec] = {
+    spec.name: spec
+    for spec in (
+        StrategySpec("hf_infer", f"{_S}.hf_strategy:HFInferStrategy", HFInferConfig, "infer"),
+        StrategySpec("fsdp2_train", f"{_S}.fsdp2_strategy:FSDP2TrainStrategy", FSDP2Config, "train"),
+        StrategySpec(
+            "megatron_train",
+            f"{_S}.megatron_strategy:MegatronTrainStrategy",
+            MegatronConfig,
+            "train",
+            extra="megatron",
+            requires=("megatron.core",),
+        ),
+        StrategySpec(
+            "megatron_infer",
+            f"{_S}.megatron_infer_strategy:MegatronInferStrategy",
+            MegatronConfig,
+            "infer",
+            extra="megatron",
+            requires=("megatron.core",),
+        ),
+        StrategySpec("vllm", f"{_S}.vllm_strategy:VLLMStrategy", VLLMConfig, "infer", extra="vllm", requires=("vllm",)),
+        StrategySpec(
+            "sglang", f"{_S}.sglang_strategy:SGLangStrategy", SGLangConfig, "infer", extra="sglang", requires=("sglang",)
+        ),
+    )
+}
+
+
+def get_strategy_spec(name: str, path: str = "strategy_args.strategy_name") -> StrategySpec:
+    spec = STRATEGIES.get(name)
+    if spec is None:
+        raise ConfigError(
+            path,
+            f"unknown strategy {name!r}{did_you_mean(name, STRATEGIES)}; valid names: {', '.join(sorted(STRATEGIES))}",
+        )
+    return spec
+
+
+def load_strategy_class(name: str, path: str = "strategy_args.strategy_name") -> type:
+    """Import and return the strategy class registered under ``name``."""
+    spec = get_strategy_spec(name, path)
+    for module in spec.requires:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(
+                path,
+                f"strategy {name!r} needs the '{module}' package, which is not installed ({exc}); "
+                f"install it with: pip install -e .[{spec.extra}]",
+            ) from exc
+    module_name, class_name = spec.target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

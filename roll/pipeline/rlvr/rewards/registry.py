@@ -1,0 +1,52 @@
+"""Reward functions by name: ``rewards.<role>.reward_fn`` in the YAML picks one.
+
+Rule rewards are plain functions ``fn(response: str, ground_truth: str, **reward_kwargs) -> float``
+that run on CPU workers. Model rewards (``kind="model"``) score with the role's own inference
+strategy (an LLM judge on hf_infer/vLLM/SGLang) and need ``strategy_args`` and ``device_mapping``.
+
+To add one: write the function in a module of your own and add an entry here, e.g.
+``"my_reward": RewardSpec("my_reward", "my_pkg.my_module:score", "rule")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from roll.configs.errors import ConfigError, did_you_mean
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    name: str
+    target: str  # "module:function"
+    kind: Literal["rule", "model"] = "rule"
+
+
+_R = "roll.pipeline.rlvr.rewards"
+REWARD_FUNCTIONS: dict[str, RewardSpec] = {
+    spec.name: spec
+    for spec in (
+        RewardSpec("math_rule", f"{_R}.math_rule:math_rule_reward"),
+        RewardSpec("format", f"{_R}.format_reward:format_reward"),
+        RewardSpec("llm_judge", f"{_R}.llm_judge:llm_judge_reward", "model"),
+    )
+}
+
+
+def get_reward_spec(name: str, path: str = "reward_fn") -> RewardSpec:
+    spec = REWARD_FUNCTIONS.get(name)
+    if spec is None:
+        raise ConfigError(
+            path,
+            f"unknown reward {name!r}{did_you_mean(name, REWARD_FUNCTIONS)}; "
+            f"valid names: {', '.join(sorted(REWARD_FUNCTIONS))}",
+        )
+    return spec
+
+
+def load_reward_fn(name: str) -> Callable[..., float]:
+    module_name, fn_name = get_reward_spec(name).target.split(":")
+    return getattr(importlib.import_module(module_name), fn_name)
