@@ -50,7 +50,10 @@ BAD_CASES = {
     "bad_device_mapping": ("actor_train.device_mapping", "cannot parse"),
     "duplicate_device": ("actor_train.device_mapping", "listed twice"),
     "unknown_strategy": ("actor_train.strategy_args.strategy_name", "did you mean 'megatron_train'"),
-    "tp_not_dividing": ("actor_train.strategy_args.strategy_config.tensor_model_parallel_size", "does not divide"),
+    "tp_not_dividing": (
+        "actor_train.strategy_args.strategy_config.tensor_model_parallel_size",
+        "does not divide",
+    ),
     "unknown_strategy_option": (
         "actor_infer.strategy_args.strategy_config.gpu_memory_utilisation",
         "did you mean 'gpu_memory_utilization'",
@@ -67,7 +70,10 @@ BAD_CASES = {
     "roll_worker_cls": ("rewards.math.worker_cls", "use reward_fn"),
     "invalid_yaml": ("invalid_yaml.yaml", "invalid YAML at line"),
     "engine_on_train_role": ("actor_train.strategy_args.strategy_name", "cannot train"),
-    "num_return_mismatch": ("actor_infer.generating_args.num_return_sequences", "num_return_sequences_in_group"),
+    "num_return_mismatch": (
+        "actor_infer.generating_args.num_return_sequences",
+        "num_return_sequences_in_group",
+    ),
     "negative_device": ("actor_train.device_mapping", ">= 0"),
     "vllm_tp_split": ("actor_infer.device_mapping", "span nodes"),
 }
@@ -86,16 +92,27 @@ def test_bad_file_gives_one_line_config_error(name, tmp_path, capsys):
     key, words = BAD_CASES[name]
     assert code == 2
     assert len(err) == 1, err
-    assert err[0].startswith(f"ConfigError: {key}") or err[0].startswith("ConfigError: ") and key in err[0], err[0]
+    assert err[0].startswith(f"ConfigError: {key}") or err[0].startswith("ConfigError: ") and key in err[0], (
+        err[0]
+    )
     assert words in err[0], err[0]
 
 
 def test_bad_file_through_the_real_script_exits_2_without_traceback(tmp_path):
     path = write_variant(tmp_path, HERE / "bad" / "unknown_nested_key.yaml")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples/start_rlvr_pipeline.py"), "--config_name", path.stem,
-         "--config_path", str(path.parent), "--dry_run"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "examples/start_rlvr_pipeline.py"),
+            "--config_name",
+            path.stem,
+            "--config_path",
+            str(path.parent),
+            "--dry_run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -188,7 +205,15 @@ def test_shipped_gpu_configs_dry_run(name, capsys):
 
 
 def test_dry_run_plan_for_16_gpu_disaggregated(capsys):
-    main(["--config_name", "qwen2.5-7B-rlvr_megatron_16gpus", "--config_path", str(REPO / "examples/config"), "--dry_run"])
+    main(
+        [
+            "--config_name",
+            "qwen2.5-7B-rlvr_megatron_16gpus",
+            "--config_path",
+            str(REPO / "examples/config"),
+            "--dry_run",
+        ]
+    )
     out = capsys.readouterr().out
     assert "2 node(s) x 8 GPU(s)" in out
     assert "actor_infer            vllm                4  TP=2" in out
@@ -197,7 +222,15 @@ def test_dry_run_plan_for_16_gpu_disaggregated(capsys):
 
 
 def test_dry_run_plan_for_8_gpu_colocated(capsys):
-    main(["--config_name", "qwen2.5-7B-rlvr_megatron_8gpus", "--config_path", str(REPO / "examples/config"), "--dry_run"])
+    main(
+        [
+            "--config_name",
+            "qwen2.5-7B-rlvr_megatron_8gpus",
+            "--config_path",
+            str(REPO / "examples/config"),
+            "--dry_run",
+        ]
+    )
     out = capsys.readouterr().out
     assert "1 node(s) x 8 GPU(s)" in out
     assert "actor_train + actor_infer + reference on devices 0-7" in out

@@ -127,7 +127,9 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
         if key not in fields:
             hint = RENAMED_KEYS.get(key)
             advice = f"; use {hint}" if hint else did_you_mean(str(key), fields)
-            raise ConfigError(join_path(path, str(key)), f"unknown key{advice}; valid keys: {', '.join(fields)}")
+            raise ConfigError(
+                join_path(path, str(key)), f"unknown key{advice}; valid keys: {', '.join(fields)}"
+            )
     built = {key: _build_field(hints[key], value, join_path(path, key), key) for key, value in data.items()}
     for name, f in fields.items():
         missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -144,9 +146,7 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(path or "<root>", str(exc)) from None
 
 
-def load_config(
-    path: str | Path, overrides: list[str] | None = None, config_cls: type[T] | None = None
-) -> T:
+def load_config(path: str | Path, overrides: list[str] | None = None, config_cls: type[T] | None = None) -> T:
     """Read, override, interpolate, build and validate an RLVR config file."""
     from roll.configs.pipeline_config import RLVRConfig
     from roll.configs.validate import validate_config
@@ -154,7 +154,9 @@ def load_config(
     raw = read_yaml(path)
     for key in IGNORED_TOP_LEVEL:
         if raw.pop(key, None) is not None:
-            print(f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr)
+            print(
+                f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
+            )
     raw = interpolate(apply_overrides(raw, overrides or []))
     config = build_dataclass(config_cls or RLVRConfig, raw)
     validate_config(config)

@@ -77,7 +77,9 @@ class GeneratingArgs:
 
     def __post_init__(self) -> None:
         if self.num_beams != 1:
-            raise ValueError("num_beams: only 1 is supported (RL rollouts sample; beam search is not on-policy)")
+            raise ValueError(
+                "num_beams: only 1 is supported (RL rollouts sample; beam search is not on-policy)"
+            )
         if self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences: must be >= 1, got {self.num_return_sequences}")
         if self.temperature < 0:
@@ -136,4 +138,6 @@ class RewardConfig(RoleConfig):
     # Prompts whose tag is in this list are scored by this role (empty: every tag not claimed elsewhere).
     tag_included: list[str] = field(default_factory=list)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Time limit per sample for rule rewards; a sample over it scores 0 and is counted.
+    timeout_s: float = 5.0
     judge_prompt: str | None = None

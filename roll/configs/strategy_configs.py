@@ -61,7 +61,9 @@ class FSDP2Config(_DataParallelOnly):
 
     def validate(self, num_devices: int, path: str) -> None:
         if self.sharding not in ("full_shard", "no_shard"):
-            raise ConfigError(f"{path}.sharding", f"expected 'full_shard' or 'no_shard', got {self.sharding!r}")
+            raise ConfigError(
+                f"{path}.sharding", f"expected 'full_shard' or 'no_shard', got {self.sharding!r}"
+            )
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -104,7 +106,11 @@ class MegatronConfig:
     devices_per_worker = 1
 
     def parallel_sizes(self, world_size: int) -> ParallelSizes:
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
         return ParallelSizes(
             tp=tp,
             pp=pp,
@@ -124,7 +130,11 @@ class MegatronConfig:
         for key, value in sizes.items():
             if value < 1:
                 raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
         model_parallel = tp * pp * cp
         if num_devices % model_parallel:
             raise ConfigError(
@@ -196,12 +206,15 @@ class VLLMConfig:
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"{path}.gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError(
+                f"{path}.gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.sleep_level not in (0, 1, 2):
             raise ConfigError(f"{path}.sleep_level", f"expected 0, 1 or 2, got {self.sleep_level}")
         if self.load_format not in ("auto", "dummy", "safetensors", "pt"):
             raise ConfigError(
-                f"{path}.load_format", f"expected 'auto', 'dummy', 'safetensors' or 'pt', got {self.load_format!r}"
+                f"{path}.load_format",
+                f"expected 'auto', 'dummy', 'safetensors' or 'pt', got {self.load_format!r}",
             )
 
 
@@ -229,7 +242,9 @@ class SGLangConfig:
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
         if not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError(f"{path}.mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+            raise ConfigError(
+                f"{path}.mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}"
+            )
 
 
 def _check_engine_tp(tp: int, num_devices: int, path: str) -> None:

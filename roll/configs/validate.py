@@ -32,7 +32,9 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     if role.strategy_args is None:
         if is_reward and role.device_mapping is None:
             return
-        raise ConfigError(f"{name}.strategy_args", "is required: set strategy_name (e.g. hf_infer) and strategy_config")
+        raise ConfigError(
+            f"{name}.strategy_args", "is required: set strategy_name (e.g. hf_infer) and strategy_config"
+        )
     if role.device_mapping is None:
         raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
     spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
@@ -51,7 +53,9 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     typed.validate(len(role.device_mapping), cfg_path)
     role.strategy_args.config = typed
     if not role.model_args.model_name_or_path:
-        raise ConfigError(f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)")
+        raise ConfigError(
+            f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
+        )
     if role.infer_batch_size < 1:
         raise ConfigError(f"{name}.infer_batch_size", f"must be >= 1, got {role.infer_batch_size}")
 
@@ -153,14 +157,18 @@ def _check_algorithm(config: RLVRConfig) -> None:
     if config.adv_estimator == "gae" and config.critic is None:
         raise ConfigError("critic", "adv_estimator 'gae' needs a critic role")
     if config.critic is not None and config.adv_estimator != "gae":
-        raise ConfigError("critic", f"a critic is only used with adv_estimator 'gae', not {config.adv_estimator!r}")
+        raise ConfigError(
+            "critic", f"a critic is only used with adv_estimator 'gae', not {config.adv_estimator!r}"
+        )
     if config.critic is not None and not config.critic.model_args.is_value_model:
         raise ConfigError("critic.model_args.model_type", "set 'value' so the critic gets a value head")
     wants_kl = config.use_kl_loss or (config.add_token_level_kl and config.init_kl_coef > 0)
     if wants_kl and config.reference is None:
         raise ConfigError("reference", "use_kl_loss / add_token_level_kl need a reference role")
     if not config.rewards:
-        raise ConfigError("rewards", "at least one reward role is required, e.g. rewards: {math: {reward_fn: math_rule}}")
+        raise ConfigError(
+            "rewards", "at least one reward role is required, e.g. rewards: {math: {reward_fn: math_rule}}"
+        )
     seen: dict[str, str] = {}
     for name, reward in config.rewards.items():
         for tag in reward.tag_included:

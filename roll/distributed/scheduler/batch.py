@@ -33,8 +33,12 @@ class Batch:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.non_tensors = {k: v if isinstance(v, np.ndarray) else _object_array(v) for k, v in self.non_tensors.items()}
-        sizes = {k: v.shape[0] for k, v in self.tensors.items()} | {k: len(v) for k, v in self.non_tensors.items()}
+        self.non_tensors = {
+            k: v if isinstance(v, np.ndarray) else _object_array(v) for k, v in self.non_tensors.items()
+        }
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()} | {
+            k: len(v) for k, v in self.non_tensors.items()
+        }
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch fields disagree on the batch size: {sizes}")
 
@@ -62,7 +66,9 @@ class Batch:
             return self.tensors[key]
         if key in self.non_tensors:
             return self.non_tensors[key]
-        raise KeyError(f"{key!r} is not in the batch (fields: {sorted(self.tensors) + sorted(self.non_tensors)})")
+        raise KeyError(
+            f"{key!r} is not in the batch (fields: {sorted(self.tensors) + sorted(self.non_tensors)})"
+        )
 
     def keys(self) -> list[str]:
         return list(self.tensors) + list(self.non_tensors)
@@ -89,7 +95,10 @@ class Batch:
                 np_idx = np.nonzero(np_idx)[0]
             t_idx = torch.as_tensor(np_idx, dtype=torch.long)
         return Batch(
-            {k: v[t_idx.to(v.device) if isinstance(t_idx, torch.Tensor) else t_idx] for k, v in self.tensors.items()},
+            {
+                k: v[t_idx.to(v.device) if isinstance(t_idx, torch.Tensor) else t_idx]
+                for k, v in self.tensors.items()
+            },
             {k: v[np_idx] for k, v in self.non_tensors.items()},
             dict(self.meta),
         )
@@ -116,7 +125,9 @@ class Batch:
         keys = set(batches[0].keys())
         for b in batches[1:]:
             if set(b.keys()) != keys:
-                raise ValueError(f"cannot concat batches with different fields: {sorted(keys)} vs {sorted(b.keys())}")
+                raise ValueError(
+                    f"cannot concat batches with different fields: {sorted(keys)} vs {sorted(b.keys())}"
+                )
         first = batches[0]
         return Batch(
             {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
@@ -146,4 +157,6 @@ class Batch:
         )
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
+        return Batch(
+            {k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta)
+        )

@@ -63,13 +63,16 @@ def plan_role(name: str, role: RoleConfig, devices_per_node: int) -> RolePlan:
     if role.device_mapping is None:
         world = role.world_size or 1
         workers = tuple(WorkerPlacement(rank=r, node=0, devices=(), local_devices=()) for r in range(world))
-        return RolePlan(name, args.strategy_name if args else None, (), workers, ParallelSizes(dp=world), cpu_only=True)
+        return RolePlan(
+            name, args.strategy_name if args else None, (), workers, ParallelSizes(dp=world), cpu_only=True
+        )
     typed = args.config if args is not None else None
     per_worker = getattr(typed, "devices_per_worker", 1)
     devices = tuple(role.device_mapping)
     if len(devices) % per_worker:
         raise ConfigError(
-            f"{name}.device_mapping", f"{len(devices)} devices do not split into workers of {per_worker} devices"
+            f"{name}.device_mapping",
+            f"{len(devices)} devices do not split into workers of {per_worker} devices",
         )
     workers = []
     for rank in range(len(devices) // per_worker):
@@ -83,7 +86,10 @@ def plan_role(name: str, role: RoleConfig, devices_per_node: int) -> RolePlan:
             )
         workers.append(
             WorkerPlacement(
-                rank=rank, node=own[0] // devices_per_node, devices=own, local_devices=tuple(d % devices_per_node for d in own)
+                rank=rank,
+                node=own[0] // devices_per_node,
+                devices=own,
+                local_devices=tuple(d % devices_per_node for d in own),
             )
         )
     parallel = typed.parallel_sizes(len(devices)) if typed is not None else ParallelSizes(dp=len(workers))
@@ -123,7 +129,9 @@ def format_plan(plan: PlacementPlan, device_kind: str = "GPU") -> str:
                 f"node{n}: {format_device_ids([d for d in rp.devices if d // plan.devices_per_node == n])}"
                 for n in rp.nodes
             )
-        lines.append(f"{name:<22} {rp.strategy_name or '-':<15} {rp.world_size:>5}  {rp.parallel.describe():<30} {where}")
+        lines.append(
+            f"{name:<22} {rp.strategy_name or '-':<15} {rp.world_size:>5}  {rp.parallel.describe():<30} {where}"
+        )
     if plan.shared:
         lines.append("Colocated (time-shared devices):")
         for owners, devices in plan.shared:

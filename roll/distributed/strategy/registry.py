@@ -53,9 +53,16 @@ STRATEGIES: dict[str, StrategySpec] = {
             extra="megatron",
             requires=("megatron.core",),
         ),
-        StrategySpec("vllm", f"{_S}.vllm_strategy:VLLMStrategy", VLLMConfig, "infer", extra="vllm", requires=("vllm",)),
         StrategySpec(
-            "sglang", f"{_S}.sglang_strategy:SGLangStrategy", SGLangConfig, "infer", extra="sglang", requires=("sglang",)
+            "vllm", f"{_S}.vllm_strategy:VLLMStrategy", VLLMConfig, "infer", extra="vllm", requires=("vllm",)
+        ),
+        StrategySpec(
+            "sglang",
+            f"{_S}.sglang_strategy:SGLangStrategy",
+            SGLangConfig,
+            "infer",
+            extra="sglang",
+            requires=("sglang",),
         ),
     )
 }

@@ -16,9 +16,13 @@ from roll.configs.errors import ConfigError
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run an RLVR pipeline from a YAML config.")
-    parser.add_argument("--config_name", required=True, help="file name in --config_path, with or without .yaml")
+    parser.add_argument(
+        "--config_name", required=True, help="file name in --config_path, with or without .yaml"
+    )
     parser.add_argument("--config_path", default="examples/config", help="directory of config files")
-    parser.add_argument("--dry_run", action="store_true", help="validate and print the placement plan, then exit")
+    parser.add_argument(
+        "--dry_run", action="store_true", help="validate and print the placement plan, then exit"
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied before validation")
     return parser.parse_args(argv)
 

@@ -1,0 +1,147 @@
+"""The RLVR step loop. Read ``run_pipeline`` top to bottom: that is the whole algorithm.
+
+config = load_config("examples/config/rlvr_config.yaml")
+run_pipeline(config)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.strategy.base import SamplingParams
+from roll.pipeline.rlvr import stages
+from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
+from roll.utils.rng import rng_state, set_rng_state
+
+logger = logging.getLogger("roll")
+
+
+def run_pipeline(config: RLVRConfig) -> Path:
+    """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
+    run = None
+    try:
+        run = build_run(config)
+        start = resume(run)
+        run.tracker = _tracker(run, start)
+        if start == 0 and config.eval_steps:
+            run.tracker.log(stages.run_validation(run, step=0), step=0)
+        for step in range(start + 1, config.max_steps + 1):
+            timer = StageTimer()
+            prompts = sample_prompts(run, step)
+            params = SamplingParams.from_generating_args(
+                config.actor_infer.generating_args, seed=config.seed + step
+            )
+            with timer("generate"):
+                batch = stages.generate_rollouts(run, prompts, params)
+            with timer("reward"):
+                batch = stages.compute_rewards(run, batch)
+            with timer("reference"):
+                batch = stages.compute_reference_log_probs(run, batch)
+            with timer("old_log_probs"):
+                batch = stages.compute_old_log_probs(run, batch)
+            with timer("values"):
+                batch = stages.compute_values(run, batch)
+            with timer("advantages"):
+                batch, adv_metrics = stages.compute_advantages_stage(run, batch)
+            with timer("train"):
+                train_metrics = stages.train_models(run, batch, step)
+            with timer("model_update"):
+                update_metrics = update_inference_weights(run, step)
+            metrics = stages.rollout_metrics(run, batch) | adv_metrics | train_metrics | update_metrics
+            if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
+                with timer("validation"):
+                    metrics |= stages.run_validation(run, step)
+            run.tracker.log(metrics | timer.metrics(), step)
+            if config.save_steps and step % config.save_steps == 0:
+                save_step(run, step)
+        finish(run)
+        return run.run_dir
+    finally:
+        shutdown(run)
+
+
+def sample_prompts(run: RLVRRun, step: int):
+    prompts = run.sampler.next_batch(run.tokenizer.pad_token_id, run.config.prompt_length)
+    prompts.non_tensors["group_id"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
+    return prompts
+
+
+def update_inference_weights(run: RLVRRun, step: int) -> dict[str, float]:
+    """Move actor_train's new weights into actor_infer every ``model_update_frequency`` steps."""
+    if step % run.config.model_update_frequency:
+        return {}
+    with stages.on_devices(run, "actor_train"), stages.on_devices(run, "actor_infer"):
+        return run.model_update.sync(version=step)
+
+
+def resume(run: RLVRRun) -> int:
+    """Restore trainer states, data position and RNG from a checkpoint; returns its step (0: fresh)."""
+    path = resolve_resume(run.config)
+    if path is None:
+        return 0
+    state = read_state(path)
+    for role in ("actor_train", "critic"):
+        if role in run.clusters:
+            with stages.on_devices(run, role):
+                run.clusters[role].load_checkpoint(str(path))
+    run.sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"])
+    update_inference_weights(run, state["step"])
+    logger.info("resumed from %s at step %d", path, state["step"])
+    return state["step"]
+
+
+def save_step(run: RLVRRun, step: int) -> Path:
+    def save_roles(tmp: Path) -> None:
+        for role in ("actor_train", "critic"):
+            if role in run.clusters:
+                with stages.on_devices(run, role):
+                    run.clusters[role].save_checkpoint(str(tmp))
+
+    state = {"step": step, "sampler": run.sampler.state_dict(), "rng": rng_state()}
+    root = checkpoint_root(run.config)
+    path = save_checkpoint(root, step, state, save_roles, run.config.checkpoint_config.max_to_keep)
+    logger.info("checkpoint: %s", path)
+    return path
+
+
+def finish(run: RLVRRun) -> None:
+    """Export the final policy as a Hugging Face checkpoint and draw the curves."""
+    out = run.run_dir / "hf_model"
+    with stages.on_devices(run, "actor_train"):
+        run.clusters["actor_train"].save_hf_checkpoint(str(out))
+    run.tokenizer.save_pretrained(str(out))
+    plot = run.tracker.finish()
+    logger.info("final policy: %s; curves: %s", out, plot)
+
+
+def _tracker(run: RLVRRun, start: int):
+    from roll.utils.tracking import Tracker
+
+    return Tracker(run.config, run.run_dir, resume_step=start)
+
+
+class StageTimer:
+    """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return self.times | {"time/step": sum(self.times.values())}

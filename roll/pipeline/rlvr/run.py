@@ -1,0 +1,183 @@
+"""``RLVRRun``: everything one run holds (config, clusters, data, tracker), and how it is built.
+
+``build_run`` turns a validated config into a live run: Ray placement, one cluster per role,
+the prompt data, the model-update group and the tracker. ``shutdown`` releases it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from roll.configs.errors import ConfigError
+from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import GeneratingArgs
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+
+logger = logging.getLogger("roll")
+
+
+@dataclass
+class RLVRRun:
+    config: RLVRConfig
+    plan: PlacementPlan
+    run_dir: Path
+    tokenizer: Any
+    sampler: Any
+    clusters: dict[str, Any] = field(default_factory=dict)
+    resources: Any = None
+    model_update: Any = None
+    tracker: Any = None
+    val_prompts: Batch | None = None
+    val_generating_args: GeneratingArgs | None = None
+    val_batch_size: int = 64
+    # Roles that time-share devices with another role: reloaded before use and offloaded after.
+    colocated: set[str] = field(default_factory=set)
+    # tag -> reward role name
+    tag_routes: dict[str, str] = field(default_factory=dict)
+    default_reward: str | None = None
+    show_progress: bool = True
+
+    @property
+    def needs_reference(self) -> bool:
+        c = self.config
+        return c.use_kl_loss or (c.add_token_level_kl and c.init_kl_coef > 0) or "reference" in self.clusters
+
+    def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
+        """Row indices per reward role for the given tags."""
+        routes: dict[str, list[int]] = {}
+        for i, tag in enumerate(tags):
+            name = self.tag_routes.get(tag, self.default_reward)
+            if name is None:
+                raise ConfigError(
+                    "rewards", f"no reward role claims tag {tag!r}; add it to a tag_included list"
+                )
+            routes.setdefault(name, []).append(i)
+        return routes
+
+    def progress(self, items: Iterable, desc: str) -> Iterator:
+        items = list(items)
+        return iter(tqdm(items, desc=desc, leave=False, disable=not self.show_progress or len(items) < 2))
+
+
+def setup_logging(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger("roll")
+    if root.handlers:
+        return
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "run.log")):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
+    routes = {tag: name for name, reward in config.rewards.items() for tag in reward.tag_included}
+    catch_all = [name for name, reward in config.rewards.items() if not reward.tag_included]
+    if len(catch_all) > 1:
+        raise ConfigError(
+            f"rewards.{catch_all[1]}.tag_included",
+            f"only one reward role may leave tag_included empty (also rewards.{catch_all[0]})",
+        )
+    return routes, (catch_all[0] if catch_all else None)
+
+
+def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
+    from roll.pipeline.rlvr.data.dataset import load_prompt_files
+    from roll.pipeline.rlvr.data.sampler import PromptSampler, to_batch
+
+    train = load_prompt_files(
+        config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
+    )
+    sampler = PromptSampler(
+        train, config.rollout_batch_size, config.seed, config.actor_train.data_args.domain_interleave_probs
+    )
+    val = None
+    if config.validation is not None and config.validation.data_args.file_name:
+        rows = load_prompt_files(
+            config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
+        )
+        val = to_batch(list(rows), tokenizer.pad_token_id, config.prompt_length)
+        val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
+    return sampler, val
+
+
+def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) -> int:
+    args = getattr(config, role).training_args
+    samples = config.rollout_batch_size * config.num_return_sequences_in_group
+    per_step = samples // (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * plan.roles[role].parallel.dp
+    )
+    return config.max_steps * config.ppo_epochs * max(per_step, 1)
+
+
+def build_clusters(run: RLVRRun) -> None:
+    from roll.distributed.scheduler.cluster import Cluster
+    from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.workers.actor_worker import ActorWorker
+    from roll.pipeline.workers.reward_worker import RewardWorker
+
+    config = run.config
+    run.resources = ResourceManager(run.plan, config.device)
+    for name, role in config.roles().items():
+        worker_cls = RewardWorker if name.startswith("rewards.") else ActorWorker
+        run.clusters[name] = Cluster(name, worker_cls, run.resources, run.plan.roles[name], role, config)
+    for name, cluster in run.clusters.items():
+        if name in ("actor_train", "critic"):
+            cluster.initialize(total_optimizer_steps(config, name, run.plan))
+        else:
+            cluster.initialize()
+    # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
+    for name in run.colocated:
+        run.clusters[name].offload_states()
+
+
+def build_run(config: RLVRConfig) -> RLVRRun:
+    from roll.models.loading import load_tokenizer
+
+    run_dir = Path(config.output_dir)
+    setup_logging(run_dir)
+    plan = plan_placement(config)
+    tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
+    sampler, val = load_data(config, tokenizer)
+    routes, default = build_tag_routes(config)
+    run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
+    run.val_prompts = val
+    if config.validation is not None:
+        run.val_generating_args = config.validation.generating_args
+        run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
+    run.colocated = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+    for tag in sampler.tags() if hasattr(sampler, "tags") else []:
+        run.reward_routes([tag])  # fail before any worker starts when a tag has no reward role
+    build_clusters(run)
+    run.model_update = _build_model_update(run)
+    return run
+
+
+def _build_model_update(run: RLVRRun):
+    from roll.distributed.model_update.group import ModelUpdateGroup
+
+    group = ModelUpdateGroup(run.clusters["actor_train"], run.clusters["actor_infer"], run.config)
+    group.setup()
+    return group
+
+
+def shutdown(run: RLVRRun | None) -> None:
+    if run is None:
+        return
+    for cluster in run.clusters.values():
+        try:
+            cluster.shutdown()
+        except Exception as exc:  # noqa: BLE001 - best effort while tearing down
+            logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
+    if run.resources is not None:
+        run.resources.destroy()

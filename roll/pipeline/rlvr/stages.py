@@ -1,0 +1,199 @@
+"""The stages of one RLVR step, each a named function over the run and the step's Batch.
+
+``roll.pipeline.rlvr.pipeline.run_pipeline`` calls them in order; each one reads the fields the
+previous ones wrote (see roll/distributed/strategy/base.py for the field layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams
+from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
+from roll.pipeline.rlvr.algorithms.kl import kl_penalty
+from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
+from roll.pipeline.rlvr.algorithms.masked import masked_mean
+from roll.pipeline.rlvr.algorithms.metrics import (
+    logprob_mismatch,
+    masked_stats,
+    response_length_stats,
+    score_stats_by_domain,
+)
+from roll.pipeline.rlvr.run import RLVRRun
+
+
+@contextlib.contextmanager
+def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
+    """Bring a colocated role's states onto its devices for the block, and move them off after,
+    so roles that time-share devices never hold memory at the same time."""
+    cluster = run.clusters[role]
+    shared = role in run.colocated
+    if shared:
+        cluster.reload_states()
+    try:
+        yield
+    finally:
+        if shared:
+            cluster.offload_states()
+
+
+def dp_call(cluster, method: str, batch: Batch, *args, rows_per_input: int = 1, **kwargs) -> Batch:
+    """Call a DP_COMPUTE method on a batch of any size: pad it to a multiple of the cluster's
+    data-parallel size (repeating the last row), then drop the padding's outputs."""
+    size = len(batch)
+    pad = (-size) % cluster.dp_size
+    if pad:
+        batch = Batch.concat([batch, batch.index([size - 1] * pad)])
+    out = getattr(cluster, method)(batch, *args, **kwargs)
+    return out.index(slice(0, size * rows_per_input)) if pad else out
+
+
+def generate_rollouts(run: RLVRRun, prompts: Batch, params: SamplingParams) -> Batch:
+    """``actor_infer`` samples ``params.n`` responses per prompt; rows i*n..i*n+n-1 belong to prompt i."""
+    with on_devices(run, "actor_infer"):
+        batch = dp_call(run.clusters["actor_infer"], "generate", prompts, params, rows_per_input=params.n)
+    texts = run.tokenizer.batch_decode(
+        [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],
+        skip_special_tokens=True,
+    )
+    batch.non_tensors["response_text"] = np.array(texts, dtype=object)
+    return batch
+
+
+def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
+    """Route each row by its tag to the reward role that claims it; gather ``scores`` [B]."""
+    scores = torch.full((len(batch),), float("nan"))
+    tags = [str(t) for t in batch["tag"]]
+    for name, rows in run.reward_routes(tags).items():
+        part = batch.index(rows).select(["response_text", "ground_truth", "prompt_text", "tag"])
+        result = dp_call(run.clusters[f"rewards.{name}"], "compute_rewards", part)
+        scores[torch.as_tensor(rows)] = result["scores"]
+    batch.tensors["scores"] = scores
+    return batch
+
+
+def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
+    if "reference" not in run.clusters or not run.needs_reference:
+        return batch
+    with on_devices(run, "reference"):
+        out = dp_call(
+            run.clusters["reference"], "compute_log_probs", _model_inputs(batch), output_key="ref_log_probs"
+        )
+    return batch.union(out)
+
+
+def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
+    """The trainer's log-probs before the update: the PPO ratio's denominator and the measure of
+    train/inference mismatch."""
+    with on_devices(run, "actor_train"):
+        out = dp_call(
+            run.clusters["actor_train"], "compute_log_probs", _model_inputs(batch), output_key="old_log_probs"
+        )
+    return batch.union(out)
+
+
+def compute_values(run: RLVRRun, batch: Batch) -> Batch:
+    if "critic" not in run.clusters:
+        return batch
+    with on_devices(run, "critic"):
+        out = dp_call(run.clusters["critic"], "compute_log_probs", _model_inputs(batch))
+    return batch.union(Batch.from_dict({"values": out["values"]}))
+
+
+def compute_advantages_stage(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    config = run.config
+    mask = batch["response_mask"]
+    rewards, metrics = token_level_rewards_from_config(
+        config, batch["scores"], mask, batch.tensors.get("old_log_probs"), batch.tensors.get("ref_log_probs")
+    )
+    advantages, returns = compute_advantages(
+        config, rewards, mask, batch["group_id"].tolist(), batch.tensors.get("values")
+    )
+    batch.tensors.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    metrics |= masked_stats("critic/advantages", advantages, mask)
+    metrics |= masked_stats("critic/returns", returns, mask)
+    return batch, metrics
+
+
+def train_models(run: RLVRRun, batch: Batch, step: int) -> dict[str, float]:
+    config = run.config
+    metrics: dict[str, float] = {}
+    train_fields = [k for k in _TRAIN_FIELDS if k in batch]
+    if "critic" in run.clusters:
+        with on_devices(run, "critic"):
+            out = run.clusters["critic"].train_step(
+                batch.select(train_fields), make_critic_loss_fn(config), config.seed + step, config.ppo_epochs
+            )
+        metrics |= _mean_over_ranks(out, "critic")
+    with on_devices(run, "actor_train"):
+        out = run.clusters["actor_train"].train_step(
+            batch.select(train_fields), make_actor_loss_fn(config), config.seed + step, config.ppo_epochs
+        )
+    return metrics | _mean_over_ranks(out, "actor")
+
+
+def rollout_metrics(run: RLVRRun, batch: Batch) -> dict[str, float]:
+    mask = batch["response_mask"]
+    metrics = score_stats_by_domain(batch["scores"], batch["domain"]) | response_length_stats(mask)
+    if "old_log_probs" in batch and "infer_logprobs" in batch:
+        mismatch = logprob_mismatch(batch["old_log_probs"], batch["infer_logprobs"], mask)
+        metrics |= mismatch | {"rollout/logprob_mismatch": mismatch["train_infer/logprob_abs_diff/mean"]}
+    if "ref_log_probs" in batch:
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], run.config.kl_loss_type)
+        metrics["actor/ref_kl"] = masked_mean(kl, mask.float()).item()
+    if "entropy" in batch:
+        metrics["rollout/entropy"] = masked_mean(batch["entropy"], mask.float()).item()
+    return metrics
+
+
+def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
+    """Score the held-out prompts with the validation sampling settings: ``val/score/mean`` overall
+    and per domain."""
+    if run.val_prompts is None:
+        return {}
+    params = SamplingParams.from_generating_args(
+        run.val_generating_args, seed=run.config.seed + 10_000_019 + step
+    )
+    chunks = []
+    size = run.val_batch_size
+    for chunk in run.progress(run.val_prompts.split(size), desc=f"validation@{step}"):
+        chunks.append(compute_rewards(run, generate_rollouts(run, chunk, params)))
+    batch = Batch.concat(chunks)
+    stats = score_stats_by_domain(batch["scores"], batch["domain"])
+    out = {k.replace("critic/score", "val/score"): v for k, v in stats.items()}
+    out["val/response_length/mean"] = batch["response_mask"].float().sum(-1).mean().item()
+    return out
+
+
+_TRAIN_FIELDS = (
+    "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "prompts", "prompt_mask",
+    "old_log_probs", "ref_log_probs", "advantages", "returns", "values",
+)  # fmt: skip
+
+
+def _model_inputs(batch: Batch) -> Batch:
+    return batch.select(
+        [
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "responses",
+            "response_mask",
+            "prompts",
+            "prompt_mask",
+        ]
+    )
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = per_rank[0].keys() if per_rank else []
+    out = {}
+    for key in keys:
+        name = key if "/" in key else f"{prefix}/{key}"
+        out[name] = float(np.mean([m[key] for m in per_rank]))
+    return out

@@ -1,0 +1,95 @@
+"""``ActorWorker``: the Ray actor of every model role (actor_train, actor_infer, reference, critic).
+
+It owns one strategy (chosen by ``strategy_args.strategy_name``) and adds the RL-specific loops
+around it: PPO epochs over mini-batches of its data-parallel shard, per-step generation seeds, and
+checkpoints that include the worker's RNG state. A critic is the same worker with a value model.
+
+    cluster = Cluster("actor_train", ActorWorker, resource_manager, role_plan, role_config, config)
+    cluster.initialize()
+    metrics = cluster.train_step(batch, make_actor_loss_fn(config), seed)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from roll.distributed.executor.dispatch import Dispatch, register
+from roll.distributed.executor.worker import Worker
+from roll.distributed.model_update.worker_mixin import ModelUpdateReceiverMixin, ModelUpdateSenderMixin
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import LossFn, SamplingParams
+from roll.utils.rng import rng_state, seed_everything, set_rng_state
+
+
+class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def initialize(self, total_optimizer_steps: int | None = None) -> None:
+        self.create_strategy()
+        self.strategy.initialize()
+        if total_optimizer_steps and hasattr(self.strategy, "set_total_steps"):
+            self.strategy.set_total_steps(total_optimizer_steps)
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        if params.seed is not None:
+            # Same seed on every rank of a DP group (TP peers must sample alike), distinct across groups.
+            seed_everything(params.seed + 1000 * self.dp_layout()[0])
+        return self.strategy.generate(batch, params)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_probs(self, batch: Batch, output_key: str = "old_log_probs") -> Batch:
+        """Log-probs of ``batch["responses"]`` under this role's model, as field ``output_key``
+        (a value model returns field ``values`` instead)."""
+        out = self.strategy.compute_log_probs(batch)
+        if "values" in out:
+            return Batch.from_dict({"values": out["values"].cpu()})
+        fields = {output_key: out["log_probs"].cpu()}
+        if "entropy" in out and output_key == "old_log_probs":
+            fields["entropy"] = out["entropy"].cpu()
+        return Batch.from_dict(fields)
+
+    @register(Dispatch.DP_COMPUTE)
+    def train_step(self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1) -> dict[str, float]:
+        """``ppo_epochs`` passes over this rank's shard, one optimizer step per mini-batch of
+        per_device_train_batch_size x gradient_accumulation_steps rows, shuffled per epoch."""
+        args = self.role_config.training_args
+        mini = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        generator = torch.Generator().manual_seed(seed)
+        collected: dict[str, list[float]] = defaultdict(list)
+        for _ in range(ppo_epochs):
+            shuffled = batch.index(torch.randperm(len(batch), generator=generator))
+            for mini_batch in shuffled.split(mini):
+                micro_batches = mini_batch.split(args.per_device_train_batch_size)
+                for key, value in self.strategy.train_step(micro_batches, loss_fn).items():
+                    collected[key].append(float(value))
+        return {key: float(np.mean(values)) for key, values in collected.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self) -> None:
+        self.strategy.offload_states()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self) -> None:
+        self.strategy.reload_states()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        target = Path(path) / self.role
+        target.mkdir(parents=True, exist_ok=True)
+        self.strategy.save_checkpoint(str(target))
+        (target / f"rng_rank{self.rank}.json").write_text(json.dumps(rng_state()))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        target = Path(path) / self.role
+        self.strategy.load_checkpoint(str(target))
+        set_rng_state(json.loads((target / f"rng_rank{self.rank}.json").read_text()))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf_checkpoint(self, path: str) -> None:
+        self.strategy.save_hf_checkpoint(path)

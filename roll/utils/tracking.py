@@ -1,0 +1,122 @@
+"""Metrics out of a run: console lines, metrics.jsonl (always), TensorBoard, W&B, and a PNG at the end.
+
+>>> tracker = Tracker(config, run_dir)
+>>> tracker.log({"critic/score/mean": 0.4}, step=1)
+>>> tracker.finish()   # writes curves.png next to metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from roll.configs.pipeline_config import RLVRConfig
+
+logger = logging.getLogger("roll")
+
+CONSOLE_KEYS = (
+    "critic/score/mean",
+    "val/score/mean",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "response_length/mean",
+    "rollout/logprob_mismatch",
+    "time/step",
+)
+
+
+class Tracker:
+    def __init__(self, config: RLVRConfig, run_dir: Path, resume_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.run_dir / "metrics.jsonl"
+        self.logging_steps = max(config.logging_steps, 1)
+        self._truncate_after(resume_step)
+        self.tb = self._tensorboard(config) if config.track_with == "tensorboard" else None
+        self.wandb = self._wandb(config) if config.track_with == "wandb" else None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        if self.tb is not None:
+            for key, value in clean.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if step % self.logging_steps == 0 or any(k.startswith("val/") for k in clean):
+            shown = " ".join(f"{k}={clean[k]:.4g}" for k in CONSOLE_KEYS if k in clean)
+            logger.info("step %d | %s", step, shown)
+
+    def finish(self) -> Path | None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        return plot_curves(self.jsonl, self.run_dir / "curves.png")
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint so the file reads as one run."""
+        if not self.jsonl.exists():
+            return
+        rows = read_metrics(self.jsonl)
+        kept = [r for r in rows if r["step"] <= step] if step else []
+        self.jsonl.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    def _tensorboard(self, config: RLVRConfig):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(config.tracker_kwargs.get("log_dir", self.run_dir / "tensorboard")))
+
+    def _wandb(self, config: RLVRConfig):
+        import wandb
+
+        kwargs = {"project": "roll", "name": config.exp_name, **config.tracker_kwargs}
+        run = wandb.init(config={"exp_name": config.exp_name}, **kwargs)
+        return run
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(jsonl: Path, out: Path) -> Path | None:
+    """Reward (train) and validation score against step, one PNG."""
+    if not jsonl.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl)
+    series = {
+        "train reward (critic/score/mean)": "critic/score/mean",
+        "validation score (val/score/mean)": "val/score/mean",
+    }
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, key in series.items():
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("score")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    try:
+        return not math.isnan(float(v))
+    except (TypeError, ValueError):
+        return False
