@@ -1,0 +1,1 @@
+"""Model update: trainer weights -> inference engines (buckets, transports, groups, probe)."""
