@@ -94,6 +94,9 @@ class MegatronConfig:
     moe_aux_loss_coeff: float = 0.0
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # The embedding/output vocab is padded to a multiple of this x TP (as Megatron-LM does); the
+    # padding is dropped again on export to HF.
+    make_vocab_size_divisible_by: int = 128
     # Offload for colocated layouts (moved to CPU between training steps).
     offload_params: bool = False
     offload_grads: bool = True
@@ -126,6 +129,7 @@ class MegatronConfig:
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
             "context_parallel_size": self.context_parallel_size,
             "expert_model_parallel_size": self.expert_model_parallel_size,
+            "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
         }
         for key, value in sizes.items():
             if value < 1:
