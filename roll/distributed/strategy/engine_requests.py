@@ -1,0 +1,563 @@
+"""What the ``vllm`` and ``sglang`` strategies share, none of which needs an engine installed.
+
+* sampling parameters: our ``SamplingParams`` -> ``vllm.SamplingParams(**kwargs)`` / SGLang's
+  ``sampling_params`` dict;
+* engine options: ``strategy_config`` + ``model_args`` -> ``vllm.LLM(**kwargs)`` /
+  ``sglang.Engine(**kwargs)``, checked against the option names of the installed engine;
+* request bookkeeping: request ids per prompt row (and per sample), a thread-safe registry of
+  in-flight requests for ``abort``, and a collector that takes outputs in completion order and
+  hands them back in prompt order (row ``i * n + j`` is sample ``j`` of prompt ``i``);
+* output conversion: each engine's output objects -> ``Completion`` -> the Batch layout of
+  ``roll.distributed.strategy.base`` (through ``generation.build_generation_batch``).
+
+Two ways of getting ``n`` samples per prompt are supported: one request that asks the engine for
+``n`` outputs (vLLM's batch ``generate``) or ``n`` requests of one output each (SGLang, and vLLM's
+per-request API, so each sample can be aborted on its own)::
+
+    plan = RequestPlan("actor_infer0-3", num_rows=2, n=4, per_sample=True)
+    collector = CompletionCollector(plan)
+    for rid, completion in finished_in_any_order:
+        collector.add(rid, [completion])
+    batch = completions_to_batch(prompts, collector.ordered(), n=4, pad_token_id=0, response_length=64)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roll.configs.errors import ConfigError, did_you_mean
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
+
+if TYPE_CHECKING:
+    from roll.configs.role import RoleConfig
+    from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
+
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+# --------------------------------------------------------------------------- strategy setup
+
+
+def import_engine(module: str, role: str, strategy_name: str) -> ModuleType:
+    """Import the engine package or raise a ConfigError naming the pip extra that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{role}.strategy_args.strategy_name",
+            f"strategy {strategy_name!r} needs the '{module}' package, which is not installed ({exc}); "
+            f"install it with: pip install -e .[{strategy_name}]",
+        ) from exc
+
+
+def typed_strategy_config(role_config: RoleConfig, config_cls: type) -> Any:
+    """The role's validated ``strategy_config`` (validation stores it), else built from the raw dict."""
+    args = role_config.strategy_args
+    if args is not None and args.config is not None:
+        return args.config
+    return config_cls(**((args.strategy_config if args else None) or {}))
+
+
+def dataclass_field_names(cls: type) -> set[str]:
+    """Option names of an engine's argument dataclass (``vllm.EngineArgs``, SGLang ``ServerArgs``)."""
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
+    """R of the generation Batch: the run's ``response_length`` (``max_new_tokens`` without a run)."""
+    return ctx.pipeline.response_length if ctx.pipeline is not None else params.max_new_tokens
+
+
+def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """A copy of ``params`` generating at most ``max_new_tokens`` tokens."""
+    return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
+
+
+# --------------------------------------------------------------------------- sampling parameters
+
+
+def _check_params(params: SamplingParams) -> None:
+    if params.n < 1:
+        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+
+
+def vllm_sampling_kwargs(
+    params: SamplingParams, n: int | None = None, seed_offset: int = 0
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request of ``n`` samples (default
+    ``params.n``).
+
+    ``logprobs=0`` asks vLLM for the sampled token's log-prob only. ``top_k`` is left out when off,
+    because vLLM changed its "off" value from -1 to 0 (both are accepted by current releases). With
+    a seed, the request gets ``seed + seed_offset`` (vLLM adds the sample index for n > 1), so
+    callers pass ``row * n`` and no two samples of a batch share a seed.
+    """
+    _check_params(params)
+    kwargs: dict[str, Any] = {
+        "n": params.n if n is None else n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_new_tokens,
+        "repetition_penalty": params.repetition_penalty,
+        "logprobs": 0 if params.logprobs else None,
+    }
+    if params.top_k > 0:
+        kwargs["top_k"] = params.top_k
+    if params.min_new_tokens > 0:
+        kwargs["min_tokens"] = params.min_new_tokens
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        kwargs["seed"] = params.seed + seed_offset
+    return kwargs
+
+
+def sglang_sampling_params(params: SamplingParams, seed_offset: int = 0) -> dict[str, Any]:
+    """One request's ``sampling_params`` dict for ``sglang.Engine.generate`` (always ``n=1``: we
+    submit one request per sample). With a seed, the request gets ``seed + seed_offset``; callers
+    pass ``row * n + sample`` so the samples of a batch differ."""
+    _check_params(params)
+    out: dict[str, Any] = {
+        "n": 1,
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "repetition_penalty": params.repetition_penalty,
+    }
+    if params.min_new_tokens > 0:
+        out["min_new_tokens"] = params.min_new_tokens
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed + seed_offset
+    return out
+
+
+# --------------------------------------------------------------------------- engine options
+
+
+@dataclass
+class EngineOptions:
+    """Keyword arguments for the engine constructor, and for each key the config key it came from
+    (so an error about an engine option names the key the user wrote)."""
+
+    kwargs: dict[str, Any]
+    sources: dict[str, str]
+
+    def check(self, accepted: Collection[str], engine: str, extra: str) -> None:
+        """Raise a ConfigError for the first option the installed engine does not accept."""
+        for key in self.kwargs:
+            if key not in accepted:
+                raise ConfigError(
+                    self.sources[key],
+                    f"the installed {engine} has no engine option {key!r}{did_you_mean(key, accepted)}; "
+                    f"check the option against your {engine} version (pip install -e .[{extra}])",
+                )
+
+
+def _build_options(
+    derived: dict[str, tuple[Any, str]], engine_kwargs: Mapping[str, Any], path: str
+) -> EngineOptions:
+    kwargs = {k: v for k, (v, _) in derived.items() if v is not None}
+    sources = {k: src for k, (v, src) in derived.items() if v is not None}
+    for key, value in engine_kwargs.items():
+        if key in derived:
+            raise ConfigError(
+                f"{path}.engine_kwargs.{key}",
+                f"is set by roll from {derived[key][1]}; set it there instead of in engine_kwargs",
+            )
+        kwargs[key] = value
+        sources[key] = f"{path}.engine_kwargs.{key}"
+    return EngineOptions(kwargs, sources)
+
+
+VLLM_OVERRIDABLE = {"worker_extension_cls", "distributed_executor_backend", "logprobs_mode"}
+
+
+def vllm_engine_options(
+    cfg: VLLMConfig, role_config: RoleConfig, role: str, seed: int, extension_cls: str
+) -> EngineOptions:
+    """Arguments of ``vllm.LLM``. TP runs inside the worker: "uni" (in-process) for TP=1, "mp"
+    (vLLM's own worker processes on the worker's visible GPUs) for TP>1 -- never vLLM's "ray"
+    backend, which vLLM would otherwise pick inside a Ray actor."""
+    path = f"{role}.strategy_args.strategy_config"
+    margs = role_config.model_args
+    derived: dict[str, tuple[Any, str]] = {
+        "model": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
+        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
+        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
+        "seed": (seed, "seed"),
+        "worker_extension_cls": (extension_cls, f"{path}.engine_kwargs"),
+        "distributed_executor_backend": (
+            "uni" if cfg.tensor_parallel_size == 1 else "mp",
+            f"{path}.engine_kwargs",
+        ),
+        "enable_sleep_mode": (cfg.sleep_level > 0, f"{path}.sleep_level"),
+    }
+    for key in (
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "block_size",
+        "max_model_len",
+        "enable_prefix_caching",
+        "load_format",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enforce_eager",
+        "enable_chunked_prefill",
+    ):
+        derived[key] = (getattr(cfg, key), f"{path}.{key}")
+    # Sampled-token log-probs of the distribution actually sampled from (after temperature/top-k/top-p),
+    # like hf_infer's infer_logprobs; vLLM's own default is the raw model distribution.
+    derived["logprobs_mode"] = ("processed_logprobs", f"{path}.engine_kwargs")
+    # Our own choices may be overridden through engine_kwargs (e.g. the executor backend).
+    engine_kwargs = dict(cfg.engine_kwargs)
+    for key in VLLM_OVERRIDABLE & engine_kwargs.keys():
+        derived[key] = (engine_kwargs.pop(key), f"{path}.engine_kwargs.{key}")
+    return _build_options(derived, engine_kwargs, path)
+
+
+SGLANG_CONFIG_KEYS = {
+    # SGLang ServerArgs name -> SGLangConfig field
+    "tp_size": "tensor_parallel_size",
+    "mem_fraction_static": "mem_fraction_static",
+    "context_length": "context_length",
+    "enable_memory_saver": "enable_memory_saver",
+    "load_format": "load_format",
+    "max_running_requests": "max_running_requests",
+    "disable_radix_cache": "disable_radix_cache",
+}
+
+
+def sglang_engine_options(cfg: SGLangConfig, role_config: RoleConfig, role: str, seed: int) -> EngineOptions:
+    """Arguments of ``sglang.Engine`` (the names of SGLang's ``ServerArgs``)."""
+    path = f"{role}.strategy_args.strategy_config"
+    margs = role_config.model_args
+    derived: dict[str, tuple[Any, str]] = {
+        "model_path": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
+        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
+        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
+        "random_seed": (seed, "seed"),
+    }
+    for engine_key, cfg_key in SGLANG_CONFIG_KEYS.items():
+        derived[engine_key] = (getattr(cfg, cfg_key), f"{path}.{cfg_key}")
+    return _build_options(derived, cfg.engine_kwargs, path)
+
+
+# --------------------------------------------------------------------------- request bookkeeping
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """The engine requests of one generate call: ``per_sample`` submits ``n`` requests of one output
+    per prompt row (ids ``<prefix>-<row>-<sample>``), otherwise one request of ``n`` outputs per row
+    (ids ``<prefix>-<row>``)."""
+
+    prefix: str
+    num_rows: int
+    n: int
+    per_sample: bool
+
+    def request_ids(self) -> list[str]:
+        if self.per_sample:
+            return [f"{self.prefix}-{i}-{j}" for i in range(self.num_rows) for j in range(self.n)]
+        return [f"{self.prefix}-{i}" for i in range(self.num_rows)]
+
+    def locate(self, request_id: str) -> tuple[int, int | None]:
+        """(row, sample) of a request id of this plan; sample is None for one-request-per-row."""
+        if not request_id.startswith(self.prefix + "-"):
+            raise KeyError(f"request id {request_id!r} does not belong to plan {self.prefix!r}")
+        parts = request_id[len(self.prefix) + 1 :].split("-")
+        expected = 2 if self.per_sample else 1
+        if len(parts) != expected or not all(p.isdigit() for p in parts):
+            raise KeyError(f"malformed request id {request_id!r} for plan {self.prefix!r}")
+        row = int(parts[0])
+        sample = int(parts[1]) if self.per_sample else None
+        if row >= self.num_rows or (sample is not None and sample >= self.n):
+            raise KeyError(
+                f"request id {request_id!r} is outside plan {self.prefix!r} ({self.num_rows} x {self.n})"
+            )
+        return row, sample
+
+
+@dataclass
+class Completion:
+    """One sampled response: token ids, the engine's log-prob of each (None if not asked for),
+    and why it ended ("stop", "length", "abort")."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs in one completion"
+            )
+
+
+def aborted_completion() -> Completion:
+    """What an aborted request yields when the engine returned nothing for it."""
+    return Completion(token_ids=[], logprobs=[], finish_reason="abort")
+
+
+class CompletionCollector:
+    """Collects completions as requests finish (any order) and returns them in prompt order."""
+
+    def __init__(self, plan: RequestPlan):
+        self.plan = plan
+        self._slots: list[list[Completion | None]] = [[None] * plan.n for _ in range(plan.num_rows)]
+
+    def add(self, request_id: str, completions: Sequence[Completion]) -> None:
+        row, sample = self.plan.locate(request_id)
+        want = 1 if sample is not None else self.plan.n
+        if len(completions) != want:
+            raise ValueError(f"request {request_id!r} returned {len(completions)} outputs, expected {want}")
+        samples = [sample] if sample is not None else range(self.plan.n)
+        for j, completion in zip(samples, completions):
+            if self._slots[row][j] is not None:
+                raise ValueError(f"request {request_id!r} finished twice (row {row}, sample {j})")
+            self._slots[row][j] = completion
+
+    def missing(self) -> list[tuple[int, int]]:
+        return [(i, j) for i, row in enumerate(self._slots) for j, c in enumerate(row) if c is None]
+
+    @property
+    def done(self) -> bool:
+        return not self.missing()
+
+    def ordered(self) -> list[Completion]:
+        """Row-major completions (row ``i * n + j`` = sample ``j`` of prompt ``i``)."""
+        missing = self.missing()
+        if missing:
+            raise RuntimeError(f"{len(missing)} samples never finished, first (row, sample) = {missing[0]}")
+        return [c for row in self._slots for c in row]  # type: ignore[misc]
+
+
+@dataclass
+class RequestRegistry:
+    """Requests in flight on one engine, and the aborts asked for them (thread-safe).
+
+    ``abort`` may be called from another thread than the one driving the engine; the driver applies
+    the recorded aborts between engine steps with ``take_aborts``.
+    """
+
+    _in_flight: set[str] = field(default_factory=set)
+    _to_abort: set[str] = field(default_factory=set)
+    _aborted: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            ids = set(request_ids)
+            clash = ids & self._in_flight
+            if clash:
+                raise ValueError(f"request ids already in flight: {sorted(clash)[:3]}")
+            self._in_flight |= ids
+
+    def finish(self, request_id: str) -> None:
+        with self._lock:
+            self._in_flight.discard(request_id)
+            self._to_abort.discard(request_id)
+
+    def in_flight(self) -> list[str]:
+        with self._lock:
+            return sorted(self._in_flight)
+
+    def request_abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Mark in-flight requests for abort (all when None); returns the ids marked. Unknown or
+        already finished ids are ignored: a request may finish while its abort is on the way."""
+        with self._lock:
+            ids = set(self._in_flight) if request_ids is None else set(request_ids) & self._in_flight
+            self._to_abort |= ids
+            self._aborted |= ids
+            return sorted(ids)
+
+    def take_aborts(self) -> list[str]:
+        with self._lock:
+            ids, self._to_abort = sorted(self._to_abort), set()
+            return ids
+
+    def was_aborted(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._aborted
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop all record of these ids (after their results were handed out)."""
+        with self._lock:
+            for rid in request_ids:
+                self._in_flight.discard(rid)
+                self._to_abort.discard(rid)
+                self._aborted.discard(rid)
+
+
+# --------------------------------------------------------------------------- engine outputs
+
+
+def _normalize_finish_reason(reason: Any) -> str | None:
+    if isinstance(reason, Mapping):  # SGLang: {"type": "stop", "matched": ...}
+        reason = reason.get("type")
+    if reason is None:
+        return None
+    reason = str(reason)
+    return reason if reason in FINISH_REASONS else "stop"
+
+
+def completions_from_vllm(request_output: Any, want_logprobs: bool = True) -> list[Completion]:
+    """``vllm.RequestOutput`` -> one Completion per ``CompletionOutput`` (sorted by ``index``).
+
+    ``CompletionOutput.logprobs`` holds one {token_id: Logprob} mapping per generated token (a list
+    of dicts, or vLLM's FlatLogprobs which indexes the same way); we keep the sampled token's.
+    """
+    out = []
+    for comp in sorted(request_output.outputs, key=lambda c: c.index):
+        token_ids = [int(t) for t in comp.token_ids]
+        logprobs = None
+        if want_logprobs:
+            if comp.logprobs is None:
+                raise RuntimeError("vLLM returned no log-probs although logprobs=0 was requested")
+            logprobs = [float(comp.logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)]
+        out.append(Completion(token_ids, logprobs, _normalize_finish_reason(comp.finish_reason), comp.text))
+    return out
+
+
+def completion_from_sglang(output: Mapping[str, Any], want_logprobs: bool = True) -> Completion:
+    """One ``sglang.Engine.generate`` result dict -> Completion.
+
+    Token ids come from ``output_ids`` (or, when absent, from the log-prob entries);
+    ``meta_info.output_token_logprobs`` holds ``(logprob, token_id, text_or_None)`` per token.
+    """
+    meta = output.get("meta_info", {})
+    entries = meta.get("output_token_logprobs") or []
+    token_ids = (
+        [int(t) for t in output["output_ids"]] if "output_ids" in output else [int(e[1]) for e in entries]
+    )
+    logprobs = None
+    if want_logprobs:
+        if len(entries) != len(token_ids):
+            raise RuntimeError(
+                f"SGLang returned {len(entries)} output log-probs for {len(token_ids)} tokens "
+                f"(request {meta.get('id')!r}); was return_logprob=True passed?"
+            )
+        if any(int(e[1]) != t for e, t in zip(entries, token_ids)):
+            raise RuntimeError(
+                f"SGLang log-prob entries do not match output_ids (request {meta.get('id')!r})"
+            )
+        logprobs = [float(e[0]) for e in entries]
+    return Completion(
+        token_ids, logprobs, _normalize_finish_reason(meta.get("finish_reason")), output.get("text")
+    )
+
+
+def completions_to_batch(
+    prompt_batch: Batch,
+    completions: Sequence[Completion],
+    n: int,
+    pad_token_id: int,
+    response_length: int,
+    with_logprobs: bool = True,
+    temperature: float = 1.0,
+) -> Batch:
+    """Prompt-ordered completions (``len(prompt_batch) * n`` of them) -> the generation Batch
+    (``temperature`` is recorded in its meta for the log-prob computations that follow).
+
+    Responses longer than ``response_length`` are cut (their log-probs with them).
+    """
+    from roll.distributed.strategy.generation import build_generation_batch
+
+    if len(completions) != len(prompt_batch) * n:
+        raise ValueError(f"{len(completions)} completions for {len(prompt_batch)} prompts x n={n}")
+    responses = [c.token_ids[:response_length] for c in completions]
+    logprobs = None
+    if with_logprobs:
+        missing = [i for i, c in enumerate(completions) if c.logprobs is None]
+        if missing:
+            raise ValueError(f"completion {missing[0]} has no log-probs")
+        logprobs = [c.logprobs[:response_length] for c in completions]  # type: ignore[index]
+    return build_generation_batch(
+        prompt_batch, responses, logprobs, n, pad_token_id, response_length, temperature=temperature
+    )
+
+
+# --------------------------------------------------------------------------- scoring (prompt log-probs)
+
+
+@dataclass(frozen=True)
+class ScoringRequest:
+    """One row of ``compute_log_probs`` as a prefill-only request: the log-probs of ``token_ids``
+    at positions ``[start, start + count)`` are the row's response log-probs."""
+
+    token_ids: list[int]
+    start: int
+    count: int
+
+
+def scoring_requests(batch: Batch) -> list[ScoringRequest]:
+    """Prompt + response tokens of each row, without padding."""
+    from roll.distributed.strategy.generation import prompt_token_lists
+
+    prompts = prompt_token_lists(batch)
+    lengths = batch["response_mask"].sum(dim=1).tolist()
+    responses = batch["responses"]
+    out = []
+    for i, prompt in enumerate(prompts):
+        resp = responses[i, : int(lengths[i])].tolist()
+        if not prompt:
+            raise ValueError(f"row {i} has an empty prompt; its first response token cannot be scored")
+        out.append(ScoringRequest(list(prompt) + resp, len(prompt), len(resp)))
+    return out
+
+
+def rows_to_tensor(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """Right-pad float rows with 0 into a [len(rows), width] float32 tensor."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if len(row) > width:
+            raise ValueError(f"row {i} has {len(row)} values, more than the width {width}")
+        if row:
+            out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
+    return out
+
+
+def vllm_prompt_logprobs(request_output: Any, req: ScoringRequest) -> list[float]:
+    """Log-probs of ``req``'s scored positions from ``RequestOutput.prompt_logprobs`` (one
+    {token_id: Logprob} per prompt token; the first is None)."""
+    plp = request_output.prompt_logprobs
+    return [float(plp[t][req.token_ids[t]].logprob) for t in range(req.start, req.start + req.count)]
+
+
+def sglang_input_logprobs(output: Mapping[str, Any], req: ScoringRequest) -> list[float]:
+    """Log-probs of ``req``'s scored positions from ``meta_info.input_token_logprobs`` (entries
+    ``(logprob, token_id, text)`` for the input from ``logprob_start_len`` on). Entries are matched
+    from the end, so the result does not depend on whether SGLang pads the first one with None."""
+    entries = output["meta_info"]["input_token_logprobs"]
+    total = len(req.token_ids)
+    if len(entries) < total - req.start:
+        raise RuntimeError(f"SGLang returned {len(entries)} input log-probs; {total - req.start} are needed")
+    vals = []
+    for t in range(req.start, req.start + req.count):
+        entry = entries[len(entries) - (total - t)]
+        if entry[0] is None or int(entry[1]) != req.token_ids[t]:
+            raise RuntimeError(
+                f"SGLang input log-prob at position {t} is {entry}, not one for token {req.token_ids[t]}"
+            )
+        vals.append(float(entry[0]))
+    return vals
