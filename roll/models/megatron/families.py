@@ -1,0 +1,267 @@
+"""Model families the Megatron strategies load from Hugging Face checkpoints, keyed by ``model_type``.
+
+A family says how an HF config becomes megatron-core ``TransformerConfig`` / ``GPTModel`` arguments
+and which weight table (``weight_mapping``) converts its tensors. ``check_model_fits`` checks that a
+model and a ``MegatronConfig`` layout fit together before anything is built.
+
+>>> family = get_family(hf_config)                     # ConfigError for an unknown model_type
+>>> check_model_fits(hf_config, megatron_cfg, "actor_train.strategy_args.strategy_config")
+>>> kwargs = transformer_kwargs(hf_config)              # num_layers, hidden_size, ... MoE routing
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn.functional as F
+
+from roll.configs.errors import ConfigError
+from roll.configs.strategy_configs import MegatronConfig
+from roll.models.megatron import weight_mapping as wm
+
+MODEL_PATH = "model_args.model_name_or_path"
+STRATEGY_PATH = "strategy_args.strategy_config"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF ``model_type`` maps onto megatron-core."""
+
+    model_type: str
+    tables: wm.LayerTables
+    # q/k/v projections carry a bias (Qwen2); o_proj and the MLP never do.
+    qkv_bias: bool = False
+    # RMSNorm over each query/key head before RoPE (Qwen3).
+    qk_layernorm: bool = False
+    # MoE TransformerConfig kwargs from the HF config (None: dense family).
+    moe_kwargs: Callable[[Any], dict[str, Any]] | None = None
+
+
+# --------------------------------------------------------------------------------------- MoE
+def _router_kwargs(num_experts: int, top_k: int, renormalize: bool) -> dict[str, Any]:
+    """HF routers take softmax over all experts, then top-k, then (``renormalize``) divide by the sum
+    of the k weights. megatron's ``pre_softmax=False`` (top-k on logits, softmax over the k) equals
+    softmax-top-k-renormalize; ``pre_softmax=True`` is softmax-top-k without renormalising."""
+    return {
+        "num_moe_experts": num_experts,
+        "moe_router_topk": top_k,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not renormalize,
+        "moe_router_dtype": "fp32",
+    }
+
+
+def _qwen3_moe_kwargs(hf: Any) -> dict[str, Any]:
+    step, dense_layers = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+    pattern = [
+        int(i not in dense_layers and hf.num_experts > 0 and (i + 1) % step == 0)
+        for i in range(hf.num_hidden_layers)
+    ]
+    return {
+        **_router_kwargs(hf.num_experts, hf.num_experts_per_tok, bool(hf.norm_topk_prob)),
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_layer_freq": pattern,
+    }
+
+
+def _mixtral_kwargs(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "router_jitter_noise", 0.0):
+        raise ConfigError(
+            MODEL_PATH, "Mixtral router_jitter_noise > 0 is not supported by the Megatron strategies"
+        )
+    return {
+        **_router_kwargs(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True),
+        "moe_ffn_hidden_size": hf.intermediate_size,
+        "moe_layer_freq": [1] * hf.num_hidden_layers,
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", wm.LLAMA),
+        Family("qwen2", wm.QWEN2, qkv_bias=True),
+        Family("qwen3", wm.QWEN3, qk_layernorm=True),
+        Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
+        Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
+    )
+}
+
+
+def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
+    """The family of ``hf_config.model_type``; ConfigError naming the model path otherwise."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        where = getattr(hf_config, "_name_or_path", "") or "the checkpoint"
+        raise ConfigError(
+            path,
+            f"model_type {model_type!r} of {where} is not supported by the Megatron strategies; "
+            f"supported: {sorted(FAMILIES)}",
+        )
+    return FAMILIES[model_type]
+
+
+# ---------------------------------------------------------------------------- HF config fields
+def head_dim(hf: Any) -> int:
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def _rope(hf: Any) -> dict[str, Any]:
+    """rope parameters from transformers 5 (``rope_parameters``) or 4 (``rope_theta``/``rope_scaling``)."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    return params
+
+
+# megatron-core's llama3 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_kwargs(hf: Any) -> dict[str, Any]:
+    """GPTModel's RoPE arguments; ConfigError for scalings megatron-core cannot reproduce."""
+    rope = _rope(hf)
+    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    if rope["rope_type"] == "default":
+        return kwargs
+    if rope["rope_type"] == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_FIXED.items()):
+        return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+    raise ConfigError(
+        MODEL_PATH,
+        f"RoPE scaling {rope} in config.json is not supported by the Megatron strategies "
+        f"(supported: default, and llama3 with {_LLAMA3_FIXED})",
+    )
+
+
+def _sliding_window(hf: Any) -> Any:
+    """Qwen configs carry ``sliding_window`` but use it only with ``use_sliding_window``; Mixtral uses
+    it whenever it is set."""
+    if hasattr(hf, "use_sliding_window"):
+        return getattr(hf, "sliding_window", None) if hf.use_sliding_window else None
+    return getattr(hf, "sliding_window", None)
+
+
+def _check_supported(hf: Any, family: Family) -> None:
+    """HF options outside what the family's megatron-core model reproduces."""
+    unsupported = (
+        ("hidden_act", getattr(hf, "hidden_act", "silu"), lambda v: v != "silu"),
+        ("attention_bias", getattr(hf, "attention_bias", False), bool),
+        ("mlp_bias", getattr(hf, "mlp_bias", False), bool),
+        ("sliding_window", _sliding_window(hf), lambda v: v is not None),
+    )
+    for key, value, bad in unsupported:
+        if bad(value):
+            raise ConfigError(
+                MODEL_PATH,
+                f"config.json {key}={value!r} is not supported for {family.model_type} by the Megatron strategies",
+            )
+    rope_kwargs(hf)
+
+
+def transformer_kwargs(hf: Any) -> dict[str, Any]:
+    """The model-shape part of megatron-core's TransformerConfig for this HF config."""
+    family = get_family(hf)
+    _check_supported(hf, family)
+    kwargs = {
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "ffn_hidden_size": hf.intermediate_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_query_groups": hf.num_key_value_heads,
+        "kv_channels": head_dim(hf),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": family.qkv_bias,
+        "qk_layernorm": family.qk_layernorm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+        "init_method_std": getattr(hf, "initializer_range", 0.02),
+    }
+    if family.moe_kwargs is not None:
+        kwargs.update(family.moe_kwargs(hf))
+    return kwargs
+
+
+def padded_vocab_size(vocab_size: int, megatron_cfg: MegatronConfig) -> int:
+    """The vocab rounded up to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron-LM's rule)."""
+    multiple = megatron_cfg.make_vocab_size_divisible_by * megatron_cfg.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
+    """What the weight conversion needs to know about this model (see ``weight_mapping``)."""
+    family = get_family(hf)
+    moe = family.moe_kwargs(hf) if family.moe_kwargs else {}
+    return wm.ConversionInfo(
+        model_type=family.model_type,
+        tables=family.tables,
+        vocab_size=hf.vocab_size,
+        padded_vocab_size=padded_vocab_size(hf.vocab_size, megatron_cfg),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        num_layers=hf.num_hidden_layers,
+        num_experts=moe.get("num_moe_experts", 0),
+        moe_layers=tuple(bool(x) for x in moe.get("moe_layer_freq", [0] * hf.num_hidden_layers)),
+        heads=wm.HeadLayout(head_dim(hf), hf.num_attention_heads // hf.num_key_value_heads),
+    )
+
+
+# ------------------------------------------------------------------------------- layout checks
+_MOE_ONLY = (
+    ("expert_model_parallel_size", lambda c: c.expert_model_parallel_size > 1),
+    ("expert_tensor_parallel_size", lambda c: c.expert_tensor_parallel_size is not None),
+    ("moe_grouped_gemm", lambda c: c.moe_grouped_gemm),
+    ("moe_token_dispatcher_type", lambda c: c.moe_token_dispatcher_type != "allgather"),
+    ("moe_layer_recompute", lambda c: c.moe_layer_recompute),
+)
+
+
+def _divides(size: int, value: int, what: str, key: str) -> None:
+    if value % size:
+        raise ConfigError(key, f"{size} does not divide the model's {what} ({value})")
+
+
+def _check_pipeline_split(hf: Any, cfg: MegatronConfig, path: str) -> None:
+    pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    layers = hf.num_hidden_layers
+    extra = int(cfg.account_for_embedding_in_pipeline_split) + int(cfg.account_for_loss_in_pipeline_split)
+    if (layers + extra) % (pp * vpp):
+        key = "virtual_pipeline_model_parallel_size" if vpp > 1 else "pipeline_model_parallel_size"
+        counted = f"{layers} layers" + (f" + {extra} (embedding/loss counted as layers)" if extra else "")
+        raise ConfigError(
+            f"{path}.{key}", f"the model's {counted} do not split evenly into PP x VPP = {pp} x {vpp} chunks"
+        )
+
+
+def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = STRATEGY_PATH) -> None:
+    """Check the model against the parallel layout; ConfigError naming the ``strategy_config`` key.
+
+    ``MegatronConfig.validate`` checks the layout against the devices; this checks it against the
+    model (layers per pipeline chunk, heads per TP rank, experts per EP rank, MoE-only options).
+    """
+    family = get_family(hf_config)
+    _check_supported(hf_config, family)
+    cfg, tp = megatron_cfg, megatron_cfg.tensor_model_parallel_size
+    _check_pipeline_split(hf_config, cfg, path)
+    tp_key = f"{path}.tensor_model_parallel_size"
+    _divides(tp, hf_config.num_attention_heads, "num_attention_heads", tp_key)
+    _divides(tp, hf_config.num_key_value_heads, "num_key_value_heads", tp_key)
+    if family.moe_kwargs is None:
+        _divides(tp, hf_config.intermediate_size, "intermediate_size", tp_key)
+        for key, is_set in _MOE_ONLY:
+            if is_set(cfg):
+                raise ConfigError(
+                    f"{path}.{key}", f"is an MoE option but model_type {family.model_type!r} has no experts"
+                )
+        return
+    moe = family.moe_kwargs(hf_config)
+    if not all(moe["moe_layer_freq"]):
+        _divides(tp, hf_config.intermediate_size, "intermediate_size", tp_key)
+    ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size or tp
+    _divides(ep, moe["num_moe_experts"], "number of experts", f"{path}.expert_model_parallel_size")
+    etp_key = f"{path}.expert_tensor_parallel_size" if cfg.expert_tensor_parallel_size else tp_key
+    _divides(etp, moe["moe_ffn_hidden_size"], "expert intermediate size", etp_key)

@@ -1,0 +1,355 @@
+"""Load HF safetensors into megatron-core model chunks, and export them back as HF tensors.
+
+Loading: every rank reads only the slices its chunks own (its pipeline layers, its experts, its
+TP shard of each tensor, via safetensors ``get_slice``), fuses them (``weight_mapping.fuse``) and
+copies them into the parameters in place. Every parameter is filled exactly once and every
+checkpoint tensor is claimed by the model's table, else ``CheckpointError`` names the tensor/file.
+
+Export (``export_hf_weights``) is collective: every rank of the model's process groups must iterate
+it (it all-gathers TP shards). Which ranks yield what, with ``gather=True``:
+
+- non-expert tensors of PP stage p: the one rank of stage p with TP rank 0 and data-parallel rank 0
+  (context-parallel included), yielding full tensors gathered over its TP group;
+- expert tensors: for each EP rank e of stage p, the one rank with expert-TP rank 0 and expert
+  data-parallel rank 0, yielding full tensors of EP rank e's experts gathered over expert-TP.
+
+So the senders are "one per PP stage and EP rank", and each HF tensor is yielded by exactly one rank
+of the world. With ``gather=False`` there is no communication: every TP (expert-TP) rank of those
+groups yields its own slice of each HF tensor (padding rows of the vocab dropped).
+
+>>> load_hf_weights(chunks, "/models/Qwen2.5-7B")
+>>> for name, tensor in export_hf_weights(chunks):      # on every rank; names as in the HF checkpoint
+...     bucket.add(name, tensor)
+>>> save_hf_checkpoint(chunks, hf_config, "/out/hf", tokenizer_dir="/models/Qwen2.5-7B")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from roll.models.megatron import weight_mapping as wm
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """An HF checkpoint that does not match the Megatron model (names the tensor and file)."""
+
+
+# ------------------------------------------------------------------------------------ helpers
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers (they hold it as ``.module``)."""
+    model = chunk
+    while not hasattr(model, "roll_hf_info"):
+        if not hasattr(model, "module"):
+            raise TypeError(f"{type(chunk).__name__} was not built by model_builder.build_model_chunks")
+        model = model.module
+    return model
+
+
+def _group_rank_size(expert: bool) -> tuple[Any, int, int]:
+    """(group, rank, size) of the TP group, or the expert-TP group for expert weights."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    if group is None or not dist.is_initialized():
+        return None, 0, 1
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+class _Checkpoint:
+    """Names -> files of an HF safetensors checkpoint, and a slice reader over lazily opened files."""
+
+    def __init__(self, hf_dir: str | Path, stack: ExitStack):
+        self.dir = Path(hf_dir)
+        self.stack = stack
+        self.handles: dict[str, Any] = {}
+        index = self.dir / INDEX_FILE
+        if index.exists():
+            self.files = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.dir / SINGLE_FILE).exists():
+            self.files = dict.fromkeys(self._open(SINGLE_FILE).keys(), SINGLE_FILE)
+        else:
+            raise CheckpointError(
+                f"{self.dir}: no {INDEX_FILE} or {SINGLE_FILE} (only safetensors checkpoints are supported)"
+            )
+
+    def _open(self, file: str) -> Any:
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(
+                safe_open(self.dir / file, framework="pt", device="cpu")
+            )
+        return self.handles[file]
+
+    def where(self, name: str) -> str:
+        return f"tensor {name!r} in {self.dir / self.files[name]}"
+
+    def shape(self, name: str) -> list[int]:
+        if name not in self.files:
+            raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return list(self._open(self.files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """The whole tensor (``dim`` None) or rows/columns [start, stop) of dim 0/1."""
+        sliced = self._open(self.files[name]).get_slice(name)
+        if dim is None:
+            return sliced[:]
+        return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+
+
+# --------------------------------------------------------------------------------------- load
+def _read_pieces(ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionInfo) -> list[torch.Tensor]:
+    """This rank's piece of each HF tensor of ``weight`` (vocab pieces zero-padded to full length)."""
+    _, rank, size = _group_rank_size(weight.expert)
+    dim = wm.TP_DIM[weight.layout]
+    pieces = []
+    for name in weight.hf:
+        shape = ckpt.shape(name)
+        if dim is None:
+            pieces.append(ckpt.read(name, None))
+            continue
+        if dim >= len(shape):
+            raise CheckpointError(f"{ckpt.where(name)} has shape {shape}; expected at least {dim + 1} dims")
+        try:
+            start, stop = wm.shard_range(weight.layout, shape[dim], size, rank, info.padded_vocab_size)
+        except ValueError as err:
+            raise CheckpointError(f"{ckpt.where(name)} (shape {shape}): {err}") from err
+        piece = ckpt.read(name, dim, start, stop)
+        if weight.layout == wm.VOCAB:
+            padded = torch.zeros(info.padded_vocab_size // size, *shape[1:], dtype=piece.dtype)
+            padded[: stop - start] = piece
+            piece = padded
+        pieces.append(piece)
+    return pieces
+
+
+def _load_weight(
+    ckpt: _Checkpoint, weight: wm.BoundWeight, param: torch.Tensor, info: wm.ConversionInfo
+) -> None:
+    pieces = _read_pieces(ckpt, weight, info)
+    try:
+        value = wm.fuse(weight.layout, pieces, info.heads)
+    except RuntimeError as err:
+        raise CheckpointError(f"{ckpt.where(weight.hf[0])}: cannot build {weight.mcore}: {err}") from err
+    if value.shape != param.shape:
+        shapes = {name: ckpt.shape(name) for name in weight.hf}
+        _, rank, size = _group_rank_size(weight.expert)
+        raise CheckpointError(
+            f"{ckpt.where(weight.hf[0])}: HF tensors {shapes} give {list(value.shape)} for Megatron parameter "
+            f"{weight.mcore} of TP rank {rank}/{size}, which has shape {list(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _bind_chunk(model: Any, info: wm.ConversionInfo) -> tuple[list[wm.BoundWeight], dict[str, torch.Tensor]]:
+    """The chunk's bound weights and parameters, checked to cover each other exactly."""
+    params = dict(model.named_parameters())
+    bound = wm.chunk_weights(model, info, wm.MegatronNaming.detect(params))
+    names = [w.mcore for w in bound]
+    unmapped = sorted(set(params) - set(names))
+    missing = sorted(set(names) - set(params))
+    if unmapped or missing or len(names) != len(set(names)):
+        raise CheckpointError(
+            f"model_type {info.model_type!r}: Megatron parameters without an HF mapping: {unmapped}; "
+            f"mapped names the model lacks: {missing}"
+        )
+    return bound, params
+
+
+def _check_checkpoint_names(ckpt: _Checkpoint, info: wm.ConversionInfo) -> None:
+    expected = wm.expected_hf_names(info)
+    ignorable = set(wm.OUTPUT.hf) if info.tie_word_embeddings else set()
+    unused = sorted(set(ckpt.files) - expected - ignorable)
+    missing = sorted(expected - set(ckpt.files))
+    if unused:
+        raise CheckpointError(
+            f"{ckpt.where(unused[0])} is not used by the {info.model_type} conversion "
+            f"({len(unused)} unused tensors: {unused[:8]})"
+        )
+    if missing:
+        raise CheckpointError(
+            f"{ckpt.dir}: {len(missing)} tensors missing from the checkpoint: {missing[:8]}"
+        )
+
+
+def load_hf_weights(model_chunks: list[Any], hf_dir: str | Path) -> None:
+    """Fill every parameter of this rank's chunks from the HF checkpoint in ``hf_dir``, in place."""
+    models = [unwrap(chunk) for chunk in model_chunks]
+    info = models[0].roll_hf_info
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(hf_dir, stack)
+        _check_checkpoint_names(ckpt, info)
+        for model in models:
+            bound, params = _bind_chunk(model, info)
+            for weight in bound:
+                _load_weight(ckpt, weight, params[weight.mcore], info)
+
+
+# ------------------------------------------------------------------------------------- export
+def _exporting_groups() -> tuple[bool, bool]:
+    """Whether this rank's TP group exports non-expert tensors, and its expert-TP group experts.
+
+    Every member of a TP group shares its data-parallel rank, and every member of an expert-TP
+    group its expert data-parallel rank, so whole groups take part in the gathers or skip them.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        return True, True
+    dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    return dense, ps.get_expert_data_parallel_rank() == 0
+
+
+def _shards(shard: torch.Tensor, group: Any, rank: int, size: int, gather: bool) -> list[torch.Tensor] | None:
+    """All TP shards of a parameter on the group's rank 0 (None elsewhere), or just this one."""
+    if not gather or size == 1:
+        return [shard]
+    shard = shard.contiguous()
+    shards = [torch.empty_like(shard) for _ in range(size)] if rank == 0 else None
+    dist.gather(shard, shards, dst=dist.get_global_rank(group, 0), group=group)
+    return shards
+
+
+def _hf_tensors(
+    weight: wm.BoundWeight, param: torch.Tensor, info: wm.ConversionInfo, gather: bool
+) -> list[torch.Tensor] | None:
+    """Full HF tensors of ``weight`` on the TP group's rank 0 (``gather``), or this rank's slices of
+    them; None on the ranks that yield nothing."""
+    group, rank, size = _group_rank_size(weight.expert)
+    shards = _shards(param.detach(), group, rank, size, gather)
+    if shards is None:
+        return None
+    dim = wm.TP_DIM[weight.layout]
+    per_shard = [wm.unfuse(weight.layout, s, info.heads) for s in shards]
+    tensors = [
+        torch.cat([pieces[i] for pieces in per_shard], dim) if len(per_shard) > 1 else per_shard[0][i]
+        for i in range(len(weight.hf))
+    ]
+    if weight.layout == wm.VOCAB:
+        first_row = 0 if len(shards) == size else rank * (info.padded_vocab_size // size)
+        tensors = [t[: max(0, info.vocab_size - first_row)] for t in tensors]
+    return tensors
+
+
+def export_hf_weights(model_chunks: list[Any], gather: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of this rank's share of the model; collective, see the module docstring.
+
+    Tensors keep the parameters' dtype and device and may share their storage: copy what you keep.
+    """
+    models = [unwrap(chunk) for chunk in model_chunks]
+    info = models[0].roll_hf_info
+    dense_group, expert_group = _exporting_groups()
+    for model in models:
+        bound, params = _bind_chunk(model, info)
+        for weight in bound:
+            if not weight.export or not (expert_group if weight.expert else dense_group):
+                continue
+            tensors = _hf_tensors(weight, params[weight.mcore], info, gather)
+            if tensors is not None:
+                yield from zip(weight.hf, tensors)
+
+
+# ---------------------------------------------------------------------------------------- save
+def _collect_parts(model_chunks: list[Any]) -> Iterator[dict[str, torch.Tensor]]:
+    """On rank 0: each exporting rank's tensors (on CPU) in rank order; elsewhere: nothing.
+
+    Each sender's part travels to rank 0 point-to-point (names, shapes and dtypes as an object,
+    then the tensors), so rank 0 holds one part at a time.
+    """
+    local = {name: t.detach().to("cpu", copy=True) for name, t in export_hf_weights(model_chunks)}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield local
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags: list[Any] = [None] * world
+    dist.all_gather_object(flags, bool(local))
+    device = next(unwrap(model_chunks[0]).parameters()).device
+    for sender in (r for r in range(world) if flags[r]):
+        if sender == 0:
+            if rank == 0:
+                yield local
+        elif rank == sender:
+            dist.send_object_list([[(name, tuple(t.shape), t.dtype) for name, t in local.items()]], dst=0)
+            for tensor in local.values():
+                dist.send(tensor.to(device).contiguous(), dst=0)
+        elif rank == 0:
+            meta: list[Any] = [None]
+            dist.recv_object_list(meta, src=sender)
+            part = {}
+            for name, shape, dtype in meta[0]:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buf, src=sender)
+                part[name] = buf.cpu()
+            yield part
+
+
+def _write_parts(parts: Iterator[dict[str, torch.Tensor]], out: Path, info: wm.ConversionInfo) -> None:
+    """Each part into its own safetensors file, then the index (when there are several files)."""
+    from safetensors.torch import save_file
+
+    files: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
+    total = 0
+    for i, part in enumerate(parts):
+        clash = sorted(seen & set(part))
+        if clash:
+            raise RuntimeError(f"HF tensors exported by two ranks: {clash[:8]}")
+        seen.update(part)
+        file = f"part-{i:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in part.items()}, out / file, metadata={"format": "pt"})
+        files.append((file, list(part)))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    missing = sorted(wm.expected_hf_names(info) - seen)
+    if missing:
+        raise RuntimeError(f"export is missing HF tensors: {missing[:8]}")
+    weight_map = {}
+    for i, (file, names) in enumerate(files):
+        final = SINGLE_FILE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (out / file).rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def save_hf_checkpoint(
+    model_chunks: list[Any], hf_config: Any, out_dir: str | Path, tokenizer_dir: str | None = None
+) -> None:
+    """Write the whole model as an HF checkpoint (safetensors + config.json) from rank 0.
+
+    Collective over the world: every rank calls it. Rank 0 writes one safetensors file per exporting
+    rank as it arrives (plus the index when there are several), ``config.json`` from ``hf_config``
+    and, with ``tokenizer_dir``, the tokenizer and generation config found there.
+    """
+    info = unwrap(model_chunks[0]).roll_hf_info
+    out = Path(out_dir)
+    parts = _collect_parts(model_chunks)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_parts(parts, out, info)
+        hf_config.save_pretrained(out)
+        if tokenizer_dir is not None:
+            _copy_tokenizer(tokenizer_dir, out)
+    else:
+        for _ in parts:
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _copy_tokenizer(tokenizer_dir: str, out: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    if (Path(tokenizer_dir) / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(tokenizer_dir).save_pretrained(out)

@@ -1,0 +1,299 @@
+"""Hugging Face <-> megatron-core weight tables: which HF tensors make which Megatron parameter.
+
+Each table row (``WeightSpec``) names one megatron-core parameter under a transformer layer (local
+spec naming), the HF tensors it is built from (under ``model.layers.{layer}.``) and the *layout*
+that says how the HF tensors are fused and split across tensor-parallel (TP) ranks:
+
+==============  =======  ==========================================================================
+layout          TP dim   Megatron parameter of TP rank r
+==============  =======  ==========================================================================
+``replicated``  --       the HF tensor (norms, router)
+``column``      0        rows r*n/tp ... (r+1)*n/tp of the HF tensor
+``row``         1        columns r*n/tp ... of the HF tensor
+``vocab``       0        rows of the vocab padded to ``padded_vocab_size``; padding rows are zero
+``qkv``         0        the rank's query groups, each as [its q heads, k, v] (megatron's linear_qkv)
+``gate_up``     0        [gate rows of rank r; up rows of rank r] (megatron's swiglu linear_fc1)
+==============  =======  ==========================================================================
+
+The fused layouts split every HF tensor into ``tp`` equal contiguous pieces along the TP dim, so a
+rank reads only its pieces and fuses them (``fuse``); export unfuses each rank's shard into pieces
+and concatenates the pieces of all ranks (``unfuse``). Expert parameters use the expert-TP group.
+
+Megatron names differ by backend; ``MegatronNaming.detect`` reads them off the built model:
+TransformerEngine fuses the layer norms into the next linear (``linear_qkv.layer_norm_weight``) and
+TE's grouped experts name their weights ``experts.linear_fc1.weight{i}``.
+
+>>> weights = chunk_weights(model, info, MegatronNaming.detect(n for n, _ in model.named_parameters()))
+>>> weights[0].mcore, weights[0].hf, weights[0].layout
+('embedding.word_embeddings.weight', ('model.embed_tokens.weight',), 'vocab')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = "replicated", "column", "row", "vocab", "qkv", "gate_up"
+# Dim of the HF tensors (and of the Megatron parameter) split across TP ranks.
+TP_DIM: dict[str, int | None] = {REPLICATED: None, COLUMN: 0, ROW: 1, VOCAB: 0, QKV: 0, GATE_UP: 0}
+
+HF_LAYER = "model.layers.{layer}."
+MCORE_LAYER = "decoder.layers.{layer}."
+# Megatron names of one local expert's weights, by naming scheme.
+SEQUENTIAL_EXPERT = "mlp.experts.local_experts.{expert}.{linear}.weight"
+GROUPED_EXPERT = "mlp.experts.{linear}.weight{expert}"
+_GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+_LEGACY_GROUPED_RE = re.compile(r"\.mlp\.experts\.weight[12]$")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One row of a table. ``mcore`` is relative to a layer (or the model for global weights); for
+    expert weights it is the linear's name ("linear_fc1") and ``hf`` carries ``{expert}``."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    layout: str
+    # The Megatron name when TransformerEngine fuses this norm into the following linear.
+    fused_norm_name: str | None = None
+    expert: bool = False
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    """The rows of one transformer layer: ``dense`` (dense MLP) and ``moe`` (MoE MLP) layers."""
+
+    dense: tuple[WeightSpec, ...] | None
+    moe: tuple[WeightSpec, ...] | None = None
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """What the ``qkv`` layout needs: dims per head and query heads per key/value group."""
+
+    head_dim: int
+    heads_per_group: int
+
+
+@dataclass(frozen=True)
+class ConversionInfo:
+    """Everything about the HF model the conversion needs; attached to each built GPTModel chunk as
+    ``roll_hf_info`` by ``model_builder.build_model_chunks``."""
+
+    model_type: str
+    tables: LayerTables
+    vocab_size: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+    num_layers: int
+    num_experts: int
+    moe_layers: tuple[bool, ...]
+    heads: HeadLayout
+
+
+@dataclass(frozen=True)
+class MegatronNaming:
+    """Which of megatron-core's naming schemes a built model uses (read from its parameter names)."""
+
+    fused_norms: bool = False
+    grouped_experts: bool = False
+
+    @classmethod
+    def detect(cls, param_names: Iterable[str]) -> MegatronNaming:
+        names = list(param_names)
+        if any(_LEGACY_GROUPED_RE.search(n) for n in names):
+            raise ValueError(
+                "the legacy GroupedMLP (experts.weight1/weight2, local spec with moe_grouped_gemm) is not "
+                "supported by the HF conversion; use the plain-torch or TransformerEngine layer spec"
+            )
+        return cls(
+            fused_norms=any(n.endswith(".self_attention.linear_qkv.layer_norm_weight") for n in names),
+            grouped_experts=any(_GROUPED_EXPERT_RE.search(n) for n in names),
+        )
+
+
+@dataclass(frozen=True)
+class BoundWeight:
+    """A table row bound to one parameter of one model chunk: full Megatron and HF names."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    layout: str
+    expert: bool = False
+    # False for the tied output layer of the last stage: a copy of the embedding, not exported.
+    export: bool = True
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _norm(mcore: str, hf: str, fused_name: str | None = None) -> WeightSpec:
+    return WeightSpec(mcore, (hf,), REPLICATED, fused_norm_name=fused_name)
+
+
+_ATTENTION = (
+    _norm("input_layernorm.weight", "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    WeightSpec(
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        QKV,
+    ),
+    WeightSpec("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
+)
+_QKV_BIAS = (
+    WeightSpec(
+        "self_attention.linear_qkv.bias",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        QKV,
+    ),
+)
+_QK_NORM = (
+    _norm("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    _norm("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)
+_DENSE_MLP = (
+    _norm("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+    WeightSpec("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), GATE_UP),
+    WeightSpec("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW),
+)
+
+
+def _moe_mlp(block: str, gate: str, up: str, down: str) -> tuple[WeightSpec, ...]:
+    """MoE rows; ``block`` is the HF module of the MoE layer and gate/up/down its expert linears."""
+    expert = f"{block}.experts.{{expert}}."
+    return (
+        # MoE layers keep a separate pre-MLP norm even with TransformerEngine.
+        _norm("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        WeightSpec("mlp.router.weight", (f"{block}.gate.weight",), REPLICATED),
+        WeightSpec("linear_fc1", (f"{expert}{gate}.weight", f"{expert}{up}.weight"), GATE_UP, expert=True),
+        WeightSpec("linear_fc2", (f"{expert}{down}.weight",), ROW, expert=True),
+    )
+
+
+LLAMA = LayerTables(dense=_ATTENTION + _DENSE_MLP)
+QWEN2 = LayerTables(dense=_ATTENTION + _QKV_BIAS + _DENSE_MLP)
+QWEN3 = LayerTables(dense=_ATTENTION + _QK_NORM + _DENSE_MLP)
+QWEN3_MOE = LayerTables(
+    dense=_ATTENTION + _QK_NORM + _DENSE_MLP,
+    moe=_ATTENTION + _QK_NORM + _moe_mlp("mlp", "gate_proj", "up_proj", "down_proj"),
+)
+# Mixtral's experts: w1 = gate, w3 = up, w2 = down.
+MIXTRAL = LayerTables(dense=None, moe=_ATTENTION + _moe_mlp("block_sparse_moe", "w1", "w3", "w2"))
+
+EMBEDDING = WeightSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)
+FINAL_NORM = WeightSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)
+OUTPUT = WeightSpec("output_layer.weight", ("lm_head.weight",), VOCAB)
+
+
+# ------------------------------------------------------------------------------------- binding
+def layer_table(info: ConversionInfo, layer: int) -> tuple[WeightSpec, ...]:
+    """The rows of global layer ``layer`` (0-based)."""
+    table = info.tables.moe if info.moe_layers[layer] else info.tables.dense
+    if table is None:
+        kind = "MoE" if info.moe_layers[layer] else "dense"
+        raise ValueError(f"model_type {info.model_type!r} has no {kind} layers, but layer {layer} is {kind}")
+    return table
+
+
+def _bind_layer(
+    spec: WeightSpec, naming: MegatronNaming, local: int, layer: int, experts: list[int]
+) -> list[BoundWeight]:
+    mcore_prefix, hf_prefix = MCORE_LAYER.format(layer=local), HF_LAYER.format(layer=layer)
+    if not spec.expert:
+        name = spec.fused_norm_name if naming.fused_norms and spec.fused_norm_name else spec.mcore
+        hf = tuple(hf_prefix + h for h in spec.hf)
+        return [BoundWeight(mcore_prefix + name, hf, spec.layout)]
+    template = GROUPED_EXPERT if naming.grouped_experts else SEQUENTIAL_EXPERT
+    return [
+        BoundWeight(
+            mcore_prefix + template.format(expert=local_expert, linear=spec.mcore),
+            tuple(hf_prefix + h.format(expert=global_expert) for h in spec.hf),
+            spec.layout,
+            expert=True,
+        )
+        for local_expert, global_expert in enumerate(experts)
+    ]
+
+
+def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[BoundWeight]:
+    """Every parameter of one GPTModel chunk (unwrapped), bound to its HF tensors, in a fixed
+    order that is the same on every rank of a TP / expert-TP group."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    bound: list[BoundWeight] = []
+    if model.pre_process:
+        bound.append(BoundWeight(EMBEDDING.mcore, EMBEDDING.hf, VOCAB))
+    offset = get_transformer_layer_offset(model.config, vp_stage=model.vp_stage)
+    for local, layer_module in enumerate(model.decoder.layers):
+        layer = offset + local
+        experts = list(getattr(layer_module.mlp, "local_expert_indices", []))
+        for spec in layer_table(info, layer):
+            bound.extend(_bind_layer(spec, naming, local, layer, experts))
+    if model.post_process:
+        bound.append(BoundWeight(FINAL_NORM.mcore, FINAL_NORM.hf, REPLICATED))
+        if not info.tie_word_embeddings:
+            bound.append(BoundWeight(OUTPUT.mcore, OUTPUT.hf, VOCAB))
+        elif not model.pre_process:
+            # Tied weights on a stage without the embedding: megatron keeps a synced copy here.
+            bound.append(BoundWeight(OUTPUT.mcore, EMBEDDING.hf, VOCAB, export=False))
+    return bound
+
+
+def expected_hf_names(info: ConversionInfo) -> set[str]:
+    """The HF tensor names of the whole model (every layer, every expert)."""
+    names = set(EMBEDDING.hf) | set(FINAL_NORM.hf)
+    if not info.tie_word_embeddings:
+        names |= set(OUTPUT.hf)
+    experts = list(range(info.num_experts))
+    for layer in range(info.num_layers):
+        for spec in layer_table(info, layer):
+            for weight in _bind_layer(spec, MegatronNaming(), layer, layer, experts):
+                names.update(weight.hf)
+    return names
+
+
+# ---------------------------------------------------------------------------------- layouts
+def shard_range(layout: str, length: int, tp_size: int, tp_rank: int, padded_length: int) -> tuple[int, int]:
+    """[start, stop) of TP rank ``tp_rank`` along the TP dim of an HF tensor of ``length``.
+
+    For ``vocab`` the split is of ``padded_length`` and the range is clipped to the real rows.
+    """
+    if layout == VOCAB:
+        per_rank = padded_length // tp_size
+        start = min(tp_rank * per_rank, length)
+        return start, min(start + per_rank, length)
+    if length % tp_size:
+        raise ValueError(f"dim of size {length} does not split into {tp_size} tensor-parallel shards")
+    per_rank = length // tp_size
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+def fuse(layout: str, pieces: list[torch.Tensor], heads: HeadLayout) -> torch.Tensor:
+    """Megatron parameter (of one TP rank) from that rank's pieces of the HF tensors."""
+    if layout == QKV:
+        q, k, v = pieces
+        groups, rest = k.shape[0] // heads.head_dim, q.shape[1:]
+        parts = (
+            q.reshape(groups, heads.heads_per_group * heads.head_dim, *rest),
+            k.reshape(groups, heads.head_dim, *rest),
+            v.reshape(groups, heads.head_dim, *rest),
+        )
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+    if layout == GATE_UP:
+        return torch.cat(pieces, dim=0)
+    (piece,) = pieces
+    return piece
+
+
+def unfuse(layout: str, shard: torch.Tensor, heads: HeadLayout) -> list[torch.Tensor]:
+    """Inverse of ``fuse``: one TP rank's pieces of the HF tensors from its Megatron shard."""
+    if layout == QKV:
+        q_rows = heads.heads_per_group * heads.head_dim
+        per_group, rest = q_rows + 2 * heads.head_dim, shard.shape[1:]
+        grouped = shard.reshape(shard.shape[0] // per_group, per_group, *rest)
+        q, k, v = grouped.split([q_rows, heads.head_dim, heads.head_dim], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+    if layout == GATE_UP:
+        return list(torch.chunk(shard, 2, dim=0))
+    return [shard]
