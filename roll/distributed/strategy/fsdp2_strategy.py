@@ -1,0 +1,368 @@
+"""``fsdp2_train``: HF models trained with torch FSDP2 (``fully_shard``), on GPUs over NCCL or on
+CPU over gloo (FSDP2 runs there too; torch 2.13 checked).
+
+>>> strategy = FSDP2TrainStrategy(role_config, ctx)      # one per rank of the role
+>>> strategy.initialize()                               # joins/creates the default process group
+>>> old = strategy.compute_log_probs(batch)["log_probs"]
+>>> metrics = strategy.train_step(batch.split(2), loss_fn)            # one optimizer step
+>>> for name, tensor in strategy.iter_hf_weights(): ...               # every rank iterates; rank 0 yields
+
+Every rank must make the same calls with the same number of rows/micro-batches (each forward
+all-gathers shards). Process group: ``initialize`` uses the default group when one exists
+(its size must be ``ctx.world_size``); else it creates one from MASTER_ADDR/MASTER_PORT (the
+worker sets them), or on a free local port for a single rank. Backend: NCCL for CUDA (gloo for CPU
+tensors), gloo on CPU.
+
+Layout: each decoder layer (the classes in the model's ``_no_split_modules``) and then the root
+are ``fully_shard``-ed over a 1-D mesh of all ranks ("full_shard"), or over a (replicate=N,
+shard=1) mesh ("no_shard": full replicas, gradients all-reduced, i.e. DDP). With
+``mixed_precision`` the master weights and optimizer are fp32 and the forward/backward run in
+``model_args.dtype`` with fp32 gradient reduction; without it everything is ``model_args.dtype``.
+``cpu_offload`` (CUDA only) keeps sharded parameters, gradients and optimizer state in CPU memory.
+
+LR schedule: ``roll.utils.lr_schedule``; its total step count is max_steps x ppo_epochs x
+mini-batches per step (``total_optimizer_steps``) when the pipeline config is known, or whatever
+``set_total_steps`` sets (needed for linear/cosine schedules without a pipeline config).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import FSDP2Config
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import LossFn, WorkerContext
+from roll.models.hf_checkpoint import write_hf_checkpoint
+from roll.models.loading import decoder_layers, load_model, torch_dtype
+from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.value_model import ValueModel, response_values
+from roll.models.weights import tied_duplicate_names
+from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class FSDP2TrainStrategy:
+    """Training side of a policy (``log_probs``/``entropy``) or value model (``values``) under FSDP2."""
+
+    def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
+        self.role_config = role_config
+        self.ctx = ctx
+        args = role_config.strategy_args
+        self.config: FSDP2Config = (args.config if args and args.config else None) or FSDP2Config(
+            **((args.strategy_config if args else None) or {})
+        )
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.step = 0
+        self.total_steps: int | None = None
+
+    # -------------------------------------------------------------------------------- set up
+    def initialize(self) -> None:
+        """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
+        if self.ctx.is_cuda:
+            torch.cuda.set_device(self.ctx.device)
+        _ensure_process_group(self.ctx)
+        model_args = self.role_config.model_args
+        master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
+        model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
+        self.mesh = self._build_mesh()
+        self.model = self._shard(model)
+        self.model.train()
+        args = self.role_config.training_args
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        total = total_optimizer_steps(self.ctx.pipeline, args, self.ctx.world_size)
+        self._schedule_error: str | None = None
+        try:
+            self.set_total_steps(total)
+        except ValueError as exc:  # linear/cosine without a known length: set_total_steps must follow
+            self._schedule_error = str(exc)
+
+    def _build_mesh(self) -> DeviceMesh:
+        device_type = self.ctx.device.type
+        if self.config.sharding == "no_shard":
+            return init_device_mesh(
+                device_type, (self.ctx.world_size, 1), mesh_dim_names=("replicate", "shard")
+            )
+        return init_device_mesh(device_type, (self.ctx.world_size,), mesh_dim_names=("shard",))
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        policy = MixedPrecisionPolicy()
+        if self.config.mixed_precision:
+            compute = torch_dtype(self.role_config.model_args.dtype)
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if self.config.cpu_offload and self.ctx.is_cuda else OffloadPolicy()
+        kwargs = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.config.reshard_after_forward,
+            "mp_policy": policy,
+            "offload_policy": offload,
+        }
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Rebuild the LR schedule for ``total_steps`` optimizer steps, keeping the step count."""
+        lr_lambda = build_lr_lambda(self.role_config.training_args, total_steps)
+        self.total_steps = total_steps
+        self._schedule_error = None
+        self.scheduler.lr_lambdas = [lr_lambda for _ in self.optimizer.param_groups]
+        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base_lr * lr_lambda(self.scheduler.last_epoch)
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        """(dp rank, dp size, whether this rank's outputs are collected): every rank is a DP rank."""
+        return self.ctx.rank, self.ctx.world_size, True
+
+    @property
+    def is_value_model(self) -> bool:
+        return isinstance(self.model, ValueModel)
+
+    # ----------------------------------------------------------------------------- compute
+    def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if self.is_value_model:
+            return {"values": response_values(self.model, batch)}
+        return response_log_probs(self.model, batch, batch_temperature(batch))
+
+    def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward/backward each micro-batch (loss / len), clip, AdamW + LR step.
+
+        Returns the micro-batch average of ``loss`` and of loss_fn's metrics (this rank's), plus the
+        global ``grad_norm`` (before clipping) and the ``lr`` the step used. A non-finite gradient
+        norm skips the update (``skipped`` = 1).
+        """
+        if self._schedule_error:
+            raise ValueError(f"{self._schedule_error}; call set_total_steps(n) before training")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        self.model.train()
+        totals: dict[str, float] = {}
+        for micro in micro_batches:
+            micro = micro.to(self.ctx.device)
+            loss, metrics = loss_fn(self._forward(micro), micro)
+            (loss / len(micro_batches)).backward()
+            for key, value in {"loss": float(loss.detach()), **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        out = {key: value / len(micro_batches) for key, value in totals.items()}
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["grad_norm"] = self._clip_gradients()
+        out["skipped"] = float(not math.isfinite(out["grad_norm"]))
+        if not out["skipped"]:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.role_config.training_args.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``."""
+        self.model.eval()
+        parts = [
+            self._forward(m.to(self.ctx.device))
+            for m in batch.split(max(1, self.role_config.infer_batch_size))
+        ]
+        self.model.train()
+        return {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
+
+    # ----------------------------------------------------------------------------- offload
+    def offload_states(self) -> None:
+        """Gradients freed and optimizer state moved to CPU; parameters stay. No-op on CPU."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.is_cuda:
+            self._move_optimizer_state(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def reload_states(self) -> None:
+        if self.ctx.is_cuda and not self.config.cpu_offload:
+            self._move_optimizer_state(self.ctx.device)
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        # AdamW keeps "step" on CPU unless capturable; moving it to the GPU would break the step.
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize(self.ctx.device)
+
+    # ---------------------------------------------------------------------------- weights
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every ``state_dict`` entry of the HF model (tied names included),
+        cast to ``model_args.dtype``. Each tensor is an all-gather, so EVERY rank must exhaust the
+        iterator; only rank 0 yields (on its device), the other ranks yield nothing."""
+        dtype = torch_dtype(self.role_config.model_args.dtype)
+        for name, tensor in self.model.state_dict().items():
+            full = self._full_tensor(tensor)
+            if self.ctx.rank == 0:
+                yield name, full.to(dtype)
+            del full
+
+    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, DTensor):
+            return tensor.detach()
+        local = tensor.to_local()
+        compute_device = self.ctx.device
+        if local.device != compute_device:  # cpu_offload keeps shards on CPU; gather on the GPU
+            tensor = DTensor.from_local(
+                local.to(compute_device),
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        return tensor.full_tensor().detach()
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy full HF-named tensors (the same on every rank) into this rank's shards."""
+        targets = self.model.state_dict()
+        with torch.no_grad():
+            for name, full in named_tensors:
+                if name not in targets:
+                    raise KeyError(
+                        f"load_weights: unknown tensor {name!r} ({len(targets)} names in the model)"
+                    )
+                target = targets[name]
+                if tuple(target.shape) != tuple(full.shape):
+                    raise ValueError(
+                        f"load_weights: {name!r} has shape {tuple(full.shape)}, expected {tuple(target.shape)}"
+                    )
+                full = full.to(device=target.device if not isinstance(target, DTensor) else self.ctx.device)
+                if isinstance(target, DTensor):
+                    full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                    target.to_local().copy_(full.to_local())
+                else:
+                    target.copy_(full)
+
+    def save_hf_checkpoint(self, path: str) -> None:
+        """Rank 0 writes safetensors + config.json + generation config + tokenizer (from
+        ``model_name_or_path``) under ``path``; the other ranks take part in the gathers. Tied LM
+        heads are left out like ``save_pretrained`` does."""
+        model = self.model.model if self.is_value_model else self.model
+        skip = tied_duplicate_names(self.model)
+        tensors = self.iter_hf_weights()
+        if self.ctx.rank == 0:
+            write_hf_checkpoint(
+                path,
+                tensors,
+                model.config,
+                getattr(model, "generation_config", None),
+                tokenizer_dir=self.role_config.model_args.model_name_or_path,
+                skip=skip,
+            )
+        else:
+            for _ in tensors:
+                pass
+        dist.barrier()
+
+    # ------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Model + optimizer shards (torch.distributed.checkpoint) and, from rank 0, the step and
+        LR scheduler (``trainer_state.json``); each rank's RNG state in ``rng_rank{r}.pt``."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        if self.ctx.rank == 0:
+            state = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "scheduler": self.scheduler.state_dict(),
+            }
+            Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
+        torch.save(_rng_state(self.ctx.device), Path(path, f"rng_rank{self.ctx.rank}.pt"))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (same world size); training then continues
+        bit-identically on CPU."""
+        trainer_file = Path(path, TRAINER_STATE)
+        if not trainer_file.is_file():
+            raise FileNotFoundError(f"{path!r} is not an fsdp2_train checkpoint (no {TRAINER_STATE})")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        trainer = json.loads(trainer_file.read_text())
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.step = trainer["step"]
+        if trainer["total_steps"] is not None:
+            self.set_total_steps(trainer["total_steps"])
+        rng_file = Path(path, f"rng_rank{self.ctx.rank}.pt")
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True), self.ctx.device)
+        dist.barrier()
+
+
+def _no_lambdas(value: object) -> None:
+    """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
+    return None
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _ensure_process_group(ctx: WorkerContext) -> None:
+    if dist.is_initialized():
+        if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
+            raise RuntimeError(
+                f"{ctx.role}: the default process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but this worker is rank {ctx.rank} of {ctx.world_size}"
+            )
+        return
+    backend = "cpu:gloo,cuda:nccl" if ctx.is_cuda else "gloo"
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size)
+    elif ctx.world_size == 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    else:
+        raise RuntimeError(
+            f"{ctx.role}: {ctx.world_size} ranks need MASTER_ADDR and MASTER_PORT in the environment "
+            "to form their process group"
+        )

@@ -1,0 +1,288 @@
+"""``hf_infer``: transformers' ``generate`` and forward on one full model replica per worker.
+
+Used for ``actor_infer`` on small models and for ``reference`` (log-probs only).
+
+>>> strategy = HFInferStrategy(role_config, ctx)
+>>> strategy.initialize()
+>>> out = strategy.generate(prompt_batch, SamplingParams(n=4, max_new_tokens=64, temperature=0.8))
+>>> ref = strategy.compute_log_probs(out)["log_probs"]                 # [B * 4, R]
+
+``infer_logprobs`` are the log-probs of the sampled tokens under the distribution they were
+sampled from: the logits after every processor (repetition penalty, min-new-tokens EOS mask,
+temperature, top-k, top-p), renormalised. With top_p = 1, top_k off, repetition_penalty = 1 and
+min_new_tokens = 0 they equal ``compute_log_probs`` of the same rows (temperature T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import HFInferConfig
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.distributed.strategy.generation import build_generation_batch
+from roll.models.loading import load_model, load_tokenizer
+from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.value_model import ValueModel, response_values
+from roll.models.weights import copy_named_tensors
+
+
+class HFInferStrategy:
+    """One full HF model per worker: generate, log-probs (or values), offload and weight loading."""
+
+    def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
+        self.role_config = role_config
+        self.ctx = ctx
+        args = role_config.strategy_args
+        self.config: HFInferConfig = (args.config if args and args.config else None) or HFInferConfig(
+            **((args.strategy_config if args else None) or {})
+        )
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self._rng_state: dict[str, torch.Tensor] | None = None
+
+    def initialize(self) -> None:
+        """Load the model (``model_args.dtype``) in eval mode on ``ctx.device``; seed sampling with
+        ``ctx.seed + ctx.rank`` (one reproducible stream per rank, untouched by other code)."""
+        model_args = self.role_config.model_args
+        self.model = load_model(model_args, training=False, seed=self.ctx.seed).to(self.ctx.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code)
+        self._rng_state = _seeded_rng_state(self.ctx.seed + self.ctx.rank, self.ctx.device)
+
+    @property
+    def is_value_model(self) -> bool:
+        return isinstance(self.model, ValueModel)
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        """(dp rank, dp size, whether this rank's outputs are collected): every rank is a replica."""
+        return self.ctx.rank, self.ctx.world_size, True
+
+    # ----------------------------------------------------------------------------------- forward
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"log_probs", "entropy"} [B, R] at the batch's sampling temperature, or {"values"} for
+        a value model; micro-batched by ``infer_batch_size`` rows; results on CPU."""
+        temperature = batch_temperature(batch)
+        parts: list[dict[str, torch.Tensor]] = []
+        for micro in batch.split(max(1, self.role_config.infer_batch_size)):
+            micro = micro.to(self.ctx.device)
+            if self.is_value_model:
+                parts.append({"values": response_values(self.model, micro)})
+            else:
+                parts.append(response_log_probs(self.model, micro, temperature))
+        return {key: torch.cat([p[key].cpu() for p in parts]) for key in parts[0]}
+
+    # -------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` samples per prompt row (row i*n + j is sample j of prompt i), micro-batched
+        by ``infer_batch_size`` prompts. Responses are cut after the first EOS / stop token or
+        stop string and padded to ``pipeline.response_length`` (``params.max_new_tokens`` without
+        a pipeline). ``params.seed`` restarts the stream for this call only."""
+        if self.is_value_model:
+            raise ValueError(
+                f"{self.ctx.role}: a value model cannot generate (model_args.model_type is 'value')"
+            )
+        pipeline = self.ctx.pipeline
+        width = pipeline.response_length if pipeline is not None else params.max_new_tokens
+        params = _with_max_new_tokens(params, min(params.max_new_tokens, width))
+        rng = _seeded_rng_state(params.seed, self.ctx.device) if params.seed is not None else self._rng_state
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.is_cuda else []):
+            _set_rng_state(rng, self.ctx.device)
+            for micro in batch.split(max(1, self.role_config.infer_batch_size)):
+                toks, logps = self._generate_micro(micro, params)
+                responses += toks
+                logprobs += logps
+            if params.seed is None:
+                self._rng_state = _get_rng_state(self.ctx.device)
+        return build_generation_batch(
+            batch,
+            responses,
+            logprobs if params.logprobs else None,
+            params.n,
+            self.tokenizer.pad_token_id,
+            width,
+            temperature=params.temperature,
+        ).to("cpu")
+
+    def _generate_micro(
+        self, micro: Batch, params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        mask = micro["prompt_mask"].to(self.ctx.device)
+        first = int(mask.any(0).long().argmax()) if mask.any() else 0  # drop columns of padding only
+        input_ids = micro["prompts"].to(self.ctx.device)[:, first:].repeat_interleave(params.n, dim=0)
+        mask = mask[:, first:].repeat_interleave(params.n, dim=0)
+        eos_ids = self._eos_ids(params)
+        recorder = _SampledLogProbs()
+        stops = _StopStrings(params.stop or [], self.tokenizer, input_ids.shape[1], params.min_new_tokens)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            generation_config=self._generation_config(params, eos_ids),
+            logits_processor=LogitsProcessorList([*_warpers(params), recorder]),
+            stopping_criteria=StoppingCriteriaList([stops]),
+        )
+        generated = out[:, input_ids.shape[1] :]
+        logps = recorder.finalize(generated)
+        rows = generated.tolist()
+        lengths = [min(_eos_cut(row, eos_ids), stops.stop_at.get(i, len(row))) for i, row in enumerate(rows)]
+        toks = [row[:n] for row, n in zip(rows, lengths)]
+        return toks, [row[:n] for row, n in zip(logps.tolist(), lengths)]
+
+    def _eos_ids(self, params: SamplingParams) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        ids.update(params.stop_token_ids or [])
+        return sorted(ids)
+
+    def _generation_config(self, params: SamplingParams, eos_ids: list[int]) -> GenerationConfig:
+        # The warpers are ours (see _warpers) so our log-prob recorder sees the final distribution;
+        # generate's own are switched off explicitly (its defaults would add top_k=50).
+        return GenerationConfig(
+            do_sample=params.temperature > 0,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            typical_p=1.0,
+            repetition_penalty=params.repetition_penalty,
+            num_return_sequences=1,
+            num_beams=1,
+            eos_token_id=eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_cache=True,
+        )
+
+    # --------------------------------------------------------------------- offload / model update
+    def offload_states(self) -> None:
+        """Weights to CPU (with ``offload_to_cpu``) and the CUDA cache emptied; no-op on CPU."""
+        if self.ctx.is_cuda and self.config.offload_to_cpu:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def reload_states(self) -> None:
+        self.model.to(self.ctx.device)
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device)."""
+        copy_named_tensors(self.model, named_tensors)
+
+
+def _with_max_new_tokens(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+    copy = SamplingParams(**vars(params))
+    copy.max_new_tokens = max_new_tokens
+    return copy
+
+
+def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
+    """Temperature, top-k, top-p, in the order transformers applies them; none for greedy."""
+    if params.temperature <= 0:
+        return []
+    warpers: list[LogitsProcessor] = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k is not None and params.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p))
+    return warpers
+
+
+class _SampledLogProbs(LogitsProcessor):
+    """Last processor: keeps each step's log-softmax and, one step later, the log-prob of the token
+    that was drawn from it (only one [N, V] step is held at a time)."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self.steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finalize(self, generated: torch.Tensor) -> torch.Tensor:
+        """Log-probs [N, G] of the ``generated`` tokens."""
+        count = generated.shape[1]
+        if len(self.steps) < count and self._last is not None:
+            self.steps.append(self._last.gather(-1, generated[:, count - 1 : count]).squeeze(-1))
+        if count == 0:
+            return torch.zeros(generated.shape, dtype=torch.float32)
+        return torch.stack(self.steps[:count], dim=1).cpu()
+
+
+class _StopStrings(StoppingCriteria):
+    """Stops a row once its generated text contains a stop string, remembering where (``stop_at``)."""
+
+    def __init__(self, stop: list[str], tokenizer, prompt_width: int, min_new_tokens: int) -> None:
+        self.stop = [s for s in stop if s]
+        self.tokenizer = tokenizer
+        self.prompt_width = prompt_width
+        self.min_new_tokens = min_new_tokens
+        # A stop string spans at most len(s) tokens unless tokens decode to nothing; keep slack.
+        self.window = max((len(s) for s in self.stop), default=0) + 8
+        # row -> number of generated tokens when its text first contained a stop string
+        self.stop_at: dict[int, int] = {}
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        generated = input_ids.shape[1] - self.prompt_width
+        if not self.stop or generated < max(1, self.min_new_tokens):
+            return done
+        for row in range(input_ids.shape[0]):
+            if row in self.stop_at:
+                done[row] = True
+                continue
+            tail = input_ids[row, max(self.prompt_width, input_ids.shape[1] - self.window) :]
+            if any(s in self.tokenizer.decode(tail.tolist()) for s in self.stop):
+                self.stop_at[row] = generated
+                done[row] = True
+        return done
+
+
+def _eos_cut(tokens: list[int], eos_ids: list[int]) -> int:
+    """Length up to and including the first EOS / stop token (all of it when there is none)."""
+    eos = set(eos_ids)
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return i + 1
+    return len(tokens)
+
+
+def _seeded_rng_state(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return _get_rng_state(device)
+
+
+def _get_rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,49 @@
+"""Copy full, HF-named tensors into a model's parameters in place (the receiving end of a model update).
+
+>>> copy_named_tensors(model, trainer.iter_hf_weights())     # any subset, any dtype or device
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def copy_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """``param.copy_(tensor)`` for each (name, tensor), cast to the parameter's dtype and device.
+
+    Names are ``model.state_dict()`` keys (tied weights may come under either name). Raises a
+    KeyError naming an unknown tensor and a ValueError naming a shape mismatch, before copying that
+    tensor. Returns how many tensors were copied.
+    """
+    targets = model.state_dict(keep_vars=True)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                sample = ", ".join(list(targets)[:5])
+                raise KeyError(
+                    f"load_weights: unknown tensor {name!r}; the model has e.g. {sample} ({len(targets)} names)"
+                )
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            count += 1
+    return count
+
+
+def tied_duplicate_names(model: nn.Module) -> set[str]:
+    """``state_dict`` names whose tensor is the same object as an earlier name's (e.g. the LM head
+    of a tied embedding): the names ``save_pretrained`` leaves out."""
+    seen: set[int] = set()
+    duplicates: set[str] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            duplicates.add(name)
+        seen.add(id(tensor))
+    return duplicates

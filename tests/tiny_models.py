@@ -1,0 +1,93 @@
+"""Tiny Qwen2 models and a byte-level BPE tokenizer, built from configs and saved like real checkpoints.
+
+Tests load them back through the real loading code (``roll.models.loading``), so nothing here
+touches a model hub.
+
+>>> path = build_tiny_model_dir(tmp_path / "tiny")          # model + tokenizer in one directory
+>>> tok = load_tokenizer(str(path)); tok.pad_token_id, tok.eos_token_id
+(0, 1)
+>>> prompts, mask = encode_prompts(["1 + 2 =", "what is 3?"], prompt_length=12)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import pre_tokenizers
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+# Qwen2 pads its embedding beyond the tokenizer (259 tokens); keep unused ids to exercise that.
+VOCAB_SIZE = 272
+
+
+def build_tiny_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level BPE tokenizer (every byte one token, no merges) with pad (0), eos (1), bos (2).
+
+    It is built with the ``tokenizers`` library the way transformers' Qwen2Tokenizer builds its
+    own, so ``AutoTokenizer`` reloads a saved copy next to a Qwen2 config.json unchanged.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + alphabet)}
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=None, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_qwen2_config(tie_word_embeddings: bool = True, num_hidden_layers: int = 2) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+    )
+
+
+def build_tiny_model(
+    seed: int = 0, tie_word_embeddings: bool = True, num_hidden_layers: int = 2
+) -> Qwen2ForCausalLM:
+    """A randomly initialised fp32 tiny Qwen2 (deterministic for ``seed``)."""
+    torch.manual_seed(seed)
+    config = tiny_qwen2_config(tie_word_embeddings, num_hidden_layers)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # Larger random weights than the HF default init, so sampled tokens and log-probs vary.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID)
+    return model
+
+
+def build_tiny_model_dir(
+    path: str | Path, seed: int = 0, tie_word_embeddings: bool = True, num_hidden_layers: int = 2
+) -> Path:
+    """Save a tiny model (safetensors) and its tokenizer under ``path``; returns ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(seed, tie_word_embeddings, num_hidden_layers).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def encode_prompts(texts: list[str], prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad tokenized ``texts`` to ``prompt_length``: (prompts [B, P], prompt_mask [B, P])."""
+    tok = build_tiny_tokenizer()
+    prompts = torch.full((len(texts), prompt_length), PAD_ID, dtype=torch.long)
+    mask = torch.zeros(len(texts), prompt_length, dtype=torch.long)
+    for row, text in enumerate(texts):
+        ids = tok(text, add_special_tokens=False)["input_ids"][-prompt_length:]
+        prompts[row, prompt_length - len(ids) :] = torch.tensor(ids)
+        mask[row, prompt_length - len(ids) :] = 1
+    return prompts, mask
