@@ -73,7 +73,8 @@ class ValueModel(nn.Module):
             use_cache=False,
             **kwargs,
         )
-        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+        # A fresh tensor, not a view: FSDP2's backward hook on a view is lost by in-place ops.
+        return self.value_head(out.last_hidden_state).squeeze(-1).to(torch.float32, copy=True)
 
     @property
     def dtype(self) -> torch.dtype:
