@@ -233,6 +233,10 @@ def test_registry_abort_marks_only_in_flight_and_is_thread_safe():
     assert registry.request_abort(["c"]) == []  # finished before the abort arrived
     assert registry.take_aborts() == ["b"] and registry.take_aborts() == []
     assert registry.was_aborted("b") and not registry.was_aborted("a")
+    assert "a" in registry and "b" in registry and "c" not in registry
+    registry.add(["job7-0-0", "job7-0-1", "job70-0-0"])
+    assert registry.request_abort(["job7"]) == ["job7-0-0", "job7-0-1"]  # by generate_one id, not job70
+    registry.forget(registry.take_aborts() + ["job70-0-0"])
 
     registry.add([f"x{i}" for i in range(200)])
     threads = [threading.Thread(target=registry.request_abort) for _ in range(4)]

@@ -382,11 +382,23 @@ class RequestRegistry:
         with self._lock:
             return sorted(self._in_flight)
 
-    def request_abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
-        """Mark in-flight requests for abort (all when None); returns the ids marked. Unknown or
-        already finished ids are ignored: a request may finish while its abort is on the way."""
+    def __contains__(self, request_id: str) -> bool:
         with self._lock:
-            ids = set(self._in_flight) if request_ids is None else set(request_ids) & self._in_flight
+            return request_id in self._in_flight
+
+    def request_abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Mark in-flight requests for abort (all when None); returns the ids marked.
+
+        An id matches itself and every request id it prefixes (``"x"`` matches ``"x-0-3"``), so a
+        caller can abort by the id it passed to ``generate_one``. Unknown or already finished ids
+        are ignored: a request may finish while its abort is on the way.
+        """
+        with self._lock:
+            if request_ids is None:
+                ids = set(self._in_flight)
+            else:
+                wanted = list(request_ids)
+                ids = {r for r in self._in_flight if any(r == w or r.startswith(w + "-") for w in wanted)}
             self._to_abort |= ids
             self._aborted |= ids
             return sorted(ids)

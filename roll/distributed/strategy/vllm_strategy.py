@@ -1,0 +1,361 @@
+"""``vllm``: generation on vLLM's V1 engine, one engine per worker (``actor_infer`` or an LLM judge).
+
+Written against vLLM 0.11 - 0.23 (the V1-only releases); the engine calls have not been run on this
+project's machines (see docs/strategies.md for the exact vLLM names used). Everything that does not
+need vLLM lives in ``engine_requests`` and is tested on CPU.
+
+The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them: in-process for
+TP=1, vLLM's own worker processes for TP>1. ``vllm.LLM`` is used rather than ``AsyncLLM`` because
+Ray calls a worker's methods on one thread, so a synchronous engine needs no event loop in the
+actor, and ``LLM`` offers ``sleep``/``wake_up``/``collective_rpc``/``reset_prefix_cache`` directly.
+Requests go through ``llm.llm_engine`` (``add_request``/``step``/``abort_request``): one loop
+serves batch ``generate``, per-request ``generate_one`` and ``abort`` from another thread alike.
+
+    strategy = VLLMStrategy(role_config, ctx)
+    strategy.initialize()                                   # vllm.LLM(...) on the worker's devices
+    out = strategy.generate(prompts, SamplingParams(n=8, max_new_tokens=1024))
+    strategy.offload_states()                               # llm.sleep(level=sleep_level)
+    strategy.reload_states()                                # llm.wake_up(...)
+
+Model update (the receiver on this worker calls these; each is one ``collective_rpc`` into
+``RollWorkerExtension`` in every TP worker)::
+
+    strategy.join_model_update_group(host, port, prefix, rank_offset, world_size)
+    strategy.receive_bucket(meta)                 # broadcast link: every TP worker receives + loads
+    strategy.load_shared_bucket(meta, handle)     # colocated link: map the sender's buffer instead
+    strategy.finish_model_update(version)         # reset prefix cache, wake the KV cache, record it
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from roll.configs.errors import ConfigError
+from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import VLLMConfig
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.distributed.strategy.engine_requests import (
+    Completion,
+    CompletionCollector,
+    RequestPlan,
+    RequestRegistry,
+    aborted_completion,
+    capped,
+    completions_from_vllm,
+    completions_to_batch,
+    dataclass_field_names,
+    import_engine,
+    response_width,
+    rows_to_tensor,
+    scoring_requests,
+    typed_strategy_config,
+    vllm_engine_options,
+    vllm_prompt_logprobs,
+    vllm_sampling_kwargs,
+)
+from roll.distributed.strategy.generation import prompt_token_lists, sampling_temperature
+from roll.models.loading import load_tokenizer
+from roll.models.logprobs import batch_temperature
+
+EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
+_ABORTED = object()
+
+
+class VLLMStrategy:
+    """One vLLM engine per worker; see the module docstring for an example."""
+
+    def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
+        self.role_config = role_config
+        self.ctx = ctx
+        self.config: VLLMConfig = typed_strategy_config(role_config, VLLMConfig)
+        self.llm: Any = None
+        self.pad_token_id: int | None = None
+        self.weight_version: int | None = None
+        self.registry = RequestRegistry()
+        self._vllm: Any = None
+        self._lock = threading.Lock()  # one thread adds to / steps the engine at a time
+        self._finished: dict[str, Any] = {}  # request id -> RequestOutput (or _ABORTED)
+        self._aliases: dict[str, str] = {}  # engine's request id -> ours, if vLLM renames them
+        self._calls = itertools.count()
+        self._asleep: set[str] = set()  # memory tags released by sleep: "weights", "kv_cache"
+        self._weights_stale = False  # dummy or level-2-discarded weights: a model update must come first
+
+    # ----------------------------------------------------------------------------------- setup
+    def initialize(self) -> None:
+        """Start ``vllm.LLM`` after checking every option against the installed ``vllm.EngineArgs``."""
+        role = self.ctx.role
+        check_role_fits(self.config, role, self.ctx)
+        self._vllm = import_engine("vllm", role, "vllm")
+        options = vllm_engine_options(
+            self.config, self.role_config, role, self.ctx.seed + self.ctx.rank, EXTENSION
+        )
+        options.check(dataclass_field_names(self._vllm.EngineArgs), "vLLM", "vllm")
+        self.llm = self._vllm.LLM(**options.kwargs)
+        margs = self.role_config.model_args
+        self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
+        self._weights_stale = self.config.load_format == "dummy"
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        """Every worker is one data-parallel replica (TP lives inside the engine)."""
+        return self.ctx.rank, self.ctx.world_size, True
+
+    # ------------------------------------------------------------------------------ generation
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` samples per prompt row: one engine request of ``n`` per row, all submitted
+        before the engine steps, so vLLM batches the whole call."""
+        width = response_width(self.ctx, params)
+        params = capped(params, width)
+        prompts = prompt_token_lists(batch)
+        plan = RequestPlan(self._prefix(), len(prompts), params.n, per_sample=False)
+        requests = [
+            (rid, prompt, self._sampling(vllm_sampling_kwargs(params, seed_offset=i * params.n)))
+            for i, (rid, prompt) in enumerate(zip(plan.request_ids(), prompts))
+        ]
+        collector = CompletionCollector(plan)
+        for rid, output in self._run(requests).items():
+            collector.add(rid, self._completions(output, params.n, params.logprobs))
+        completions = collector.ordered()
+        return completions_to_batch(
+            batch, completions, params.n, self.pad_token_id, width, params.logprobs, params.temperature
+        ).to("cpu")
+
+    def generate_one(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[Completion]:
+        """``params.n`` samples of one prompt as separate requests (``<request_id>-0-<j>``), so
+        ``abort([request_id])`` from another thread stops them; aborted samples come back empty with
+        ``finish_reason == "abort"``. Safe to call from several threads at once."""
+        params = capped(params, response_width(self.ctx, params))
+        plan = RequestPlan(request_id or self._prefix(), 1, params.n, per_sample=True)
+        requests = [
+            (rid, list(prompt_ids), self._sampling(vllm_sampling_kwargs(params, n=1, seed_offset=j)))
+            for j, rid in enumerate(plan.request_ids())
+        ]
+        collector = CompletionCollector(plan)
+        for rid, output in self._run(requests).items():
+            collector.add(rid, self._completions(output, 1, params.logprobs))
+        return collector.ordered()
+
+    def abort(self, request_ids: list[str] | None = None) -> list[str]:
+        """Abort in-flight requests (all when None; an id also matches ``<id>-...``); the engine
+        loop applies it before its next step. Returns the request ids marked."""
+        return self.registry.request_abort(request_ids)
+
+    def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, R]} from vLLM's prompt log-probs over prompt + response (no entropy).
+
+        vLLM scores prompts with the raw model distribution (temperature 1), so batches sampled at
+        another temperature are refused rather than scored inconsistently with the trainer.
+        """
+        temperature = batch_temperature(batch)
+        if temperature != 1.0:
+            raise ValueError(
+                f"{self.ctx.role}: vllm scores with temperature 1 but the batch was sampled at {temperature}; "
+                "use hf_infer or megatron_infer for this role"
+            )
+        reqs = scoring_requests(batch)
+        sampling = self._sampling(
+            {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
+        )
+        ids = RequestPlan(self._prefix(), len(reqs), 1, per_sample=False).request_ids()
+        outputs = self._run([(rid, req.token_ids, sampling) for rid, req in zip(ids, reqs)])
+        if any(outputs[rid] is _ABORTED for rid in ids):
+            raise RuntimeError(f"{self.ctx.role}: a scoring request was aborted")
+        rows = [vllm_prompt_logprobs(outputs[rid], req) for rid, req in zip(ids, reqs)]
+        return {"log_probs": rows_to_tensor(rows, batch["responses"].shape[1])}
+
+    # ----------------------------------------------------------------------- the request loop
+    def _prefix(self) -> str:
+        return f"{self.ctx.role}{self.ctx.rank}-{next(self._calls)}"
+
+    def _sampling(self, kwargs: dict[str, Any]) -> Any:
+        final_only = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+        return self._vllm.SamplingParams(**kwargs, output_kind=final_only)
+
+    @staticmethod
+    def _completions(output: Any, count: int, logprobs: bool) -> list[Completion]:
+        if output is _ABORTED:
+            return [aborted_completion() for _ in range(count)]
+        return completions_from_vllm(output, logprobs)
+
+    def _run(self, requests: list[tuple[str, list[int], Any]]) -> dict[str, Any]:
+        """Submit ``(request id, prompt ids, vllm.SamplingParams)`` and step the engine until all
+        have finished or were aborted; returns their outputs by request id."""
+        self._ensure_ready()
+        engine = self.llm.llm_engine
+        ids = [rid for rid, _, _ in requests]
+        self.registry.add(ids)
+        results: dict[str, Any] = {}
+        try:
+            with self._lock:
+                for rid, prompt, sampling in requests:
+                    engine_id = engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
+                    if isinstance(engine_id, str) and engine_id != rid:
+                        self._aliases[engine_id] = rid
+            pending = set(ids)
+            while pending:
+                busy = self._step(engine)
+                for rid in [r for r in pending if r in self._finished]:
+                    results[rid] = self._finished.pop(rid)
+                    pending.discard(rid)
+                if pending and not busy and not any(r in self._finished for r in pending):
+                    raise RuntimeError(
+                        f"vLLM has no unfinished requests but {len(pending)} of ours never finished"
+                    )
+        finally:
+            self.registry.forget(ids)
+        return results
+
+    def _step(self, engine: Any) -> bool:
+        """Apply pending aborts, then one engine step; finished outputs go to ``_finished``."""
+        with self._lock:
+            aborts = self.registry.take_aborts()
+            if aborts:
+                engine.abort_request(aborts)
+                for rid in aborts:
+                    self._finished.setdefault(rid, _ABORTED)
+                    self.registry.finish(rid)
+            if not engine.has_unfinished_requests():
+                return False
+            for output in engine.step():
+                rid = self._aliases.pop(output.request_id, output.request_id)
+                if output.finished and rid in self.registry:
+                    self._finished[rid] = output
+                    self.registry.finish(rid)
+            return True
+
+    def _ensure_ready(self) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{self.ctx.role}: call initialize() first")
+        if self._weights_stale:
+            raise RuntimeError(
+                f"{self.ctx.role}: the engine holds no real weights (load_format=dummy or sleep_level=2); "
+                "run a model update before generating"
+            )
+        if self._asleep:
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
+
+    # --------------------------------------------------------------------------- offload
+    def offload_states(self) -> None:
+        """``llm.sleep(level)``: level 1 keeps the weights in CPU memory, level 2 drops them (the
+        next model update restores them); both drop the KV cache. A no-op for sleep_level 0."""
+        if self.config.sleep_level == 0 or self._asleep:
+            return
+        self.llm.sleep(level=self.config.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        if self.config.sleep_level == 2:
+            self._weights_stale = True
+
+    def reload_states(self) -> None:
+        """Level 1: wake everything. Level 2: wake only the weights' memory, so the model update
+        that must follow has room; the KV cache comes back in ``finish_model_update``."""
+        if not self._asleep:
+            return
+        tags = ["weights"] if self.config.sleep_level == 2 else ["weights", "kv_cache"]
+        self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags)
+
+    # ---------------------------------------------------------------------- model update
+    def model_update_ranks(self) -> int:
+        """Ranks this worker adds to a broadcast group: one per TP worker of its engine."""
+        return self.config.tensor_parallel_size
+
+    def join_model_update_group(
+        self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
+    ) -> list[int]:
+        """Every TP worker joins the sender's group (store at host:port) as ``rank_offset + tp rank``."""
+        return self._rpc("roll_init_update_group", host, port, prefix, rank_offset, world_size, backend)
+
+    def leave_model_update_group(self) -> None:
+        self._rpc("roll_destroy_update_group")
+
+    def receive_bucket(self, meta: Any, verify: bool = False) -> list[tuple[int, int]] | None:
+        """Every TP worker receives the sender's next broadcast into its buffer and loads it;
+        returns the bucket's per-tensor checksums when ``verify``."""
+        self._wake_weights()
+        return _agreed(self._rpc("roll_receive_bucket", meta, verify))
+
+    def load_shared_bucket(
+        self, meta: Any, handle: Any, verify: bool = False
+    ) -> list[tuple[int, int]] | None:
+        """Colocated: every TP worker maps the sender's buffer (on this worker's device) and loads it."""
+        self._wake_weights()
+        device_index = self.ctx.device.index if self.ctx.is_cuda else None
+        return _agreed(self._rpc("roll_load_shared_bucket", meta, handle, device_index, verify))
+
+    def finish_model_update(self, version: int) -> None:
+        """After the last bucket: forget cached prefixes (their KV came from the old weights), wake
+        the KV cache if it still sleeps, and record the version in every TP worker."""
+        self._rpc("roll_finish_update", version)
+        self.llm.reset_prefix_cache()
+        self._weights_stale = False
+        self.weight_version = version
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors: CUDA tensors are packed into one bucket and shared by CUDA
+        IPC; CPU tensors are sent by value. Counts as a complete model update."""
+        from roll.distributed.model_update.bucket import layout, pack_bucket
+        from roll.distributed.model_update.ipc import allocate_shared
+
+        self._wake_weights()
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        if named and named[0][1].is_cuda:
+            _, total = layout(named)
+            flat, handle = allocate_shared(
+                total, named[0][1].device, key=("roll-load-weights", uuid.uuid4().hex)
+            )
+            meta, flat = pack_bucket(named, version=-1, index=0, last=True, out=flat)
+            self._rpc("roll_load_shared_bucket", meta, handle, named[0][1].device.index, False)
+        else:
+            self._rpc("roll_load_tensors", [(name, tensor.cpu()) for name, tensor in named])
+        self.llm.reset_prefix_cache()
+        self._weights_stale = False
+
+    def _wake_weights(self) -> None:
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+
+def _agreed(results: list[Any]) -> Any:
+    """The TP workers' common answer (they all receive full buckets, so their checksums agree)."""
+    if any(r != results[0] for r in results[1:]):
+        raise RuntimeError(f"TP workers disagree on a received bucket: {results}")
+    return results[0] if results else None
+
+
+def check_role_fits(config: VLLMConfig, role: str, ctx: WorkerContext) -> None:
+    """Options that only make sense for a role that receives model updates, and scoring limits."""
+    path = f"{role}.strategy_args.strategy_config"
+    if role != "actor_infer":
+        if config.load_format == "dummy":
+            raise ConfigError(
+                f"{path}.load_format",
+                f"'dummy' gives random weights and only actor_infer gets model updates; {role} needs real ones",
+            )
+        if config.sleep_level == 2:
+            raise ConfigError(
+                f"{path}.sleep_level",
+                f"2 discards the weights and only actor_infer gets them back by model update; use 1 for {role}",
+            )
+    if role == "reference" and ctx.pipeline is not None:
+        temperature = sampling_temperature(ctx.pipeline.actor_infer.generating_args.temperature)
+        if temperature != 1.0:
+            raise ConfigError(
+                f"{role}.strategy_args.strategy_name",
+                f"vllm scores with temperature 1 but actor_infer samples at {temperature}; use megatron_infer or hf_infer",
+            )
