@@ -1,0 +1,155 @@
+"""``Worker``: the base class of every role's Ray actor (one process per rank).
+
+A role's workers are started by ``roll.distributed.scheduler.cluster.Cluster``; subclasses add the
+role's methods and mark them with ``@register`` so the cluster knows how to call them::
+
+    class RewardWorker(Worker):
+        @register(Dispatch.DP_COMPUTE)
+        def compute_rewards(self, batch: Batch) -> Batch:
+            ...
+
+    rewards = Cluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
+    scored = rewards.compute_rewards(batch)
+
+What the base class does, in order: apply the environment the resource manager chose
+(``CUDA_VISIBLE_DEVICES``, ``ROLL_DEVICE``, ``OMP_NUM_THREADS``, ``LOCAL_RANK``, the role's
+``system_envs``), set ``RANK``/``WORLD_SIZE``, pick the device (``cuda:0`` of the visible devices on
+GPU, else ``cpu``), build ``self.ctx`` and seed the RNGs with ``seed + rank``. The process group is
+made later by ``init_process_group`` (the cluster calls it on every rank once all are up).
+
+Strategies must use ``ctx.device``, not ``LOCAL_RANK``, to pick a GPU: a worker sees only its own
+devices, so its device is always ``cuda:0``. ``LOCAL_RANK`` is the rank among the role's workers on
+the same node (torchrun's meaning).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from typing import TYPE_CHECKING
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from roll.distributed.executor.dispatch import Dispatch, DPRank, register
+from roll.distributed.strategy.base import WorkerContext
+from roll.distributed.strategy.registry import load_strategy_class
+
+if TYPE_CHECKING:
+    from roll.configs.pipeline_config import RLVRConfig
+    from roll.configs.role import RoleConfig
+
+
+class Worker:
+    """One rank of one role. See the module docstring for an example."""
+
+    def __init__(
+        self,
+        role: str,
+        role_config: RoleConfig,
+        pipeline_config: RLVRConfig | None,
+        rank: int,
+        world_size: int,
+        env: dict[str, str],
+    ):
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+        os.environ.setdefault("LOCAL_RANK", "0")
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        self.role = role
+        self.role_config = role_config
+        self.pipeline_config = pipeline_config
+        self.rank = rank
+        self.world_size = world_size
+        seed = pipeline_config.seed if pipeline_config is not None else 42
+        self.ctx = WorkerContext(
+            role=role,
+            rank=rank,
+            world_size=world_size,
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            device=self._pick_device(),
+            seed=seed,
+            pipeline=pipeline_config,
+        )
+        random.seed(seed + rank)
+        np.random.seed((seed + rank) % 2**32)
+        torch.manual_seed(seed + rank)
+        self.strategy = None
+
+    def _pick_device(self) -> torch.device:
+        if os.environ.get("ROLL_DEVICE", "cpu") != "cuda":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"ROLL_DEVICE=cuda but torch sees no CUDA device "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+
+    @register(Dispatch.RANK_ZERO)
+    def get_master_address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port for the role's process group rendezvous."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_process_group(self, master_addr: str, master_port: int, force: bool = False) -> bool:
+        """Join the role's default torch.distributed group (nccl on GPU, gloo on CPU).
+
+        Sets MASTER_ADDR/MASTER_PORT either way, so a strategy may build its own group from the
+        environment. A single-rank role gets no group unless ``force``. Returns whether one was made.
+        """
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        if dist.is_initialized():
+            return True
+        if self.world_size == 1 and not force:
+            return False
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        dist.init_process_group(
+            backend="nccl" if self.ctx.is_cuda else "gloo",
+            init_method=f"tcp://{host}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            device_id=self.ctx.device if self.ctx.is_cuda else None,
+        )
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def create_strategy(self) -> None:
+        """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""
+        args = self.role_config.strategy_args
+        if args is None:
+            raise ValueError(f"{self.role} has no strategy_args, so it has no strategy to create")
+        strategy_cls = load_strategy_class(args.strategy_name, f"{self.role}.strategy_args.strategy_name")
+        self.strategy = strategy_cls(self.role_config, self.ctx)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def dp_layout(self) -> DPRank:
+        """(dp_rank, dp_size, is_output): the strategy's answer when it has one (Megatron: TP/PP
+        ranks share a DP rank and one of them returns output), else every rank is its own DP rank."""
+        layout = getattr(self.strategy, "dp_layout", None)
+        if layout is None:
+            return DPRank(self.rank, self.world_size, True)
+        return DPRank(*layout())
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "device": str(self.ctx.device),
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,208 @@
+"""``Cluster``: the driver's handle on all workers of one role.
+
+>>> rm = ResourceManager(plan, config.device)
+>>> actor_train = Cluster("actor_train", ActorWorker, rm, plan.roles["actor_train"], config.actor_train, config)
+>>> actor_train.create_strategy()                  # every rank; then re-reads the DP layout
+>>> out = actor_train.compute_log_probs(batch)     # dispatched by the method's @register mode
+>>> pending = actor_train.async_train_step(batch)  # returns at once ...
+>>> metrics = pending.get()                        # ... and gathers here
+>>> actor_train.execute_all("offload_states")      # any method, same arguments to every rank
+>>> actor_train.shutdown()
+
+Errors: the first worker task that fails raises ``WorkerError("<role> rank <r>: <Type>: <msg>")`` in
+the driver, and every worker of the role is killed, so ranks waiting in a collective for the failed
+one do not hang. A worker process that dies is reported the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from roll.distributed.executor.dispatch import (
+    Dispatch,
+    DPRank,
+    check_dp_layout,
+    dispatch_mode,
+    gather_from_dp,
+    split_for_dp,
+)
+from roll.distributed.executor.worker import Worker
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.scheduler.errors import WorkerError
+from roll.distributed.scheduler.placement import RolePlan
+from roll.distributed.scheduler.resource_manager import ResourceManager
+
+
+class AsyncResult:
+    """Calls running on some workers of one cluster; ``get()`` waits for them and gathers the results."""
+
+    def __init__(
+        self, cluster: Cluster, refs: list[ray.ObjectRef], ranks: list[int], gather: Callable[[list], Any]
+    ):
+        self.cluster = cluster
+        self.refs = refs
+        self.ranks = ranks
+        self.gather = gather
+
+    def get(self) -> Any:
+        return get_all(self)[0]
+
+
+def get_all(*results: AsyncResult) -> list[Any]:
+    """Wait for calls on one or several clusters together; the first failure anywhere raises at once.
+
+    Use it when roles wait on each other (e.g. a weight broadcast from actor_train to actor_infer):
+    waiting on one role first would hang if the other one failed.
+    """
+    owner = {ref: (result, rank) for result in results for ref, rank in zip(result.refs, result.ranks)}
+    values: dict[ray.ObjectRef, Any] = {}
+    pending = list(owner)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            try:
+                values[ref] = ray.get(ref)
+            except RayError as exc:
+                result, rank = owner[ref]
+                raise result.cluster._fail(rank, exc) from None
+    return [result.gather([values[ref] for ref in result.refs]) for result in results]
+
+
+class Cluster:
+    """All Ray actors of one role; see the module docstring for an example."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type[Worker],
+        resource_manager: ResourceManager,
+        role_plan: RolePlan,
+        role_config,
+        pipeline_config=None,
+    ):
+        self.role = role
+        self.worker_cls = worker_cls
+        self.world_size = role_plan.world_size
+        self._error: WorkerError | None = None
+        extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for rank in range(self.world_size):
+            options = resource_manager.worker_options(role_plan, rank)
+            env = {**extra_env, **options["runtime_env"]["env_vars"]}
+            options["runtime_env"] = {"env_vars": env}
+            args = (role, role_config, pipeline_config, rank, self.world_size, env)
+            self.workers.append(remote_cls.options(**options).remote(*args))
+        self.master_addr, self.master_port = self.execute_rank_zero("get_master_address")
+        self.execute_all("init_process_group", self.master_addr, self.master_port)
+        self.dp_layouts: list[DPRank] = []
+        self.refresh_dp_layout()
+
+    # Blocking calls.
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method`` on every worker with the same arguments; the list of results by rank."""
+        return self.async_execute_all(method, *args, **kwargs).get()
+
+    def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.async_execute_rank_zero(method, *args, **kwargs).get()
+
+    def dp_compute(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
+        """Split ``batch`` over the DP ranks, run ``method``, gather from one rank per DP group."""
+        return self.async_dp_compute(method, batch, *args, **kwargs).get()
+
+    # Calls that return at once; ``.get()`` on the result waits and gathers.
+    def async_execute_all(self, method: str, *args: Any, **kwargs: Any) -> AsyncResult:
+        self._check_alive()
+        args, kwargs = _share_batches(args, kwargs)
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return AsyncResult(self, refs, list(range(self.world_size)), list)
+
+    def async_execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> AsyncResult:
+        self._check_alive()
+        return AsyncResult(
+            self, [getattr(self.workers[0], method).remote(*args, **kwargs)], [0], lambda r: r[0]
+        )
+
+    def async_dp_compute(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> AsyncResult:
+        self._check_alive()
+        layouts = self.dp_layouts
+        chunks = [ray.put(chunk) for chunk in split_for_dp(batch, self.dp_size, f"{self.role}.{method}")]
+        args, kwargs = _share_batches(args, kwargs)
+        refs = [
+            getattr(w, method).remote(chunks[layout.dp_rank], *args, **kwargs)
+            for w, layout in zip(self.workers, layouts)
+        ]
+        return AsyncResult(
+            self, refs, list(range(self.world_size)), lambda results: gather_from_dp(results, layouts)
+        )
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """``cluster.generate(batch)`` blocks; ``cluster.async_generate(batch)`` returns an AsyncResult.
+        Both dispatch by the mode ``Worker.generate`` was registered with."""
+        worker_cls = self.__dict__.get("worker_cls")
+        if name.startswith("_") or worker_cls is None:
+            raise AttributeError(name)
+        method = name.removeprefix("async_")
+        submit = _SUBMIT[dispatch_mode(worker_cls, method)]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pending = submit(self, method, *args, **kwargs)
+            return pending if name.startswith("async_") else pending.get()
+
+        return call
+
+    # Lifecycle.
+    def create_strategy(self) -> None:
+        """Build every rank's strategy, then re-read the DP layout (the strategy may define it)."""
+        self.execute_all("create_strategy")
+        self.refresh_dp_layout()
+
+    def refresh_dp_layout(self) -> None:
+        layouts = [DPRank(*layout) for layout in self.execute_all("dp_layout")]
+        check_dp_layout(layouts, self.role)
+        self.dp_layouts = layouts
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_layouts[0].dp_size
+
+    def shutdown(self) -> None:
+        """Destroy the process groups and end the worker processes."""
+        if self._error is None and self.workers:
+            self.execute_all("shutdown")
+        self._kill()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{self.role}: the workers were stopped after an error ({self._error})")
+        if not self.workers:
+            raise RuntimeError(f"{self.role}: the workers were shut down")
+
+    def _fail(self, rank: int, exc: RayError) -> WorkerError:
+        """Turn a worker's failure into a WorkerError and stop the role, so no rank hangs in a collective."""
+        self._error = WorkerError.from_ray(self.role, rank, exc)
+        self._kill()
+        return self._error
+
+    def _kill(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+
+
+def _share_batches(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Put Batch arguments into Ray's object store once instead of once per worker."""
+    args = [ray.put(a) if isinstance(a, Batch) else a for a in args]
+    kwargs = {k: ray.put(v) if isinstance(v, Batch) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+_SUBMIT: dict[Dispatch, Callable[..., AsyncResult]] = {
+    Dispatch.ONE_TO_ALL: Cluster.async_execute_all,
+    Dispatch.RANK_ZERO: Cluster.async_execute_rank_zero,
+    Dispatch.DP_COMPUTE: Cluster.async_dp_compute,
+}

@@ -1,0 +1,212 @@
+"""Reserve the plan's devices on a Ray cluster and say where each worker runs.
+
+>>> plan = plan_placement(config)
+>>> rm = ResourceManager(plan, config.device)        # starts or joins Ray, reserves every device
+>>> options = rm.worker_options(plan.roles["actor_train"], rank=3)
+>>> actor = ray.remote(MyWorker).options(**options).remote(...)
+>>> rm.destroy()
+
+How device ids map onto Ray: the plan's global device ``d`` lives on node ``d // devices_per_node``
+at slot ``d % devices_per_node``. Each node gets one placement group of ``devices_per_node``
+one-GPU bundles packed onto one machine (STRICT_PACK), so bundle ``i`` of group ``n`` *is* device
+``n * devices_per_node + i``. A tiny probe task on each bundle learns its node IP and physical GPU id,
+which become the workers' ``CUDA_VISIBLE_DEVICES`` (all of a worker's devices, for TP engines).
+
+Colocation: roles that list the same device each ask for ``1/k`` of that bundle's GPU (k roles share
+it), so Ray places them all on the same GPU; they time-share it by offloading.
+
+CPU mode (``device: cpu``, or ``auto`` without CUDA): a private local Ray is started with one fake
+GPU per device slot, so the same placement code runs and device ids are CPU slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from roll.configs.errors import ConfigError
+from roll.distributed.scheduler.errors import PlacementError
+from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
+
+# We set CUDA_VISIBLE_DEVICES ourselves (from the bundle probe), so Ray must not.
+NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """What the probe learned about one bundle (one device id of the plan)."""
+
+    node_ip: str
+    node_id: str
+    # Ray's GPU id of the bundle: the physical CUDA id on a GPU node, a slot number on CPU.
+    gpu_id: str
+    # CPU cores of that node, to size OMP_NUM_THREADS.
+    num_cpus: int
+
+
+def resolve_device(device: str) -> str:
+    """ "auto" -> "cuda" when this machine has CUDA, else "cpu"; "cuda"/"cpu" stay."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError("device", f"expected 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> str:
+    """Join or start Ray for ``plan``; returns the resolved device ("cuda" or "cpu").
+
+    - ``RAY_ADDRESS`` set: join that cluster (multi-node: ``ray start`` on every node first).
+    - GPU: ``ray.init()`` joins a cluster started with ``ray start`` on this machine, else starts one.
+    - CPU: start a private local Ray with one fake GPU per device slot of the plan.
+    An already initialized Ray (e.g. a test fixture's) is used as it is.
+    """
+    device = resolve_device(device)
+    if ray.is_initialized():
+        return device
+    kwargs = {
+        "include_dashboard": False,
+        "log_to_driver": log_to_driver,
+        "logging_level": logging.WARNING,
+        "runtime_env": {"env_vars": {NOSET_CUDA: "1"}},
+    }
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **kwargs)
+    elif device == "cuda":
+        ray.init(**kwargs)
+    else:
+        ray.init(address="local", num_gpus=plan.num_nodes * plan.devices_per_node, **kwargs)
+    return device
+
+
+def check_capacity(plan: PlacementPlan, nodes: list[tuple[str, float]], device: str = "cuda") -> None:
+    """Raise a ConfigError unless ``nodes`` ([(ip, GPUs)], alive ones) hold ``plan.num_nodes`` groups of
+    ``plan.devices_per_node`` GPUs, each group on one machine."""
+    per_node = plan.devices_per_node
+    fits = sum(int(gpus // per_node) for _, gpus in nodes)
+    if fits >= plan.num_nodes:
+        return
+    have = ", ".join(f"{ip}: {gpus:g}" for ip, gpus in nodes) or "no nodes"
+    hint = " (on CPU, start each node with `ray start --num-gpus=<device slots>`)" if device == "cpu" else ""
+    largest = max((gpus for _, gpus in nodes), default=0)
+    if largest < per_node:
+        raise ConfigError(
+            "num_gpus_per_node",
+            f"is {per_node} but no node of the Ray cluster has that many GPUs (GPUs by node: {have}); "
+            f"set it to the GPU count of one node{hint}",
+        )
+    raise ConfigError(
+        "device_mapping",
+        f"the mappings need {plan.num_nodes} node(s) x {per_node} GPUs but the Ray cluster has room for "
+        f"{fits} (GPUs by node: {have}); add nodes with `ray start --address=<head>:6379` or map fewer devices{hint}",
+    )
+
+
+@ray.remote(num_cpus=0, max_calls=0)
+def _probe_slot() -> DeviceSlot:
+    ctx = ray.get_runtime_context()
+    gpu_ids = ctx.get_accelerator_ids()["GPU"]
+    return DeviceSlot(
+        ray.util.get_node_ip_address(), ctx.get_node_id(), gpu_ids[0], len(os.sched_getaffinity(0))
+    )
+
+
+class ResourceManager:
+    """Reserves every device of a ``PlacementPlan`` and gives each worker its Ray options.
+
+    See the module docstring for how device ids map to nodes and bundles.
+    """
+
+    def __init__(
+        self, plan: PlacementPlan, device: str = "auto", log_to_driver: bool = True, timeout_s: float = 300
+    ):
+        self.plan = plan
+        self.device = init_ray(plan, device, log_to_driver)
+        nodes = [(n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
+        check_capacity(plan, nodes, self.device)
+        self.placement_groups = self._reserve(timeout_s)
+        self.slots = self._probe()
+
+    def _reserve(self, timeout_s: float) -> list[PlacementGroup]:
+        bundles = [{"GPU": 1}] * self.plan.devices_per_node
+        groups = [placement_group(bundles, strategy="STRICT_PACK") for _ in range(self.plan.num_nodes)]
+        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+        if len(ready) < len(groups):
+            for group in groups:
+                remove_placement_group(group)
+            raise PlacementError(
+                f"could not reserve {self.plan.num_nodes} node(s) x {self.plan.devices_per_node} GPUs within "
+                f"{timeout_s:g} s; free GPUs now: {ray.available_resources().get('GPU', 0):g} "
+                "(another job may hold them: see `ray status`)"
+            )
+        return groups
+
+    def _probe(self) -> list[DeviceSlot]:
+        refs = [
+            _probe_slot.options(num_gpus=0.01, scheduling_strategy=self._bundle(device)).remote()
+            for device in range(self.plan.num_nodes * self.plan.devices_per_node)
+        ]
+        return ray.get(refs)
+
+    def _bundle(self, device: int) -> PlacementGroupSchedulingStrategy:
+        node, slot = divmod(device, self.plan.devices_per_node)
+        return PlacementGroupSchedulingStrategy(
+            self.placement_groups[node], placement_group_bundle_index=slot
+        )
+
+    def worker_env(self, role_plan: RolePlan, rank: int) -> dict[str, str]:
+        """Environment of one worker: its devices, device kind, local rank and thread count."""
+        worker = role_plan.workers[rank]
+        env = {NOSET_CUDA: "1", "ROLL_DEVICE_IDS": ",".join(map(str, worker.devices))}
+        if role_plan.cpu_only:
+            return env | {
+                "ROLL_DEVICE": "cpu",
+                "CUDA_VISIBLE_DEVICES": "",
+                "LOCAL_RANK": str(rank),
+                "OMP_NUM_THREADS": "1",
+            }
+        slots = [self.slots[d] for d in worker.devices]
+        local_rank = sum(1 for w in role_plan.workers[:rank] if w.node == worker.node)
+        threads = max(1, slots[0].num_cpus // self.plan.devices_per_node)
+        return env | {
+            "ROLL_DEVICE": self.device,
+            "CUDA_VISIBLE_DEVICES": ",".join(s.gpu_id for s in slots) if self.device == "cuda" else "",
+            "LOCAL_RANK": str(local_rank),
+            "OMP_NUM_THREADS": str(threads),
+        }
+
+    def worker_options(self, role_plan: RolePlan, rank: int, num_roles_sharing: int | None = None) -> dict:
+        """Ray actor options for worker ``rank``: pinned to the bundle of its first device with a
+        1/k share of that GPU (k = roles on its devices unless given), no CPU reservation, and its
+        environment. CPU-only roles get plain actors that are not bound to a bundle."""
+        options = {"num_cpus": 0, "runtime_env": {"env_vars": self.worker_env(role_plan, rank)}}
+        if role_plan.cpu_only:
+            return options
+        devices = role_plan.workers[rank].devices
+        sharing = num_roles_sharing or max(len(self.plan.roles_on_device(d)) for d in devices)
+        share = int(10_000 / sharing) / 10_000  # Ray counts resources in units of 1e-4
+        return options | {"num_gpus": share, "scheduling_strategy": self._bundle(devices[0])}
+
+    def describe(self) -> str:
+        """One line per node: its IP and the Ray GPU ids of its device slots."""
+        per_node = self.plan.devices_per_node
+        lines = []
+        for node in range(self.plan.num_nodes):
+            slots = self.slots[node * per_node : (node + 1) * per_node]
+            lines.append(
+                f"node {node}: {slots[0].node_ip} {self.device} ids {','.join(s.gpu_id for s in slots)}"
+            )
+        return "\n".join(lines)
+
+    def destroy(self) -> None:
+        """Give the reserved devices back to Ray."""
+        for group in self.placement_groups:
+            remove_placement_group(group)
+        self.placement_groups = []

@@ -1,0 +1,344 @@
+"""The Ray runtime on CPU: fake device slots, colocated roles, rank environment, dispatch, errors.
+
+One local Ray with 4 fake GPU slots is started for the whole module (through ResourceManager, i.e.
+our own init code). Roles: actor_train on slots 0-3, actor_infer (2 workers of 2 slots, like vLLM
+TP=2) on 0-3, reference on 2-3 (three roles share slots 2-3), and a CPU-only reward role.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import ray
+import ray.cloudpickle
+import torch
+import torch.distributed as dist
+
+from roll.configs.errors import ConfigError
+from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
+from roll.configs.strategy_configs import VLLMConfig
+from roll.distributed.executor.dispatch import (
+    Dispatch,
+    DPRank,
+    check_dp_layout,
+    gather_from_dp,
+    register,
+    split_for_dp,
+)
+from roll.distributed.executor.worker import Worker
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.scheduler.cluster import Cluster, get_all
+from roll.distributed.scheduler.errors import WorkerError
+from roll.distributed.scheduler.placement import plan_placement, plan_role
+from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
+
+# Ray workers cannot import this test module by name; ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ROLL_DEVICE",
+    "ROLL_DEVICE_IDS",
+)
+ENV_KEYS += ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "FROM_PIPELINE", "FROM_ROLE")
+
+
+class FakeTPStrategy:
+    """Stands in for Megatron: ``tp`` consecutive ranks form one DP rank; the first one outputs."""
+
+    def __init__(self, rank: int, world_size: int, tp: int):
+        self.rank, self.world_size, self.tp = rank, world_size, tp
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        return self.rank // self.tp, self.world_size // self.tp, self.rank % self.tp == 0
+
+
+class ProbeWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def report(self) -> dict:
+        return {
+            "env": {k: os.environ.get(k) for k in ENV_KEYS},
+            # {resource: [(instance id, fraction)]}: which GPU slot Ray gave this actor, and how much of it.
+            "resources": ray._private.worker.global_worker.core_worker.resource_ids(),
+            "seed": torch.initial_seed(),
+            "device": str(self.ctx.device),
+            "local_rank": self.ctx.local_rank,
+            "threads": torch.get_num_threads(),
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce_rank(self) -> float:
+        value = torch.tensor([float(self.rank)])
+        dist.all_reduce(value)
+        return value.item()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def use_fake_tp(self, tp: int | None) -> None:
+        self.strategy = FakeTPStrategy(self.rank, self.world_size, tp) if tp else None
+
+    @register(Dispatch.DP_COMPUTE)
+    def scale_rows(self, batch: Batch, factor: int) -> Batch:
+        self.seen = batch["x"].tolist()
+        return Batch.from_dict({"x": batch["x"] * factor}, {"rank": [self.rank] * len(batch)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def last_seen(self) -> list[int]:
+        return self.seen
+
+    @register(Dispatch.ONE_TO_ALL)
+    def count_rows(self, batch: Batch | None = None) -> int:
+        return len(batch)
+
+    @register(Dispatch.RANK_ZERO)
+    def whoami(self) -> int:
+        return self.rank
+
+    def not_registered(self) -> int:
+        return self.rank
+
+
+class FailingWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, bad_rank: int, how: str) -> int:
+        if self.rank == bad_rank and how == "raise":
+            raise ValueError(f"boom on rank {self.rank}")
+        if self.rank == bad_rank:
+            os._exit(3)
+        if how == "raise":
+            dist.all_reduce(torch.ones(1))  # never completes: the failing rank does not join
+        return self.rank
+
+
+class BrokenInitWorker(Worker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.rank == 1:
+            raise KeyError("missing_key")
+
+
+def make_config() -> RLVRConfig:
+    vllm = StrategyArgs("vllm")
+    vllm.config = VLLMConfig(tensor_parallel_size=2)
+    return RLVRConfig(
+        actor_train=RoleConfig(device_mapping=[0, 1, 2, 3], system_envs={"FROM_ROLE": "train"}),
+        actor_infer=RoleConfig(strategy_args=vllm, device_mapping=[0, 1, 2, 3]),
+        reference=RoleConfig(device_mapping=[2, 3]),
+        rewards={"math": RewardConfig(world_size=2)},
+        num_gpus_per_node=4,
+        seed=7,
+        system_envs={"FROM_PIPELINE": "yes"},
+    )
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if ray.is_initialized():
+        ray.shutdown()
+    config = make_config()
+    plan = plan_placement(config)
+    rm = ResourceManager(plan, "cpu", log_to_driver=False)
+    roles = config.roles()
+    clusters = {name: Cluster(name, ProbeWorker, rm, plan.roles[name], roles[name], config) for name in roles}
+    yield rm, clusters, config
+    for cluster in clusters.values():
+        cluster.shutdown()
+    rm.destroy()
+    ray.shutdown()
+
+
+def _bundle_key(rm: ResourceManager, device: int) -> str:
+    node, slot = divmod(device, rm.plan.devices_per_node)
+    return f"GPU_group_{slot}_{rm.placement_groups[node].id.hex()}"
+
+
+EXPECTED = {
+    # role: [(global devices, LOCAL_RANK, share of the first device's GPU)] by rank
+    "actor_train": [((0,), 0, 0.5), ((1,), 1, 0.5), ((2,), 2, 0.3333), ((3,), 3, 0.3333)],
+    "actor_infer": [((0, 1), 0, 0.5), ((2, 3), 1, 0.3333)],
+    "reference": [((2,), 0, 0.3333), ((3,), 1, 0.3333)],
+    "rewards.math": [((), 0, None), ((), 1, None)],
+}
+
+
+@pytest.mark.parametrize("role", list(EXPECTED))
+def test_each_worker_gets_its_rank_env_and_device_slot(runtime, role):
+    rm, clusters, _ = runtime
+    cluster = clusters[role]
+    reports = cluster.execute_all("report")
+    assert len(reports) == len(EXPECTED[role])
+    for rank, (report, (devices, local_rank, share)) in enumerate(zip(reports, EXPECTED[role])):
+        env = report["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(len(reports))
+        assert env["LOCAL_RANK"] == str(local_rank) and report["local_rank"] == local_rank
+        assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(cluster.master_port)
+        assert env["ROLL_DEVICE"] == "cpu" and report["device"] == "cpu"
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["ROLL_DEVICE_IDS"] == ",".join(map(str, devices))
+        assert env["FROM_PIPELINE"] == "yes"
+        assert env["FROM_ROLE"] == ("train" if role == "actor_train" else None)
+        assert report["seed"] == 7 + rank
+        assert report["threads"] == int(env["OMP_NUM_THREADS"]) >= 1
+        gpus = {k: v for k, v in report["resources"].items() if k.startswith("GPU")}
+        if share is None:
+            assert gpus == {}
+        else:  # pinned to the bundle of its first device, on the GPU the probe found there, with a 1/k share
+            [(gpu_id, fraction)] = gpus[_bundle_key(rm, devices[0])]
+            assert str(gpu_id) == rm.slots[devices[0]].gpu_id and fraction == pytest.approx(share)
+
+
+def test_probe_maps_every_device_to_a_slot_of_one_node(runtime):
+    rm, _, _ = runtime
+    assert len(rm.slots) == 4
+    assert sorted(slot.gpu_id for slot in rm.slots) == ["0", "1", "2", "3"]
+    assert len({slot.node_id for slot in rm.slots}) == 1
+    assert "node 0:" in rm.describe()
+
+
+def test_gpu_env_lists_the_physical_ids_of_all_worker_devices(runtime, monkeypatch):
+    rm, _, _ = runtime
+    monkeypatch.setattr(rm, "device", "cuda")
+    engine = rm.worker_env(rm.plan.roles["actor_infer"], 1)
+    assert engine["CUDA_VISIBLE_DEVICES"] == f"{rm.slots[2].gpu_id},{rm.slots[3].gpu_id}"
+    assert engine["ROLL_DEVICE"] == "cuda"
+    reward = rm.worker_env(rm.plan.roles["rewards.math"], 0)
+    assert reward["CUDA_VISIBLE_DEVICES"] == "" and reward["ROLL_DEVICE"] == "cpu"
+
+
+def test_gloo_all_reduce_within_each_role(runtime):
+    _, clusters, _ = runtime
+    assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4
+    infer, ref = get_all(
+        clusters["actor_infer"].async_all_reduce_rank(), clusters["reference"].async_all_reduce_rank()
+    )
+    assert infer == [1.0, 1.0] and ref == [1.0, 1.0]
+
+
+def test_dp_compute_splits_and_gathers_in_dp_order(runtime):
+    _, clusters, _ = runtime
+    cluster = clusters["actor_train"]
+    batch = Batch.from_dict({"x": torch.arange(8)})
+    out = cluster.scale_rows(batch, 10)
+    assert out["x"].tolist() == [10 * i for i in range(8)]
+    assert out["rank"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="7 rows does not split into 4"):
+        cluster.scale_rows(Batch.from_dict({"x": torch.arange(7)}), 1)
+
+
+def test_dp_compute_with_two_ranks_per_dp_group(runtime):
+    _, clusters, _ = runtime
+    cluster = clusters["actor_train"]
+    cluster.execute_all("use_fake_tp", 2)
+    cluster.refresh_dp_layout()
+    try:
+        assert cluster.dp_size == 2
+        out = cluster.async_scale_rows(Batch.from_dict({"x": torch.arange(8)}), factor=3).get()
+        assert out["x"].tolist() == [3 * i for i in range(8)]
+        assert out["rank"].tolist() == [0] * 4 + [2] * 4  # only the output rank of each DP group
+        assert cluster.last_seen() == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    finally:
+        cluster.execute_all("use_fake_tp", None)
+        cluster.refresh_dp_layout()
+    assert cluster.dp_size == 4
+
+
+def test_dispatch_by_registered_mode(runtime):
+    _, clusters, _ = runtime
+    cluster = clusters["reference"]
+    assert cluster.whoami() == 0
+    assert cluster.execute_rank_zero("whoami") == 0
+    batch = Batch.from_dict({"x": torch.arange(5)})
+    assert cluster.count_rows(batch=batch) == [5, 5]
+    assert cluster.execute_all("not_registered") == [0, 1]
+    with pytest.raises(AttributeError, match="not marked with @register"):
+        cluster.not_registered()
+    with pytest.raises(AttributeError, match="has no method 'nope'"):
+        cluster.async_nope()
+
+
+def _cpu_role(name: str, world_size: int):
+    return plan_role(name, RoleConfig(world_size=world_size), devices_per_node=4)
+
+
+@pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
+def test_failing_worker_raises_worker_error_and_stops_the_role(runtime):
+    rm, _, _ = runtime
+    cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 3), RoleConfig(world_size=3))
+    workers = list(cluster.workers)
+    with pytest.raises(WorkerError) as info:
+        cluster.fail_on(1, "raise")  # ranks 0 and 2 wait in an all-reduce for rank 1
+    err = info.value
+    assert str(err) == "critic rank 1: ValueError: boom on rank 1"
+    assert (err.role, err.rank, err.exc_type) == ("critic", 1, "ValueError")
+    assert "raise ValueError" in err.remote_traceback
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        cluster.execute_all("ping")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[0].ping.remote(), timeout=30)
+
+
+@pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
+def test_worker_process_that_dies_is_reported(runtime):
+    rm, _, _ = runtime
+    cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
+    with pytest.raises(WorkerError, match=r"^critic rank 1: ActorDiedError: the worker process died"):
+        cluster.fail_on(1, "exit")
+
+
+@pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
+def test_error_in_worker_init_names_role_rank_and_exception(runtime):
+    rm, _, _ = runtime
+    with pytest.raises(WorkerError, match=r"^critic rank 1: KeyError: in __init__: 'missing_key'$"):
+        Cluster("critic", BrokenInitWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
+
+
+# Pure functions (no Ray needed).
+
+
+def test_check_capacity_names_the_key_to_fix():
+    plan = plan_placement(make_config())  # 1 node x 4 devices
+    check_capacity(plan, [("10.0.0.1", 4.0)])
+    check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 8.0)])
+    with pytest.raises(ConfigError, match="^num_gpus_per_node: is 4 but no node .* 10.0.0.1: 2"):
+        check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 2.0)])
+    with pytest.raises(ConfigError, match="ray start --num-gpus"):
+        check_capacity(plan, [("10.0.0.1", 0.0)], device="cpu")
+    two_nodes = plan_placement(dataclasses.replace(make_config(), num_nodes=2))
+    with pytest.raises(
+        ConfigError, match=r"^device_mapping: the mappings need 2 node\(s\) x 4 GPUs .* room for 1"
+    ):
+        check_capacity(two_nodes, [("10.0.0.1", 4.0), ("10.0.0.2", 3.0)])
+
+
+def test_dp_layout_checks():
+    layouts = [DPRank(0, 2, True), DPRank(0, 2, False), DPRank(1, 2, True), DPRank(1, 2, False)]
+    assert check_dp_layout(layouts, "actor_train") == 2
+    with pytest.raises(ValueError, match="disagree on the data-parallel size"):
+        check_dp_layout([DPRank(0, 2, True), DPRank(1, 3, True)], "actor_train")
+    with pytest.raises(ValueError, match="exactly one output rank, got output DP ranks \\[0, 0\\]"):
+        check_dp_layout([DPRank(0, 2, True), DPRank(0, 2, True)], "actor_train")
+
+
+def test_split_and_gather_for_dp():
+    batch = Batch.from_dict({"x": torch.arange(6)}, {"tag": list("abcdef")})
+    chunks = split_for_dp(batch, 3, "role.method")
+    assert [c["x"].tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(TypeError, match="role.method: DP_COMPUTE needs a Batch"):
+        split_for_dp({"x": 1}, 2, "role.method")
+    layouts = [DPRank(1, 2, True), DPRank(1, 2, False), DPRank(0, 2, True), DPRank(0, 2, False)]
+    parts = [chunks[1], None, chunks[0], None]
+    assert gather_from_dp(parts, layouts)["tag"].tolist() == ["a", "b", "c", "d"]
+    assert gather_from_dp(["r0", "r1", "r2", "r3"], layouts) == ["r2", "r0"]
+
+
+def test_register_rejects_a_non_mode():
+    with pytest.raises(TypeError, match="takes a Dispatch mode"):
+        register("one_to_all")
