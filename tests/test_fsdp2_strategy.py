@@ -193,7 +193,7 @@ def test_value_model_trains(model_dir, one_rank):
     assert set(values) == {"values"} and values["values"].shape == global_batch()["responses"].shape
 
 
-def test_schedule_offload_and_errors(model_dir, one_rank):
+def test_schedule_offload_load_weights_and_errors(model_dir, one_rank, tmp_path):
     strategy = make_strategy(model_dir, 0, 1)
     strategy.role_config.training_args.lr_scheduler_type = "linear"
     strategy.set_total_steps(2)
@@ -203,6 +203,16 @@ def test_schedule_offload_and_errors(model_dir, one_rank):
     strategy.offload_states()
     strategy.reload_states()
     assert strategy.train_step(micro, policy_loss)["skipped"] == 0.0
+    other = AutoModelForCausalLM.from_pretrained(
+        build_tiny_model_dir(tmp_path / "other", seed=1), dtype=torch.float32
+    )
+    strategy.load_weights(iter(other.state_dict().items()))
+    loaded = full_params(strategy)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in other.state_dict().items())
+    with pytest.raises(KeyError, match="model.extra.weight"):
+        strategy.load_weights(iter([("model.extra.weight", torch.zeros(2))]))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        strategy.load_weights(iter([("model.norm.weight", torch.zeros(3))]))
     with pytest.raises(ValueError, match="at least one micro-batch"):
         strategy.train_step([], policy_loss)
     with pytest.raises(FileNotFoundError, match="not an fsdp2_train checkpoint"):

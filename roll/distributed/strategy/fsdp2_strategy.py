@@ -27,6 +27,7 @@ mini-batches per step (``total_optimizer_steps``) when the pipeline config is kn
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -71,6 +72,8 @@ class FSDP2TrainStrategy:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
         self.total_steps: int | None = None
+        # Set while a linear/cosine schedule still lacks its length (see set_total_steps).
+        self._schedule_error: str | None = None
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -94,7 +97,6 @@ class FSDP2TrainStrategy:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         total = total_optimizer_steps(self.ctx.pipeline, args, self.ctx.world_size)
-        self._schedule_error: str | None = None
         try:
             self.set_total_steps(total)
         except ValueError as exc:  # linear/cosine without a known length: set_total_steps must follow
@@ -269,15 +271,18 @@ class FSDP2TrainStrategy:
     def save_hf_checkpoint(self, path: str) -> None:
         """Rank 0 writes safetensors + config.json + generation config + tokenizer (from
         ``model_name_or_path``) under ``path``; the other ranks take part in the gathers. Tied LM
-        heads are left out like ``save_pretrained`` does."""
+        heads are left out like ``save_pretrained`` does. Tensors and config.json's dtype are
+        ``model_args.dtype``."""
         model = self.model.model if self.is_value_model else self.model
+        config = copy.deepcopy(model.config)
+        config.dtype = torch_dtype(self.role_config.model_args.dtype)
         skip = tied_duplicate_names(self.model)
         tensors = self.iter_hf_weights()
         if self.ctx.rank == 0:
             write_hf_checkpoint(
                 path,
                 tensors,
-                model.config,
+                config,
                 getattr(model, "generation_config", None),
                 tokenizer_dir=self.role_config.model_args.model_name_or_path,
                 skip=skip,

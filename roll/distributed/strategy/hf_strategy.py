@@ -135,11 +135,13 @@ class HFInferStrategy:
             input_ids=input_ids,
             attention_mask=mask,
             generation_config=self._generation_config(params, eos_ids),
-            logits_processor=LogitsProcessorList([*_warpers(params), recorder]),
+            logits_processor=LogitsProcessorList(
+                [*_warpers(params), *([recorder] if params.logprobs else [])]
+            ),
             stopping_criteria=StoppingCriteriaList([stops]),
         )
         generated = out[:, input_ids.shape[1] :]
-        logps = recorder.finalize(generated)
+        logps = recorder.finalize(generated) if params.logprobs else torch.zeros(generated.shape)
         rows = generated.tolist()
         lengths = [min(_eos_cut(row, eos_ids), stops.stop_at.get(i, len(row))) for i, row in enumerate(rows)]
         toks = [row[:n] for row, n in zip(rows, lengths)]
