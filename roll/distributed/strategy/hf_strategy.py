@@ -15,6 +15,7 @@ min_new_tokens = 0 they equal ``compute_log_probs`` of the same rows (temperatur
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -99,7 +100,7 @@ class HFInferStrategy:
             )
         pipeline = self.ctx.pipeline
         width = pipeline.response_length if pipeline is not None else params.max_new_tokens
-        params = _with_max_new_tokens(params, min(params.max_new_tokens, width))
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, width))
         rng = _seeded_rng_state(params.seed, self.ctx.device) if params.seed is not None else self._rng_state
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -187,12 +188,6 @@ class HFInferStrategy:
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device)."""
         copy_named_tensors(self.model, named_tensors)
-
-
-def _with_max_new_tokens(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
-    copy = SamplingParams(**vars(params))
-    copy.max_new_tokens = max_new_tokens
-    return copy
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
