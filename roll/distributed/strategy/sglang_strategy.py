@@ -56,6 +56,7 @@ from roll.distributed.strategy.engine_requests import (
     sglang_engine_options,
     sglang_input_logprobs,
     sglang_sampling_params,
+    shareable_bucket,
     typed_strategy_config,
 )
 from roll.distributed.strategy.generation import prompt_token_lists
@@ -228,12 +229,19 @@ class SGLangStrategy:
         """Hand full HF-named tensors to ``Engine.update_weights_from_tensor`` (CUDA tensors cross
         to the schedulers by IPC; SGLang shards them). The radix cache is flushed once the KV cache
         is back (``finish_model_update`` or the next generation)."""
+        from roll.distributed.model_update.bucket import unpack_bucket
+
         self._resume(["weights"] if "weights" in self._released else [])
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        flat = None
+        if named and named[0][1].is_cuda:  # SGLang shares them by CUDA IPC: they must lie in a buffer we own
+            meta, flat, _ = shareable_bucket(named)
+            named = unpack_bucket(meta, flat)
         _ok(
             self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False),
             "update_weights_from_tensor",
         )
+        del flat  # kept alive until the schedulers have loaded from it
         self._weights_stale = False
         self._needs_flush = True
 

@@ -1,7 +1,7 @@
 """``vllm``: generation on vLLM's V1 engine, one engine per worker (``actor_infer`` or an LLM judge).
 
-Written against vLLM 0.11 - 0.23 (the V1-only releases); the engine calls have not been run on this
-project's machines (see docs/strategies.md for the exact vLLM names used). Everything that does not
+Written against the V1-only vLLM releases (0.11 and later); the engine calls have not been run on
+this project's machines (see docs/strategies.md for the vLLM names used and what is unverified). Everything that does not
 need vLLM lives in ``engine_requests`` and is tested on CPU.
 
 The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them: in-process for
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +54,7 @@ from roll.distributed.strategy.engine_requests import (
     response_width,
     rows_to_tensor,
     scoring_requests,
+    shareable_bucket,
     typed_strategy_config,
     vllm_engine_options,
     vllm_prompt_logprobs,
@@ -303,20 +303,14 @@ class VLLMStrategy:
             self._asleep.discard("kv_cache")
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Load full HF-named tensors: CUDA tensors are packed into one bucket and shared by CUDA
-        IPC; CPU tensors are sent by value. Counts as a complete model update."""
-        from roll.distributed.model_update.bucket import layout, pack_bucket
-        from roll.distributed.model_update.ipc import allocate_shared
-
+        """Load full HF-named tensors (e.g. views into a bucket the worker received itself): CUDA
+        tensors reach the TP workers by CUDA IPC (no copy when they are views into one buffer this
+        process owns), CPU tensors by value. Counts as a complete model update."""
         self._wake_weights()
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if named and named[0][1].is_cuda:
-            _, total = layout(named)
-            flat, handle = allocate_shared(
-                total, named[0][1].device, key=("roll-load-weights", uuid.uuid4().hex)
-            )
-            meta, flat = pack_bucket(named, version=-1, index=0, last=True, out=flat)
-            self._rpc("roll_load_shared_bucket", meta, handle, named[0][1].device.index, False)
+            meta, flat, handle = shareable_bucket(named)
+            self._rpc("roll_load_shared_bucket", meta, handle, flat.device.index, False)
         else:
             self._rpc("roll_load_tensors", [(name, tensor.cpu()) for name, tensor in named])
         self.llm.reset_prefix_cache()
