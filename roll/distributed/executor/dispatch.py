@@ -11,7 +11,8 @@ Modes:
 - ``DP_COMPUTE``: the first positional argument (a ``Batch``) is cut into ``dp_size`` equal chunks;
   every rank of DP group ``i`` gets chunk ``i`` (TP/PP ranks of one group see the same data). Only
   the output rank of each DP group is read back, in DP order; Batches are concatenated, other
-  results come back as a list.
+  results come back as a list. (The other ranks' returns are fetched only to catch errors, so they
+  should return None rather than a copy of the output.)
 - ``RANK_ZERO``: only worker 0 runs it; the result is its return value.
 """
 

@@ -17,7 +17,7 @@ one do not hang. A worker process that dies is reported the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayError
@@ -35,6 +35,10 @@ from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
+
+if TYPE_CHECKING:
+    from roll.configs.pipeline_config import RLVRConfig
+    from roll.configs.role import RoleConfig
 
 
 class AsyncResult:
@@ -81,8 +85,8 @@ class Cluster:
         worker_cls: type[Worker],
         resource_manager: ResourceManager,
         role_plan: RolePlan,
-        role_config,
-        pipeline_config=None,
+        role_config: RoleConfig,
+        pipeline_config: RLVRConfig | None = None,
     ):
         self.role = role
         self.worker_cls = worker_cls
@@ -90,7 +94,7 @@ class Cluster:
         self._error: WorkerError | None = None
         extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
         remote_cls = ray.remote(worker_cls)
-        self.workers = []
+        self.workers: list[ray.actor.ActorHandle] = []
         for rank in range(self.world_size):
             options = resource_manager.worker_options(role_plan, rank)
             env = {**extra_env, **options["runtime_env"]["env_vars"]}

@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import ray
-import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -55,6 +55,8 @@ def resolve_device(device: str) -> str:
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError("device", f"expected 'auto', 'cuda' or 'cpu', got {device!r}")
     if device == "auto":
+        import torch  # here, so the bundle probe (which imports this module) does not load torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
@@ -182,7 +184,9 @@ class ResourceManager:
             "OMP_NUM_THREADS": str(threads),
         }
 
-    def worker_options(self, role_plan: RolePlan, rank: int, num_roles_sharing: int | None = None) -> dict:
+    def worker_options(
+        self, role_plan: RolePlan, rank: int, num_roles_sharing: int | None = None
+    ) -> dict[str, Any]:
         """Ray actor options for worker ``rank``: pinned to the bundle of its first device with a
         1/k share of that GPU (k = roles on its devices unless given), no CPU reservation, and its
         environment. CPU-only roles get plain actors that are not bound to a bundle."""
