@@ -70,6 +70,7 @@ def test_vllm_sampling_kwargs_full_mapping():
         "max_tokens": 32,
         "repetition_penalty": 1.1,
         "logprobs": 0,
+        "detokenize": True,
         "top_k": 50,
         "min_tokens": 2,
         "stop": ["</a>"],
@@ -87,6 +88,7 @@ def test_vllm_sampling_kwargs_defaults_leave_engine_defaults():
         "max_tokens": 8,
         "repetition_penalty": 1.0,
         "logprobs": None,
+        "detokenize": False,
     }
     # top_k off (-1 or 0) is left to the engine: its "off" value changed between vLLM releases.
     assert "top_k" not in vllm_sampling_kwargs(SamplingParams(top_k=0))

@@ -113,6 +113,8 @@ def vllm_sampling_kwargs(
         "max_tokens": params.max_new_tokens,
         "repetition_penalty": params.repetition_penalty,
         "logprobs": 0 if params.logprobs else None,
+        # Text is only needed to match stop strings; we hand back token ids.
+        "detokenize": bool(params.stop),
     }
     if params.top_k > 0:
         kwargs["top_k"] = params.top_k
