@@ -1,0 +1,173 @@
+"""Receiver side of a link: take each bucket, check it, and hand it to the engine.
+
+Per bucket: the metadata (and, for a colocated receiver, the IPC handle) arrives on the control
+channel; a remote receiver then receives the bytes into one of two preallocated buffers (posted
+on a side stream that only waits for the previous use of that buffer, so bucket k+1 arrives while
+bucket k loads); a colocated one maps the sender's buffer. The bucket is unpacked into views, its
+checksums are computed (on the device, read back once at the end) and ``load`` gets the views.
+
+    receiver = BucketReceiver(link, device)
+    result = receiver.receive(strategy.load_weights, version=step, lock=threading.Lock())
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from roll.distributed.model_update.bucket import BucketMeta, unpack_bucket
+from roll.distributed.model_update.checksum import bucket_checksums
+from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.model_update.ipc import IpcCache
+from roll.distributed.model_update.link import Link
+from roll.distributed.model_update.sender import stream_context
+
+LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+# Test hook: called with (meta, flat) after a bucket arrives and before it is checked and loaded.
+FaultFn = Callable[[BucketMeta, torch.Tensor], None]
+
+
+@dataclass
+class ReceiveResult:
+    names: list[str] = field(default_factory=list)
+    checksums: list[tuple[int, int]] = field(default_factory=list)
+    nbytes: int = 0
+    buckets: int = 0
+    # Host time blocked on the control channel, inside ``load``, and in total.
+    wait_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+
+
+class _Buffer:
+    def __init__(self) -> None:
+        self.flat: torch.Tensor | None = None
+        self.free: torch.cuda.Event | None = None
+
+
+class BucketReceiver:
+    """Receives one update from one link (this member must be one of the link's receivers)."""
+
+    def __init__(self, link: Link, device: torch.device):
+        if link.is_sender:
+            raise ValueError(f"link {link.spec.name}: this member is the sender, not a receiver")
+        self.link = link
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.buffers = [_Buffer(), _Buffer()]
+        self.ipc = IpcCache()
+        self.work_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def receive(
+        self, load: LoadFn, version: int, lock: threading.Lock | None = None, fault: FaultFn | None = None
+    ) -> ReceiveResult:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # receive() may run on a helper thread
+        lock = lock or threading.Lock()
+        result = ReceiveResult()
+        sums: list[torch.Tensor] = []
+        start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            meta, handle = self.link.control.recv()
+            result.wait_s += time.perf_counter() - t0
+            self._check(meta, version)
+            if meta.nbytes:
+                sums.append(self._take(meta, handle, load, lock, fault, result))
+            result.names.extend(meta.names)
+            result.nbytes += meta.nbytes
+            result.buckets += 1
+            if meta.last:
+                break
+        if self.work_stream is not None:
+            self.work_stream.synchronize()
+        if self.link.is_local:
+            self.link.control.finish_acks()
+        if sums:
+            result.checksums = [tuple(row) for row in torch.cat(sums).cpu().tolist()]
+        result.total_s = time.perf_counter() - start
+        return result
+
+    def _take(
+        self, meta: BucketMeta, handle, load: LoadFn, lock, fault, result: ReceiveResult
+    ) -> torch.Tensor:
+        buffer = None
+        if self.link.is_local:
+            flat, work = self.ipc.open(handle, self.device)[: meta.nbytes], None
+        else:
+            buffer = self.buffers[meta.index % 2]
+            flat, work = self._post_recv(buffer, meta.nbytes)
+        with stream_context(self.work_stream):
+            if work is not None:
+                work.wait()
+            if fault is not None:
+                fault(meta, flat)
+            bucket_sums = bucket_checksums(meta, flat)
+            t0 = time.perf_counter()
+            with lock:
+                load(iter(unpack_bucket(meta, flat)))
+            result.load_s += time.perf_counter() - t0
+            if buffer is not None and self.cuda:
+                buffer.free.record(self.work_stream)
+        if self.link.is_local:
+            if self.work_stream is not None:
+                self.work_stream.synchronize()
+            self.link.control.ack()
+        return bucket_sums
+
+    def _post_recv(self, buffer: _Buffer, nbytes: int):
+        if buffer.flat is None or buffer.flat.numel() < nbytes:
+            if self.work_stream is not None:
+                self.work_stream.synchronize()  # the old buffer may still be read by a load
+            buffer.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buffer.free = torch.cuda.Event() if self.cuda else None
+        flat = buffer.flat[:nbytes]
+        if not self.cuda:
+            return flat, self.link.data.recv(flat)
+        with torch.cuda.stream(self.recv_stream):
+            self.recv_stream.wait_event(buffer.free)
+            return flat, self.link.data.recv(flat)
+
+    def _check(self, meta: BucketMeta, version: int) -> None:
+        if meta.version != version:
+            raise ModelUpdateError(
+                f"link {self.link.spec.name}: bucket {meta.index} carries weight version {meta.version}, "
+                f"but this update installs version {version} (sender and receivers were called for different updates)"
+            )
+
+
+def receive_links(
+    receivers: list[BucketReceiver], load: LoadFn, version: int, fault: FaultFn | None = None
+) -> list[ReceiveResult]:
+    """Receive one update from every link at once (one thread per link, loads serialized).
+
+    Links are served concurrently because the senders are: a trainer rank blocked on a slow link
+    could otherwise hold up a collective that another sender's weight generator needs.
+    """
+    if len(receivers) == 1:
+        return [receivers[0].receive(load, version, None, fault)]
+    lock = threading.Lock()
+    results: list[ReceiveResult | BaseException | None] = [None] * len(receivers)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = receivers[i].receive(load, version, lock, fault)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below on the caller's thread
+            results[i] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"model-update-recv-{i}") for i in range(len(receivers))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

@@ -1,0 +1,171 @@
+"""Sender side of a link: stream HF-named tensors into double-buffered buckets and send them.
+
+Tensors are copied into the current bucket buffer as the generator yields them (so each gathered
+tensor can be freed at once); when the next tensor does not fit, the bucket is sent and packing
+continues in the other buffer. On GPU the copies run on a side stream and the broadcast is issued
+from it, so the generator's gathers and the packing of bucket k+1 overlap the transfer of bucket k.
+A buffer is reused only after its broadcast finished (a stream wait, not a host wait) and every
+colocated receiver acknowledged it (they read it in place).
+
+    sender = BucketSender(link, device, bucket_bytes=512 << 20)
+    result = sender.send(strategy.iter_hf_weights(), version=step)
+    result.names, result.checksums, result.nbytes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from roll.distributed.model_update.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensor
+from roll.distributed.model_update.checksum import bucket_checksums
+from roll.distributed.model_update.ipc import IpcHandle, allocate_shared, release_shared
+from roll.distributed.model_update.link import Link
+
+
+@dataclass
+class SendResult:
+    names: list[str] = field(default_factory=list)
+    checksums: list[tuple[int, int]] = field(default_factory=list)
+    nbytes: int = 0
+    buckets: int = 0
+    # Host time inside the weight generator (gather + convert, as far as the host waits on them),
+    # blocked on buffer reuse, and in total.
+    iter_s: float = 0.0
+    wait_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class _Slot:
+    flat: torch.Tensor | None = None
+    handle: IpcHandle | None = None
+    generation: int = 0
+    work: Any = None
+    acks_pending: bool = False
+    # Index of the last bucket sent from this slot (slots are drained in send order).
+    index: int = -1
+    released: bool = True
+
+
+def stream_context(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class BucketSender:
+    """Packs and sends one update over ``link`` (this rank must be the link's sender)."""
+
+    def __init__(self, link: Link, device: torch.device, bucket_bytes: int):
+        if not link.is_sender:
+            raise ValueError(f"link {link.spec.name}: this member is a receiver, not the sender")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.link = link
+        self.device = device
+        self.bucket_bytes = align(bucket_bytes)
+        self.shared = bool(link.spec.local_receivers)
+        self.slots = [_Slot(), _Slot()]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SendResult:
+        result = SendResult()
+        sums: list[torch.Tensor] = []
+        start = time.perf_counter()
+        index, metas, used = 0, [], 0
+        slot = self._acquire(0, self.bucket_bytes, result)
+        iterator = iter(named)
+        while True:
+            t0 = time.perf_counter()
+            item = next(iterator, None)
+            result.iter_s += time.perf_counter() - t0
+            if item is None:
+                break
+            name, tensor = item
+            nbytes = tensor_nbytes(tensor)
+            size = align(nbytes)
+            if metas and used + size > self.bucket_bytes:
+                sums.append(self._flush(slot, BucketMeta(metas, used, version, index, False), result))
+                index, metas, used = index + 1, [], 0
+                slot = self._acquire(index, max(size, self.bucket_bytes), result)
+            elif not metas and size > slot.flat.numel():
+                slot = self._acquire(index, size, result)
+            meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), used, nbytes)
+            self._write(slot, meta, tensor)
+            metas.append(meta)
+            used += size
+        sums.append(self._flush(slot, BucketMeta(metas, used, version, index, True), result))
+        for slot in sorted(self.slots, key=lambda s: s.index):
+            self._wait_free(slot, result)
+        if self.stream is not None:
+            self.stream.synchronize()
+        result.checksums = [tuple(row) for row in torch.cat(sums).cpu().tolist()]
+        result.total_s = time.perf_counter() - start
+        return result
+
+    def _write(self, slot: _Slot, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        if self.stream is None:
+            write_tensor(slot.flat, meta, tensor)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            write_tensor(slot.flat, meta, tensor)
+        if tensor.device.type == "cuda":
+            tensor.record_stream(self.stream)
+
+    def _flush(self, slot: _Slot, meta: BucketMeta, result: SendResult) -> torch.Tensor:
+        """Send one bucket; returns its checksums (still on the device)."""
+        flat = slot.flat[: meta.nbytes]
+        with stream_context(self.stream):
+            sums = bucket_checksums(meta, flat)
+        if self.shared and self.stream is not None:
+            self.stream.synchronize()  # colocated receivers read the buffer from another process
+        self.link.control.send((meta, slot.handle if self.shared else None))
+        if self.link.data is not None and meta.nbytes:
+            with stream_context(self.stream):
+                slot.work = self.link.data.send(flat)
+        slot.acks_pending = self.shared
+        slot.index = meta.index
+        result.names.extend(meta.names)
+        result.nbytes += meta.nbytes
+        result.buckets += 1
+        return sums
+
+    def _acquire(self, index: int, need: int, result: SendResult) -> _Slot:
+        slot = self.slots[index % 2]
+        self._wait_free(slot, result)
+        if slot.flat is None or slot.flat.numel() < need:
+            if self.stream is not None:
+                self.stream.synchronize()
+            self._allocate(slot, index % 2, need)
+        return slot
+
+    def _allocate(self, slot: _Slot, position: int, nbytes: int) -> None:
+        if slot.handle is not None and not slot.released:
+            release_shared(slot.handle)
+        slot.generation += 1
+        if self.shared:
+            key = (self.link.spec.name, position, slot.generation)
+            slot.flat, slot.handle = allocate_shared(nbytes, self.device, key)
+            slot.released = False
+        else:
+            slot.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            slot.handle = None
+
+    def _wait_free(self, slot: _Slot, result: SendResult) -> None:
+        t0 = time.perf_counter()
+        if slot.work is not None:
+            with stream_context(self.stream):
+                slot.work.wait()
+            slot.work = None
+        if slot.acks_pending:
+            self.link.control.wait_acks()
+            slot.acks_pending = False
+            if slot.handle is not None and not slot.released:
+                release_shared(slot.handle)  # every colocated receiver has it mapped now
+                slot.released = True
+        result.wait_s += time.perf_counter() - t0
