@@ -13,6 +13,10 @@ from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams
+from roll.distributed.strategy.engine_options import (
+    sglang_engine_options,
+    vllm_engine_options,
+)
 from roll.distributed.strategy.engine_requests import (
     Completion,
     CompletionCollector,
@@ -24,10 +28,8 @@ from roll.distributed.strategy.engine_requests import (
     completions_to_batch,
     rows_to_tensor,
     scoring_requests,
-    sglang_engine_options,
     sglang_input_logprobs,
     sglang_sampling_params,
-    vllm_engine_options,
     vllm_prompt_logprobs,
     vllm_sampling_kwargs,
 )

@@ -3,7 +3,7 @@ an LLM judge).
 
 Written against SGLang 0.5.x; the engine calls have not been run on this project's machines (see
 docs/strategies.md for the exact SGLang names used). Everything that does not need SGLang lives in
-``engine_requests`` and is tested on CPU.
+``engine_requests``/``engine_options`` and is tested on CPU.
 
 ``sglang.Engine`` starts its scheduler processes (TP across the worker's ``tensor_parallel_size``
 visible devices) from inside the worker. Each sample is its own request (``rid`` =
@@ -40,24 +40,26 @@ from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import SGLangConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.distributed.strategy.engine_options import (
+    capped,
+    dataclass_field_names,
+    import_engine,
+    response_width,
+    sglang_engine_options,
+    typed_strategy_config,
+)
 from roll.distributed.strategy.engine_requests import (
     Completion,
     CompletionCollector,
     RequestPlan,
     RequestRegistry,
-    capped,
     completion_from_sglang,
     completions_to_batch,
-    dataclass_field_names,
-    import_engine,
-    response_width,
     rows_to_tensor,
     scoring_requests,
-    sglang_engine_options,
     sglang_input_logprobs,
     sglang_sampling_params,
     shareable_bucket,
-    typed_strategy_config,
 )
 from roll.distributed.strategy.generation import prompt_token_lists
 from roll.models.loading import load_tokenizer

@@ -2,7 +2,7 @@
 
 Written against the V1-only vLLM releases (0.11 and later); the engine calls have not been run on
 this project's machines (see docs/strategies.md for the vLLM names used and what is unverified). Everything that does not
-need vLLM lives in ``engine_requests`` and is tested on CPU.
+need vLLM lives in ``engine_requests``/``engine_options`` and is tested on CPU.
 
 The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them: in-process for
 TP=1, vLLM's own worker processes for TP>1. ``vllm.LLM`` is used rather than ``AsyncLLM`` because
@@ -40,23 +40,25 @@ from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import VLLMConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.distributed.strategy.engine_options import (
+    capped,
+    dataclass_field_names,
+    import_engine,
+    response_width,
+    typed_strategy_config,
+    vllm_engine_options,
+)
 from roll.distributed.strategy.engine_requests import (
     Completion,
     CompletionCollector,
     RequestPlan,
     RequestRegistry,
     aborted_completion,
-    capped,
     completions_from_vllm,
     completions_to_batch,
-    dataclass_field_names,
-    import_engine,
-    response_width,
     rows_to_tensor,
     scoring_requests,
     shareable_bucket,
-    typed_strategy_config,
-    vllm_engine_options,
     vllm_prompt_logprobs,
     vllm_sampling_kwargs,
 )

@@ -1,0 +1,180 @@
+"""Starting an engine-backed strategy (``vllm``, ``sglang``) without needing the engine here.
+
+* the engine's constructor arguments from ``strategy_config`` + ``model_args``, each remembering
+  the config key it came from, checked against the option names of the installed engine
+  (``dataclasses.fields(vllm.EngineArgs)`` / SGLang's ``ServerArgs``): an unknown option is a
+  ConfigError naming ``<role>.strategy_args.strategy_config.<key>`` with a did-you-mean;
+* importing the engine with a ConfigError that names the pip extra when it is missing;
+* small shared helpers (typed config, response width).
+
+    options = vllm_engine_options(cfg, role_config, "actor_infer", seed=42, extension_cls=EXT)
+    options.check(dataclass_field_names(vllm.EngineArgs), "vLLM", "vllm")
+    llm = vllm.LLM(**options.kwargs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from roll.configs.errors import ConfigError, did_you_mean
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
+
+if TYPE_CHECKING:
+    from roll.configs.role import RoleConfig
+    from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
+
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+# --------------------------------------------------------------------------- strategy setup
+
+
+def import_engine(module: str, role: str, strategy_name: str) -> ModuleType:
+    """Import the engine package or raise a ConfigError naming the pip extra that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{role}.strategy_args.strategy_name",
+            f"strategy {strategy_name!r} needs the '{module}' package, which is not installed ({exc}); "
+            f"install it with: pip install -e .[{strategy_name}]",
+        ) from exc
+
+
+def typed_strategy_config(role_config: RoleConfig, config_cls: type) -> Any:
+    """The role's validated ``strategy_config`` (validation stores it), else built from the raw dict."""
+    args = role_config.strategy_args
+    if args is not None and args.config is not None:
+        return args.config
+    return config_cls(**((args.strategy_config if args else None) or {}))
+
+
+def dataclass_field_names(cls: type) -> set[str]:
+    """Option names of an engine's argument dataclass (``vllm.EngineArgs``, SGLang ``ServerArgs``)."""
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
+    """R of the generation Batch: the run's ``response_length`` (``max_new_tokens`` without a run)."""
+    return ctx.pipeline.response_length if ctx.pipeline is not None else params.max_new_tokens
+
+
+def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """A copy of ``params`` generating at most ``max_new_tokens`` tokens."""
+    return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
+
+
+# --------------------------------------------------------------------------- engine options
+
+
+@dataclass
+class EngineOptions:
+    """Keyword arguments for the engine constructor, and for each key the config key it came from
+    (so an error about an engine option names the key the user wrote)."""
+
+    kwargs: dict[str, Any]
+    sources: dict[str, str]
+
+    def check(self, accepted: Collection[str], engine: str, extra: str) -> None:
+        """Raise a ConfigError for the first option the installed engine does not accept."""
+        for key in self.kwargs:
+            if key not in accepted:
+                raise ConfigError(
+                    self.sources[key],
+                    f"the installed {engine} has no engine option {key!r}{did_you_mean(key, accepted)}; "
+                    f"check the option against your {engine} version (pip install -e .[{extra}])",
+                )
+
+
+def _build_options(
+    derived: dict[str, tuple[Any, str]], engine_kwargs: Mapping[str, Any], path: str
+) -> EngineOptions:
+    kwargs = {k: v for k, (v, _) in derived.items() if v is not None}
+    sources = {k: src for k, (v, src) in derived.items() if v is not None}
+    for key, value in engine_kwargs.items():
+        if key in derived:
+            raise ConfigError(
+                f"{path}.engine_kwargs.{key}",
+                f"is set by roll from {derived[key][1]}; set it there instead of in engine_kwargs",
+            )
+        kwargs[key] = value
+        sources[key] = f"{path}.engine_kwargs.{key}"
+    return EngineOptions(kwargs, sources)
+
+
+VLLM_OVERRIDABLE = {"worker_extension_cls", "distributed_executor_backend", "logprobs_mode"}
+
+
+def vllm_engine_options(
+    cfg: VLLMConfig, role_config: RoleConfig, role: str, seed: int, extension_cls: str
+) -> EngineOptions:
+    """Arguments of ``vllm.LLM``. TP runs inside the worker: "uni" (in-process) for TP=1, "mp"
+    (vLLM's own worker processes on the worker's visible GPUs) for TP>1 -- never vLLM's "ray"
+    backend, which vLLM would otherwise pick inside a Ray actor."""
+    path = f"{role}.strategy_args.strategy_config"
+    margs = role_config.model_args
+    derived: dict[str, tuple[Any, str]] = {
+        "model": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
+        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
+        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
+        "seed": (seed, "seed"),
+        "worker_extension_cls": (extension_cls, f"{path}.engine_kwargs"),
+        "distributed_executor_backend": (
+            "uni" if cfg.tensor_parallel_size == 1 else "mp",
+            f"{path}.engine_kwargs",
+        ),
+        "enable_sleep_mode": (cfg.sleep_level > 0, f"{path}.sleep_level"),
+    }
+    for key in (
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "block_size",
+        "max_model_len",
+        "enable_prefix_caching",
+        "load_format",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enforce_eager",
+        "enable_chunked_prefill",
+    ):
+        derived[key] = (getattr(cfg, key), f"{path}.{key}")
+    # Sampled-token log-probs of the distribution actually sampled from (after temperature/top-k/top-p),
+    # like hf_infer's infer_logprobs; vLLM's own default is the raw model distribution.
+    derived["logprobs_mode"] = ("processed_logprobs", f"{path}.engine_kwargs")
+    # Our own choices may be overridden through engine_kwargs (e.g. the executor backend).
+    engine_kwargs = dict(cfg.engine_kwargs)
+    for key in VLLM_OVERRIDABLE & engine_kwargs.keys():
+        derived[key] = (engine_kwargs.pop(key), f"{path}.engine_kwargs.{key}")
+    return _build_options(derived, engine_kwargs, path)
+
+
+SGLANG_CONFIG_KEYS = {
+    # SGLang ServerArgs name -> SGLangConfig field
+    "tp_size": "tensor_parallel_size",
+    "mem_fraction_static": "mem_fraction_static",
+    "context_length": "context_length",
+    "enable_memory_saver": "enable_memory_saver",
+    "load_format": "load_format",
+    "max_running_requests": "max_running_requests",
+    "disable_radix_cache": "disable_radix_cache",
+}
+
+
+def sglang_engine_options(cfg: SGLangConfig, role_config: RoleConfig, role: str, seed: int) -> EngineOptions:
+    """Arguments of ``sglang.Engine`` (the names of SGLang's ``ServerArgs``)."""
+    path = f"{role}.strategy_args.strategy_config"
+    margs = role_config.model_args
+    derived: dict[str, tuple[Any, str]] = {
+        "model_path": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
+        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
+        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
+        "random_seed": (seed, "seed"),
+    }
+    for engine_key, cfg_key in SGLANG_CONFIG_KEYS.items():
+        derived[engine_key] = (getattr(cfg, cfg_key), f"{path}.{cfg_key}")
+    return _build_options(derived, cfg.engine_kwargs, path)
