@@ -1,8 +1,9 @@
 """``vllm``: generation on vLLM's V1 engine, one engine per worker (``actor_infer`` or an LLM judge).
 
 Written against the V1-only vLLM releases (0.11 and later); the engine calls have not been run on
-this project's machines (see docs/strategies.md for the vLLM names used and what is unverified). Everything that does not
-need vLLM lives in ``engine_requests``/``engine_options`` and is tested on CPU.
+this project's machines (see docs/strategies.md for the vLLM names used and what is unverified).
+Everything that does not need vLLM lives in ``engine_requests``/``engine_options`` and is tested
+on CPU.
 
 The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them: in-process for
 TP=1, vLLM's own worker processes for TP>1. ``vllm.LLM`` is used rather than ``AsyncLLM`` because
