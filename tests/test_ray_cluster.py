@@ -1,13 +1,13 @@
 """The Ray runtime on CPU: fake device slots, colocated roles, rank environment, dispatch, errors.
 
 One local Ray with 4 fake GPU slots is started for the whole module (through ResourceManager, i.e.
-our own init code). Roles: actor_train on slots 0-3, actor_infer (2 workers of 2 slots, like vLLM
-TP=2) on 0-3, reference on 2-3 (three roles share slots 2-3), and a CPU-only reward role.
+our own init code). The plan has 2 "nodes" of 2 slots (two placement groups, here on one machine).
+Roles: actor_train on slots 0-3, actor_infer (2 workers of 2 slots, like vLLM TP=2) on 0-3,
+reference on 2-3 (three roles share slots 2-3), and a CPU-only reward role.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -132,7 +132,7 @@ def make_config() -> RLVRConfig:
         actor_infer=RoleConfig(strategy_args=vllm, device_mapping=[0, 1, 2, 3]),
         reference=RoleConfig(device_mapping=[2, 3]),
         rewards={"math": RewardConfig(world_size=2)},
-        num_gpus_per_node=4,
+        num_gpus_per_node=2,
         seed=7,
         system_envs={"FROM_PIPELINE": "yes"},
     )
@@ -162,8 +162,8 @@ def _bundle_key(rm: ResourceManager, device: int) -> str:
 
 EXPECTED = {
     # role: [(global devices, LOCAL_RANK, share of the first device's GPU)] by rank
-    "actor_train": [((0,), 0, 0.5), ((1,), 1, 0.5), ((2,), 2, 0.3333), ((3,), 3, 0.3333)],
-    "actor_infer": [((0, 1), 0, 0.5), ((2, 3), 1, 0.3333)],
+    "actor_train": [((0,), 0, 0.5), ((1,), 1, 0.5), ((2,), 0, 0.3333), ((3,), 1, 0.3333)],
+    "actor_infer": [((0, 1), 0, 0.5), ((2, 3), 0, 0.3333)],
     "reference": [((2,), 0, 0.3333), ((3,), 1, 0.3333)],
     "rewards.math": [((), 0, None), ((), 1, None)],
 }
@@ -200,7 +200,8 @@ def test_probe_maps_every_device_to_a_slot_of_one_node(runtime):
     assert len(rm.slots) == 4
     assert sorted(slot.gpu_id for slot in rm.slots) == ["0", "1", "2", "3"]
     assert len({slot.node_id for slot in rm.slots}) == 1
-    assert "node 0:" in rm.describe()
+    assert len(rm.placement_groups) == 2
+    assert "node 0:" in rm.describe() and "node 1:" in rm.describe()
 
 
 def test_gpu_env_lists_the_physical_ids_of_all_worker_devices(runtime, monkeypatch):
@@ -265,7 +266,7 @@ def test_dispatch_by_registered_mode(runtime):
 
 
 def _cpu_role(name: str, world_size: int):
-    return plan_role(name, RoleConfig(world_size=world_size), devices_per_node=4)
+    return plan_role(name, RoleConfig(world_size=world_size), devices_per_node=2)
 
 
 @pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
@@ -304,18 +305,17 @@ def test_error_in_worker_init_names_role_rank_and_exception(runtime):
 
 
 def test_check_capacity_names_the_key_to_fix():
-    plan = plan_placement(make_config())  # 1 node x 4 devices
-    check_capacity(plan, [("10.0.0.1", 4.0)])
-    check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 8.0)])
-    with pytest.raises(ConfigError, match="^num_gpus_per_node: is 4 but no node .* 10.0.0.1: 2"):
-        check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 2.0)])
+    plan = plan_placement(make_config())  # 2 nodes x 2 devices
+    check_capacity(plan, [("10.0.0.1", 4.0)])  # both groups fit on one 4-GPU machine
+    check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 2.0)])
+    with pytest.raises(ConfigError, match="^num_gpus_per_node: is 2 but no node .* 10.0.0.1: 1"):
+        check_capacity(plan, [("10.0.0.1", 1.0), ("10.0.0.2", 1.0)])
     with pytest.raises(ConfigError, match="ray start --num-gpus"):
         check_capacity(plan, [("10.0.0.1", 0.0)], device="cpu")
-    two_nodes = plan_placement(dataclasses.replace(make_config(), num_nodes=2))
     with pytest.raises(
-        ConfigError, match=r"^device_mapping: the mappings need 2 node\(s\) x 4 GPUs .* room for 1"
+        ConfigError, match=r"^device_mapping: the mappings need 2 node\(s\) x 2 GPUs .* room for 1"
     ):
-        check_capacity(two_nodes, [("10.0.0.1", 4.0), ("10.0.0.2", 3.0)])
+        check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 1.0)])
 
 
 def test_dp_layout_checks():
