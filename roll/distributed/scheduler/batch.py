@@ -91,6 +91,8 @@ class Batch:
             t_idx: Any = idx
         else:
             np_idx = idx.cpu().numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)
+            if np_idx.size == 0:
+                np_idx = np_idx.astype(np.int64)  # numpy reads [] as float
             if np_idx.dtype == bool:
                 np_idx = np.nonzero(np_idx)[0]
             t_idx = torch.as_tensor(np_idx, dtype=torch.long)
