@@ -226,10 +226,12 @@ def _hf_tensors(
     """Full HF tensors of ``weight`` on the TP group's rank 0 (``gather``), or this rank's slices of
     them; None on the ranks that yield nothing."""
     group, rank, size = _group_rank_size(weight.expert)
+    dim = wm.TP_DIM[weight.layout]
+    if dim is None:  # replicated: every TP rank holds the whole tensor
+        return [param.detach()] if rank == 0 or not gather else None
     shards = _shards(param.detach(), group, rank, size, gather)
     if shards is None:
         return None
-    dim = wm.TP_DIM[weight.layout]
     per_shard = [wm.unfuse(weight.layout, s, info.heads) for s in shards]
     tensors = [
         torch.cat([pieces[i] for pieces in per_shard], dim) if len(per_shard) > 1 else per_shard[0][i]
