@@ -1,0 +1,136 @@
+"""``megatron_infer``: forward-only megatron-core model for ``reference`` log-probs and, without
+vLLM/SGLang, ``actor_infer`` generation with a KV cache.
+
+>>> strategy = MegatronInferStrategy(role_config, ctx)
+>>> strategy.initialize()                                      # parallel state + HF weights, no optimizer
+>>> ref = strategy.compute_log_probs(batch)["log_probs"]       # [B, R] on every rank
+>>> out = strategy.generate(prompt_batch, SamplingParams(n=4, max_new_tokens=256, temperature=1.0))
+>>> strategy.load_weights(actor_train_strategy.iter_hf_weights())   # model update, resharded here
+
+Generation is our own KV-cached loop (``roll.models.megatron.kv_generate``) over megatron's
+``StaticInferenceContext``: megatron-core 0.16.1's inference engines expect TransformerEngine or
+its dynamic batching kernels, neither of which the GPU machines here have. It supports TP and PP
+(not VPP, not sequence parallelism). ``infer_logprobs`` follow ``hf_infer``'s definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from roll.configs.role import RoleConfig
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.distributed.strategy.generation import build_generation_batch, prompt_token_lists
+from roll.models.megatron import parallel
+from roll.models.megatron.forward import shape_sync_group
+from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
+from roll.models.megatron.runtime import (
+    build_chunks,
+    check_policy_model,
+    forward_log_probs,
+    megatron_config,
+    move_params,
+)
+
+
+class MegatronInferStrategy:
+    """Inference side of megatron-core for one rank of a role (see the module docstring)."""
+
+    def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
+        self.role_config = role_config
+        self.ctx = ctx
+        self.config = megatron_config(role_config)
+        self.hf_config = None
+        self.chunks: list[torch.nn.Module] = []
+        self.tokenizer = None
+        self._offloaded = False
+
+    def initialize(self) -> None:
+        from roll.models.loading import load_tokenizer
+
+        check_policy_model(self.role_config, "megatron_infer")
+        self.hf_config, self.chunks = build_chunks(self.role_config, self.ctx, self.config)
+        for chunk in self.chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        model_args = self.role_config.model_args
+        self.tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code)
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        return parallel.dp_layout()
+
+    def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
+        self._ensure_loaded()
+        size = max(1, self.role_config.infer_batch_size)
+        return forward_log_probs(self.chunks, batch, self.config, self.hf_config.vocab_size, size)
+
+    @torch.no_grad()
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
+        prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
+        self._ensure_loaded()
+        pipeline = self.ctx.pipeline
+        width = pipeline.response_length if pipeline is not None else params.max_new_tokens
+        params = SamplingParams(**{**vars(params), "max_new_tokens": min(params.max_new_tokens, width)})
+        prompts = prompt_token_lists(batch)
+        eos_ids = self._eos_ids(params)
+        stop = make_stop_check(params.stop or [], self.tokenizer, params.min_new_tokens)
+        step = max(1, self.role_config.infer_batch_size)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for i in range(0, len(prompts), step):
+            rows = [p for p in prompts[i : i + step] for _ in range(params.n)]
+            toks, logps = generate_tokens(
+                self.chunks,
+                rows,
+                params,
+                eos_ids,
+                self.hf_config.vocab_size,
+                self.tokenizer.pad_token_id,
+                stop,
+                shape_sync_group(self.config),
+            )
+            responses += toks
+            logprobs += logps
+        return build_generation_batch(
+            batch,
+            responses,
+            logprobs if params.logprobs else None,
+            params.n,
+            self.tokenizer.pad_token_id,
+            width,
+            temperature=params.temperature,
+        ).to("cpu")
+
+    def _eos_ids(self, params: SamplingParams) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        ids.update(params.stop_token_ids or [])
+        return sorted(ids)
+
+    # --------------------------------------------------------------------- offload / model update
+    def offload_states(self) -> None:
+        """Weights to CPU and the CUDA cache emptied (no-op on CPU)."""
+        if self.ctx.is_cuda and not self._offloaded:
+            move_params(self.chunks, "cpu")
+            self._offloaded = True
+
+    def reload_states(self) -> None:
+        if self._offloaded:
+            move_params(self.chunks, self.ctx.device)
+            self._offloaded = False
+
+    def _ensure_loaded(self) -> None:
+        self.reload_states()
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Full HF-named tensors (any subset); each rank keeps its TP / PP / EP shard."""
+        from roll.models.megatron.named_loading import load_named_tensors
+
+        self._ensure_loaded()
+        load_named_tensors(self.chunks, named_tensors)

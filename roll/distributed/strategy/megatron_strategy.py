@@ -1,0 +1,286 @@
+"""``megatron_train``: megatron-core training (TP / PP / VPP / SP / EP / DP, distributed optimizer).
+
+>>> strategy = MegatronTrainStrategy(role_config, ctx)       # ctx: this rank of actor_train
+>>> strategy.initialize()                                     # parallel state, HF weights, optimizer
+>>> old = strategy.compute_log_probs(batch)["log_probs"]      # [B, R], same on every rank
+>>> metrics = strategy.train_step(batch.split(2), loss_fn)    # {"loss", ..., "grad_norm", "lr"}
+>>> strategy.offload_states(); ...; strategy.reload_states()  # share the GPUs with actor_infer
+
+Data: the micro-batches given to ``train_step`` / the batch given to ``compute_log_probs`` are this
+rank's data-parallel shard; the TP / CP / PP peers of a DP group receive the same rows (the cluster
+dispatches the DP chunk to every rank of the group). ``dp_layout()`` names the rank whose outputs
+count, though every rank returns the same outputs.
+
+Each micro-batch runs through ``get_forward_backward_func()`` (1F1B, interleaved with VPP); on the
+last stage the response log-probs and entropies are computed vocab-parallel and handed to the
+pipeline's ``LossFn`` as {"log_probs", "entropy"} [b, R]; the schedule scales each micro-batch loss
+by 1 / len(micro_batches) and DDP averages across DP. Then gradients are clipped to
+``max_grad_norm``, the LR set from ``roll.utils.lr_schedule`` and the optimizer steps. A value head
+(critic) is not supported here: use fsdp2_train for the critic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from roll.configs.role import RoleConfig
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import LossFn, SamplingParams, WorkerContext
+from roll.models.logprobs import batch_temperature
+from roll.models.megatron import parallel
+from roll.models.megatron.forward import (
+    PackedMicroBatch,
+    pack_micro_batches,
+    response_logprobs,
+    run_schedule,
+    seq_multiple_for,
+    shape_sync_group,
+)
+from roll.models.megatron.hf_io import unwrap
+from roll.models.megatron.offload import StateOffloader
+from roll.models.megatron.runtime import (
+    broadcast_metrics,
+    build_chunks,
+    check_policy_model,
+    forward_log_probs,
+    megatron_config,
+)
+from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+
+_CKPT_SUBDIR = "megatron"
+
+
+class MegatronTrainStrategy:
+    """Training side of megatron-core for one rank of a role (see the module docstring)."""
+
+    def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
+        self.role_config = role_config
+        self.ctx = ctx
+        self.config = megatron_config(role_config)
+        self.hf_config: Any = None
+        self.model: list[torch.nn.Module] = []  # DDP-wrapped GPTModel chunks
+        self.optimizer: Any = None
+        self.offloader: StateOffloader | None = None
+        self.step_count = 0
+        self._lr_lambda = build_lr_lambda(role_config.training_args, None) if _constant(role_config) else None
+
+    # ------------------------------------------------------------------------------------- setup
+    def initialize(self, hf_config: Any = None) -> None:
+        """Parallel state, model (HF weights of ``model_name_or_path``; random weights of
+        ``hf_config``'s architecture when given, for benchmarks), DDP, optimizer."""
+        check_policy_model(self.role_config, "megatron_train")
+        self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
+        self.model = _wrap_ddp(chunks, self.config)
+        self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
+        _configure_schedule(self.model)
+        self.offloader = StateOffloader(self.model, self.optimizer)
+        dp_size = parallel.dp_layout()[1]
+        self.set_total_steps(
+            total_optimizer_steps(self.ctx.pipeline, self.role_config.training_args, dp_size)
+        )
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The number of optimizer steps of the run (for warmup ratio and LR decay)."""
+        args = self.role_config.training_args
+        if total_steps or _constant(self.role_config):
+            self._lr_lambda = build_lr_lambda(args, total_steps)
+
+    def dp_layout(self) -> tuple[int, int, bool]:
+        return parallel.dp_layout()
+
+    # ----------------------------------------------------------------------------------- forward
+    def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
+        self.offloader.ensure_loaded()
+        size = max(1, self.role_config.infer_batch_size)
+        return forward_log_probs(self.model, batch, self.config, self.hf_config.vocab_size, size)
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        raise ValueError(
+            f"{self.ctx.role}: megatron_train does not generate; give actor_infer a megatron_infer, vllm "
+            "or sglang strategy"
+        )
+
+    # ---------------------------------------------------------------------------------- training
+    def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this DP rank's ``micro_batches``; metrics on every rank."""
+        from megatron.core import parallel_state as ps
+
+        self.offloader.ensure_loaded()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
+        )
+        packed = pack_micro_batches(
+            micro_batches, seq_multiple_for(self.config), device, shape_sync_group(self.config)
+        )
+        temperature = batch_temperature(micro_batches[0])
+        tp_group = ps.get_tensor_model_parallel_group()
+        vocab = self.hf_config.vocab_size
+
+        def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
+            outputs = response_logprobs(logits, mb, tp_group, temperature, vocab)
+            loss, metrics = loss_fn(outputs, mb.batch)
+            return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+        _check_micro_batch_count(len(packed), len(self.model))
+        payloads = run_schedule(self.model, packed, loss_maker, forward_only=False)
+        lr = self._apply_lr()
+        _, grad_norm, _ = self.optimizer.step()
+        self.step_count += 1
+        metrics = None
+        if payloads:
+            metrics = {k: sum(p[k] for p in payloads) / len(payloads) for k in payloads[0]}
+        metrics = broadcast_metrics(metrics)
+        return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def _apply_lr(self) -> float:
+        """LR (and weight decay, 0 for biases and norms via megatron's ``wd_mult``) of this step,
+        as megatron's OptimizerParamScheduler would set them."""
+        args = self.role_config.training_args
+        factor = self._lr_lambda(self.step_count) if self._lr_lambda else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.get("max_lr", args.learning_rate) * factor
+            group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
+        return args.learning_rate * factor
+
+    # --------------------------------------------------------------------------------- offload
+    def offload_states(self) -> None:
+        """Move params / grads / optimizer state to CPU per ``offload_params/grads/optimizer``."""
+        cfg = self.config
+        self.offloader.offload(
+            params=cfg.offload_params, grads=cfg.offload_grads, optimizer=cfg.offload_optimizer
+        )
+
+    def reload_states(self) -> None:
+        self.offloader.reload()
+
+    # ---------------------------------------------------------------------------------- weights
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors; every rank must iterate (TP gathers are collective)."""
+        from roll.models.megatron.hf_io import export_hf_weights
+
+        self.offloader.ensure_loaded()
+        yield from export_hf_weights([unwrap(c) for c in self.model])
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from roll.models.megatron.named_loading import load_named_tensors
+
+        self.offloader.ensure_loaded()
+        load_named_tensors([unwrap(c) for c in self.model], named_tensors)
+        self.optimizer.reload_model_params()
+
+    def save_hf_checkpoint(self, path: str) -> None:
+        from roll.models.loading import model_path
+        from roll.models.megatron.hf_io import save_hf_checkpoint
+
+        self.offloader.ensure_loaded()
+        chunks = [unwrap(c) for c in self.model]
+        save_hf_checkpoint(
+            chunks, self.hf_config, path, tokenizer_dir=model_path(self.role_config.model_args)
+        )
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Model + optimizer (+ step) as a megatron dist checkpoint under ``path/megatron``: sharded
+        by global parameter, so it loads into any TP / PP / VPP / DP layout."""
+        from megatron.core import dist_checkpointing
+
+        self.offloader.ensure_loaded()
+        target = os.path.join(path, _CKPT_SUBDIR)
+        os.makedirs(target, exist_ok=True)
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), target)
+
+    def load_checkpoint(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        self.offloader.ensure_loaded()
+        target = os.path.join(path, _CKPT_SUBDIR)
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), target)
+        for i, chunk in enumerate(self.model):
+            chunk.module.load_state_dict(state[f"model{i}"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    def _sharded_state_dict(self, is_loading: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(self.model)}
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        state["step_count"] = self.step_count
+        return state
+
+
+def _constant(role_config: RoleConfig) -> bool:
+    args = role_config.training_args
+    return args.lr_scheduler_type == "constant" and args.warmup_ratio == 0
+
+
+def _check_micro_batch_count(count: int, chunks: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if chunks > 1 and count < pp:
+        raise ValueError(
+            f"virtual pipeline parallelism needs at least PP={pp} micro-batches per step, got {count}; "
+            "lower per_device_train_batch_size or raise gradient_accumulation_steps"
+        )
+
+
+def _wrap_ddp(chunks: list[torch.nn.Module], cfg: Any) -> list[torch.nn.Module]:
+    """megatron DDP around each chunk (grads reduced in fp32; buckets only on the first chunk)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def _build_optimizer(model: list[torch.nn.Module], role_config: RoleConfig, cfg: Any) -> Any:
+    """megatron's Adam (torch AdamW without TE/apex) with fp32 main params, clipping at max_grad_norm."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from roll.models.loading import torch_dtype
+
+    args = role_config.training_args
+    dtype = torch_dtype(role_config.model_args.dtype)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.learning_rate,
+        min_lr=args.learning_rate * args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_epsilon,
+        clip_grad=args.max_grad_norm,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        overlap_param_gather=cfg.overlap_param_gather,
+    )
+    return get_megatron_optimizer(opt_config, model)
+
+
+def _configure_schedule(model: list[torch.nn.Module]) -> None:
+    """Hooks megatron's schedules call: grad-sync suppression between micro-batches and finalize."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    no_sync = [m.no_sync for m in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if any(getattr(m.ddp_config, "overlap_param_gather", False) for m in model):
+        sync = [m.start_param_sync for m in model]
+        config.param_sync_func = sync[0] if len(sync) == 1 else sync

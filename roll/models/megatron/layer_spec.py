@@ -1,0 +1,346 @@
+"""Transformer layer specs for megatron-core GPT models, with or without TransformerEngine.
+
+With TransformerEngine importable, ``build_layer_spec`` returns megatron-core's TE spec. Without it
+(the GPU machines here have no TE, apex or flash-attn) it returns a plain-torch spec built from
+megatron-core's *local* spec, so every module and parameter keeps the local spec's name (the HF
+weight tables in ``weight_mapping.py`` rely on that), with these modules swapped in:
+
+- ``TorchNorm``: RMSNorm/LayerNorm whose weight is marked ``sequence_parallel`` so that
+  ``finalize_model_grads`` all-reduces its gradient across TP (megatron's ``WrappedTorchNorm``
+  refuses ``sequence_parallel=True``);
+- ``SDPAttention``: core attention on ``F.scaled_dot_product_attention`` (causal, GQA, megatron's
+  ``[s, b, heads, dim]`` layout and boolean "True = masked" attention masks);
+- ``TorchTopKRouter``: megatron's top-k router with the gating GEMM in plain torch (0.16.1 calls
+  an undefined ``te_general_gemm`` when TE is absent);
+- ``TorchGroupedMLP`` (``moe_grouped_gemm: true``): the local ``SequentialMLP`` parameters, computed
+  with ``torch._grouped_mm`` where torch offers it, else the per-expert loop.
+
+Options that need TE raise a ``ConfigError`` naming the key (see ``check_te_requirements``).
+
+>>> spec = build_layer_spec(transformer_config, megatron_cfg, num_experts=None)   # one dense layer
+
+``model_builder.build_model_chunks`` uses this as its default ``layer_spec_fn`` and takes the final
+norm from the layer's ``input_layernorm`` (so it is ``TorchNorm`` here too).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from roll.configs.errors import ConfigError
+from roll.configs.strategy_configs import MegatronConfig
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+_PATH = "strategy_args.strategy_config"
+
+
+# --------------------------------------------------------------------------------------------- norms
+class TorchNorm(torch.nn.Module):
+    """RMSNorm / LayerNorm in plain torch that works with sequence parallelism.
+
+    Same parameter names as torch.nn.RMSNorm/LayerNorm (``weight``, ``bias``). The normalisation runs
+    in fp32 and is cast back before the weight is applied (as HF's Llama/Qwen norms do).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+    ):
+        super().__init__()
+        self.kind = normalization or config.normalization
+        if self.kind not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"TorchNorm: normalization must be RMSNorm or LayerNorm, got {self.kind!r}")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma or zero_centered_gamma)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype, device=device))
+        if self.kind == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+        for param in self.parameters():
+            # With SP each TP rank sees its own sequence shard: finalize_model_grads sums these grads.
+            param.sequence_parallel = bool(config.sequence_parallel)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        shape = (self.hidden_size,)
+        if self.kind == "RMSNorm":
+            return weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+        return F.layer_norm(x.float(), shape, eps=self.eps).to(x.dtype) * weight + self.bias
+
+
+# ---------------------------------------------------------------------------------------- attention
+def _sdpa_mask(attention_mask: torch.Tensor | None, causal: bool, sq: int, sk: int, device) -> Any:
+    """(attn_mask, is_causal) for SDPA from megatron's conventions (bool mask, True = masked)."""
+    if attention_mask is not None:
+        return ~attention_mask.to(torch.bool), False
+    if not causal or sq == 1:
+        return None, False
+    if sq == sk:
+        return None, True
+    # Fewer queries than keys (chunked prefill): causal aligned to the last key.
+    q_pos = torch.arange(sk - sq, sk, device=device)[:, None]
+    return torch.arange(sk, device=device)[None, :] <= q_pos, False
+
+
+class SDPAttention(torch.nn.Module):
+    """Core attention on torch SDPA, a drop-in for megatron's ``DotProductAttention``.
+
+    Inputs are megatron's ``query [sq, b, heads, d]``, ``key/value [sk, b, groups, d]`` for this TP
+    rank; output is ``[sq, b, heads * d]``. ``attention_mask`` (optional) is boolean and True where
+    attention is NOT allowed, broadcastable to ``[b, heads, sq, sk]``; it is used as given (it must
+    include causality). Without a mask, causal layers use SDPA's fused causal kernels.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if config.context_parallel_size > 1:
+            raise ConfigError(f"{_PATH}.context_parallel_size", "context parallelism needs TransformerEngine")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ConfigError(
+                f"{_PATH}.transformer_config_kwargs",
+                "softmax_type other than 'vanilla' and sliding windows need TransformerEngine",
+            )
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self._causal_types = {AttnMaskType.causal, AttnMaskType.padding_causal}
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.softmax_scale is not None and softmax_scale is None:
+            self.softmax_scale = config.softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention: packed sequences and attention bias need TransformerEngine")
+        sq, b, heads, dim = query.shape
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        mask, is_causal = _sdpa_mask(
+            attention_mask, mask_type in self._causal_types, sq, key.shape[0], query.device
+        )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        dropout = self.dropout_p if self.training else 0.0
+        if dropout > 0:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._sdpa(q, k, v, mask, is_causal, dropout)
+        else:
+            out = self._sdpa(q, k, v, mask, is_causal, 0.0)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+    def _sdpa(self, q, k, v, mask, is_causal: bool, dropout: float) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+            enable_gqa=gqa,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def _router_class() -> type:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class TorchTopKRouter(TopKRouter):
+        """megatron's TopKRouter with the gating GEMM in plain torch (no ``te_general_gemm``)."""
+
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+                self.config.moe_router_dtype, input.dtype
+            )
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    return TorchTopKRouter
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's grouped GEMM serves this dtype/device (CUDA: bf16 on sm90+; CPU: any float)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    return (
+        device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+def _grouped_mlp_class() -> type:
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class TorchGroupedMLP(SequentialMLP):
+        """``SequentialMLP`` (same parameters, same checkpoints) computed with one grouped GEMM per
+        projection via ``torch._grouped_mm``; falls back to the per-expert loop where torch's grouped
+        GEMM does not serve the dtype/device or experts are tensor-parallel."""
+
+        def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+            if not self._can_group(hidden):
+                return super().forward(hidden, tokens_per_expert, probs)
+            offs = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
+            w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
+            w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
+            inter = torch._grouped_mm(hidden, w1, offs=offs)
+            inter = self._activation(inter)
+            inter = (inter * probs.unsqueeze(-1)).to(hidden.dtype)
+            return torch._grouped_mm(inter, w2, offs=offs), None
+
+        def _activation(self, x: torch.Tensor) -> torch.Tensor:
+            if self.config.gated_linear_unit:
+                gate, up = torch.chunk(x, 2, dim=-1)
+                return self.config.activation_func(gate) * (up + self.config.glu_linear_offset)
+            return self.config.activation_func(x)
+
+        def _can_group(self, hidden: torch.Tensor) -> bool:
+            cfg = self.config
+            return (
+                self.num_local_experts > 1
+                and self.tp_group.size() == 1
+                and not cfg.add_bias_linear
+                and not cfg.moe_apply_probs_on_input
+                and not (cfg.fp8 or cfg.fp4)
+                and cfg.activation_func_clamp_value is None
+                and grouped_mm_supported(hidden.dtype, hidden.device)
+            )
+
+    return TorchGroupedMLP
+
+
+# -------------------------------------------------------------------------------------- TE options
+# (MegatronConfig field or TransformerConfig attribute, predicate on its value, what it is)
+_TE_ONLY: tuple[tuple[str, Any, str], ...] = (
+    ("context_parallel_size", lambda v: v > 1, "context parallelism"),
+    ("fp8", lambda v: bool(v), "fp8 training"),
+    ("fp4", lambda v: bool(v), "fp4 training"),
+    ("tp_comm_overlap", lambda v: bool(v), "TP communication overlap"),
+    ("moe_permute_fusion", lambda v: bool(v), "fused MoE permutation"),
+    ("moe_router_fusion", lambda v: bool(v), "fused MoE router top-k"),
+    ("cpu_offloading", lambda v: bool(v), "activation CPU offloading"),
+    ("multi_latent_attention", lambda v: bool(v), "multi-latent attention (not in the plain-torch spec)"),
+    ("window_size", lambda v: v is not None, "sliding-window attention"),
+    ("softmax_type", lambda v: v not in (None, "vanilla"), "non-vanilla softmax"),
+    ("cuda_graph_impl", lambda v: v == "transformer_engine", "TE CUDA graphs"),
+)
+
+
+def check_te_requirements(megatron_cfg: MegatronConfig, transformer_config: Any = None) -> None:
+    """Raise a ConfigError naming the first option that needs TransformerEngine when it is missing."""
+    if HAVE_TE:
+        return
+    for key, needs_te, what in _TE_ONLY:
+        if hasattr(megatron_cfg, key):
+            value, path = getattr(megatron_cfg, key), f"{_PATH}.{key}"
+        elif key in megatron_cfg.transformer_config_kwargs:
+            value, path = (
+                megatron_cfg.transformer_config_kwargs[key],
+                f"{_PATH}.transformer_config_kwargs.{key}",
+            )
+        elif transformer_config is not None and hasattr(transformer_config, key):
+            value, path = getattr(transformer_config, key), f"{_PATH}.transformer_config_kwargs.{key}"
+        else:
+            continue
+        if needs_te(value):
+            raise ConfigError(
+                path,
+                f"{what} needs TransformerEngine, which is not installed "
+                f"(got {value!r}); install transformer_engine or turn it off",
+            )
+    if megatron_cfg.moe_token_dispatcher_type == "flex" and importlib.util.find_spec("deep_ep") is None:
+        raise ConfigError(f"{_PATH}.moe_token_dispatcher_type", "'flex' needs DeepEP, which is not installed")
+
+
+# ---------------------------------------------------------------------------------------- the specs
+def _use_te(megatron_cfg: MegatronConfig) -> bool:
+    return HAVE_TE and megatron_cfg.attention_backend != "local"
+
+
+def _plain_torch_layer(
+    spec: Any, transformer_config: Any, megatron_cfg: MegatronConfig, num_experts: int | None
+):
+    """Swap our modules into a copy of megatron's local layer spec (names unchanged)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    sub.input_layernorm = TorchNorm
+    sub.pre_mlp_layernorm = TorchNorm
+    attn = sub.self_attention.submodules
+    if megatron_cfg.attention_backend == "sdpa":
+        attn.core_attention = SDPAttention
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name, IdentityOp) is not IdentityOp:
+            setattr(attn, name, TorchNorm)
+    if num_experts:
+        moe = sub.mlp.submodules
+        sub.mlp.submodules = replace(moe, router=_router_class())
+        if megatron_cfg.moe_grouped_gemm:
+            sub.mlp.submodules.experts.module = _grouped_mlp_class()
+    return spec
+
+
+def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_experts: int | None) -> Any:
+    """One transformer layer's ModuleSpec (MoE when ``num_experts``): TE's spec when TE imports,
+    else the plain-torch spec described in the module docstring."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    check_te_requirements(megatron_cfg, transformer_config)
+    qk = bool(transformer_config.qk_layernorm)
+    if _use_te(megatron_cfg):
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=megatron_cfg.moe_grouped_gemm, qk_layernorm=qk
+        )
+    local = specs.get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=qk,
+        normalization=transformer_config.normalization,
+    )
+    return _plain_torch_layer(local, transformer_config, megatron_cfg, num_experts)

@@ -1,0 +1,179 @@
+"""What both megatron strategies share: building the model chunks of one rank, forward-only
+log-probs through the pipeline schedule, and moving plain parameters off and back onto the GPU.
+
+>>> hf_config, chunks = build_chunks(role_config, ctx, megatron_cfg)     # weights loaded from HF
+>>> out = forward_log_probs(chunks, batch, megatron_cfg, hf_config.vocab_size, micro_batch_size=4)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from roll.configs.errors import ConfigError
+from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import MegatronConfig
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import WorkerContext
+from roll.models.logprobs import batch_temperature
+from roll.models.megatron.forward import (
+    PackedMicroBatch,
+    pack_micro_batches,
+    response_logprobs,
+    run_schedule,
+    seq_multiple_for,
+    shape_sync_group,
+    split_for_pipeline,
+)
+from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
+
+
+def megatron_config(role_config: RoleConfig) -> MegatronConfig:
+    """The role's typed MegatronConfig (validated by roll.configs.validate, or built here)."""
+    args = role_config.strategy_args
+    if args is not None and isinstance(args.config, MegatronConfig):
+        return args.config
+    return MegatronConfig(**((args.strategy_config if args else None) or {}))
+
+
+def check_policy_model(role_config: RoleConfig, strategy: str) -> None:
+    if role_config.model_args.is_value_model:
+        raise ConfigError(
+            "model_args.model_type",
+            f"{strategy} has no value head; run the critic with fsdp2_train (model_type 'value')",
+        )
+
+
+def build_chunks(
+    role_config: RoleConfig, ctx: WorkerContext, cfg: MegatronConfig, hf_config: Any = None
+) -> tuple[Any, list[torch.nn.Module]]:
+    """Parallel state + this rank's GPTModel chunks (one per virtual pipeline stage) with the
+    weights of ``model_name_or_path``; or, given ``hf_config`` (benchmarks), that architecture with
+    random weights."""
+    from transformers import AutoConfig
+
+    from roll.models.loading import model_path, torch_dtype
+    from roll.models.megatron.hf_io import load_hf_weights
+    from roll.models.megatron.model_builder import build_model_chunks
+
+    init_parallel(ctx, cfg)
+    dtype = torch_dtype(role_config.model_args.dtype)
+    if hf_config is not None:
+        chunks = build_model_chunks(hf_config, cfg, dtype)
+        mark_tensor_parallel_params(chunks)
+        init_random_weights(chunks)
+        return hf_config, chunks
+    path = model_path(role_config.model_args)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role_config.model_args.trust_remote_code)
+    chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
+    mark_tensor_parallel_params(chunks)
+    load_hf_weights(chunks, path)
+    return hf_config, chunks
+
+
+def mark_tensor_parallel_params(chunks: list[torch.nn.Module]) -> None:
+    """Tag TP-sharded weights (``tensor_model_parallel``, ``partition_dim``) as megatron's init would.
+
+    megatron-core sets these in its weight initialisers, which ``perform_initialization=False``
+    skips (weights come from the checkpoint); without them the gradient norm counts every TP
+    shard of those weights on TP rank 0 only, so clipping and the reported norm come out wrong.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    for chunk in chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            dim = next((d for kind, d in dims if isinstance(module, kind)), None)
+            if dim is not None and isinstance(weight, torch.nn.Parameter):
+                if not getattr(weight, "tensor_model_parallel", False):
+                    set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+@torch.no_grad()
+def init_random_weights(chunks: list[torch.nn.Module], std: float = 0.02) -> None:
+    """Norm weights 1, biases 0, everything else N(0, std) (the builder leaves params uninitialised)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.dim() == 1:
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
+            else:
+                param.normal_(0.0, std)
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+@torch.no_grad()
+def forward_log_probs(
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    cfg: MegatronConfig,
+    vocab_size: int,
+    micro_batch_size: int,
+) -> dict[str, torch.Tensor]:
+    """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    temperature = batch_temperature(batch)
+    vpp = len(chunks)
+    micro = split_for_pipeline(
+        batch, micro_batch_size, ps.get_pipeline_model_parallel_world_size() if vpp > 1 else 1
+    )
+    packed = pack_micro_batches(micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg))
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
+        out = response_logprobs(logits, mb, tp_group, temperature, vocab_size)
+        return torch.zeros((), device=logits.device), out
+
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        payloads = run_schedule(chunks, packed, loss_maker, forward_only=True)
+    finally:
+        for c, mode in zip(chunks, modes):
+            c.train(mode)
+    shape = tuple(batch["responses"].shape)
+    result = None
+    if payloads:
+        result = {k: torch.cat([p[k] for p in payloads]) for k in ("log_probs", "entropy")}
+    result = broadcast_from_last_stage(result, {k: (shape, torch.float32) for k in ("log_probs", "entropy")})
+    return {k: v.float().cpu() for k, v in result.items()}
+
+
+def broadcast_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    """Metrics computed on the last pipeline stage, given to every stage of the PP group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics or {}
+    box = [metrics]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0] or {}
+
+
+def move_params(chunks: list[torch.nn.Module], device: torch.device | str) -> None:
+    """Move every parameter's data (and buffer) of plain (un-wrapped) chunks to ``device``."""
+    for chunk in chunks:
+        for tensor in list(chunk.parameters()) + list(chunk.buffers()):
+            if tensor.device.type != torch.device(device).type:
+                tensor.data = tensor.data.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

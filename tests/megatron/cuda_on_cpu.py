@@ -1,0 +1,66 @@
+"""TEST-ONLY: let megatron-core's optimizer, DDP, schedules and dist-checkpointing run on CPU.
+
+They create helper tensors with ``device="cuda"``, call ``.cuda()`` / ``torch.cuda.synchronize()``
+and check ``param.type() == "torch.cuda.FloatTensor"``. Inside ``cuda_on_cpu()`` a
+``TorchFunctionMode`` sends those tensors to the CPU and reports CPU tensor types under their CUDA
+names; ``torch.cuda.synchronize``/``empty_cache`` do nothing. Together with ``compat.apply()``
+(forward-pass patches) the megatron strategies then run unchanged on gloo. Never used on CUDA
+machines (``cuda_on_cpu`` is a no-op there) and never imported by ``roll/``.
+
+>>> with cuda_on_cpu():
+...     strategy.initialize(); strategy.train_step(micro_batches, loss_fn)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _cpu(value):
+    if isinstance(value, str) and value.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    return value
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name in ("cuda", "pin_memory"):
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:
+            out = func(*args)
+            return _CUDA_TYPE_NAMES.get(out, out)
+        if name == "to":
+            args = tuple(_cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_on_cpu():
+    """Run the block with CUDA-only helper tensors on CPU (does nothing where CUDA exists)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = {name: getattr(torch.cuda, name) for name in ("synchronize", "empty_cache")}
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda *args, **kwargs: None
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
