@@ -74,10 +74,13 @@ class Case:
     forward: bool = True
     save: bool = False
     sliced_export: bool = False
+    # Build with roll's layer spec (layer_spec.build_layer_spec) instead of megatron-core's local one.
+    roll_spec: bool = False
 
     def __str__(self) -> str:
         vpp = f"VPP{self.vpp}" if self.vpp else ""
-        return f"{self.family} TP{self.tp} PP{self.pp}{vpp} EP{self.ep} ETP{self.etp or self.tp}"
+        spec = " roll-spec" if self.roll_spec else ""
+        return f"{self.family} TP{self.tp} PP{self.pp}{vpp} EP{self.ep} ETP{self.etp or self.tp}{spec}"
 
 
 DENSE = ("llama", "qwen2", "qwen3")
@@ -88,7 +91,9 @@ CASES = {
     + [Case(f, pp=2) for f in ("llama", "qwen2", "qwen3_moe")]
     + [Case(f, pp=2, vpp=2) for f in ("qwen2", "qwen3")]
     + [Case(f, ep=2) for f in MOE]
-    + [Case("qwen3", tp=2, sliced_export=True), Case("mixtral", ep=2, sliced_export=True)],
+    + [Case("qwen3", tp=2, sliced_export=True), Case("mixtral", ep=2, sliced_export=True)]
+    + [Case(f, tp=2, roll_spec=True) for f in ("qwen2", "qwen3_moe")]
+    + [Case("qwen3", pp=2, roll_spec=True)],
     4: [Case(f, tp=2, pp=2) for f in ("llama", "qwen2", "qwen3_moe")]
     + [
         Case("qwen3", tp=2),  # DP=2: the second replica yields nothing
@@ -132,6 +137,42 @@ def test_round_trip_and_forward(world_size: int, checkpoints: dict[str, str], tm
     mp.spawn(_worker, args=args, nprocs=world_size, join=True)
 
 
+def test_transformer_engine_names() -> None:
+    """TE fuses the norms into linear_qkv / linear_fc1 and names grouped experts weight{i}; the
+    tables bind those names when the built model has them (MoE layers keep pre_mlp_layernorm)."""
+    from roll.configs.strategy_configs import MegatronConfig
+    from roll.models.megatron import families
+    from roll.models.megatron import weight_mapping as wm
+
+    te_names = [
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+    ]
+    naming = wm.MegatronNaming.detect(te_names)
+    assert naming == wm.MegatronNaming(fused_norms=True, grouped_experts=True)
+    info = families.conversion_info(HF_CONFIGS["qwen3_moe"](), MegatronConfig())
+    dense = {w.mcore: w.hf for w in wm.layer_weights(info, naming, layer=1, local=0, experts=[])}
+    assert dense["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"] == (
+        "model.layers.1.input_layernorm.weight",
+    )
+    assert dense["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == (
+        "model.layers.1.post_attention_layernorm.weight",
+    )
+    moe = {w.mcore: w.hf for w in wm.layer_weights(info, naming, layer=2, local=1, experts=[2, 3])}
+    assert moe["decoder.layers.1.pre_mlp_layernorm.weight"] == (
+        "model.layers.2.post_attention_layernorm.weight",
+    )
+    assert moe["decoder.layers.1.mlp.experts.linear_fc1.weight1"] == (
+        "model.layers.2.mlp.experts.3.gate_proj.weight",
+        "model.layers.2.mlp.experts.3.up_proj.weight",
+    )
+    assert moe["decoder.layers.1.mlp.experts.linear_fc2.weight0"] == (
+        "model.layers.2.mlp.experts.2.down_proj.weight",
+    )
+    with pytest.raises(ValueError, match="legacy GroupedMLP"):
+        wm.MegatronNaming.detect(["decoder.layers.0.mlp.experts.weight1"])
+
+
 # ------------------------------------------------------------------------------------ workers
 def _worker(rank: int, world: int, port: int, ckpts: dict[str, str], cases: list[Case], scratch: str) -> None:
     warnings.filterwarnings("ignore")
@@ -169,7 +210,7 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
     from megatron.core import parallel_state as ps
 
     from roll.configs.strategy_configs import MegatronConfig
-    from roll.models.megatron.model_builder import build_model_chunks, local_layer_spec
+    from roll.models.megatron.model_builder import build_model_chunks, default_layer_spec_fn, local_layer_spec
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=case.tp,
@@ -188,7 +229,8 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
     )
     cfg.validate(dist.get_world_size(), "strategy_config")
     hf_config = transformers.AutoConfig.from_pretrained(ckpt)
-    chunks = build_model_chunks(hf_config, cfg, torch.float32, local_layer_spec)
+    spec_fn = default_layer_spec_fn() if case.roll_spec else local_layer_spec
+    chunks = build_model_chunks(hf_config, cfg, torch.float32, spec_fn)
     _load_and_check_reads(chunks, ckpt)
     _check_export(chunks, ckpt, scratch / "export", case)
     if case.forward:
@@ -278,10 +320,22 @@ def _gather_exports(chunks, scratch: Path, gather: bool) -> list[tuple[int, dict
     rank = dist.get_rank()
     scratch.mkdir(parents=True, exist_ok=True)
     mine = {name: t.detach().cpu().clone() for name, t in export_hf_weights(chunks, gather=gather)}
+    if gather:
+        _check_export_roles(chunks, mine)
     ranks = (ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
     torch.save((ranks, mine), scratch / f"{int(gather)}_{rank}.pt")
     dist.barrier()
     return [torch.load(scratch / f"{int(gather)}_{r}.pt") for r in range(dist.get_world_size())]
+
+
+def _check_export_roles(chunks, exported: dict[str, torch.Tensor]) -> None:
+    """export_roles() says exactly whether this rank yields non-expert / expert tensors."""
+    from roll.models.megatron.hf_io import export_roles, unwrap
+
+    dense, experts = export_roles()
+    has_experts = unwrap(chunks[0]).roll_hf_info.num_experts > 0
+    assert dense == any(".experts." not in name for name in exported)
+    assert (experts and has_experts) == any(".experts." in name for name in exported)
 
 
 def _check_export(chunks, ckpt: str, scratch: Path, case: Case) -> None:

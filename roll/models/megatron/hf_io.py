@@ -210,6 +210,20 @@ def _exporting_groups() -> tuple[bool, bool]:
     return dense, ps.get_expert_data_parallel_rank() == 0
 
 
+def export_roles() -> tuple[bool, bool]:
+    """(yields non-expert tensors, yields expert tensors) for this rank under
+    ``export_hf_weights(gather=True)``: the model-update senders are the ranks with either true."""
+    from megatron.core import parallel_state as ps
+
+    dense, experts = _exporting_groups()
+    if not dist.is_initialized():
+        return dense, experts
+    return (
+        dense and ps.get_tensor_model_parallel_rank() == 0,
+        experts and ps.get_expert_tensor_parallel_rank() == 0,
+    )
+
+
 def _shards(shard: torch.Tensor, group: Any, rank: int, size: int, gather: bool) -> list[torch.Tensor] | None:
     """All TP shards of a parameter on the group's rank 0 (None elsewhere), or just this one."""
     if not gather or size == 1:

@@ -196,7 +196,7 @@ def layer_table(info: ConversionInfo, layer: int) -> tuple[WeightSpec, ...]:
     return table
 
 
-def _bind_layer(
+def _bind(
     spec: WeightSpec, naming: MegatronNaming, local: int, layer: int, experts: list[int]
 ) -> list[BoundWeight]:
     mcore_prefix, hf_prefix = MCORE_LAYER.format(layer=local), HF_LAYER.format(layer=layer)
@@ -216,6 +216,14 @@ def _bind_layer(
     ]
 
 
+def layer_weights(
+    info: ConversionInfo, naming: MegatronNaming, layer: int, local: int, experts: list[int]
+) -> list[BoundWeight]:
+    """The weights of global layer ``layer``, held as ``decoder.layers.{local}`` of a chunk whose MoE
+    layers hold the global experts ``experts`` (local expert i is ``experts[i]``)."""
+    return [w for spec in layer_table(info, layer) for w in _bind(spec, naming, local, layer, experts)]
+
+
 def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[BoundWeight]:
     """Every parameter of one GPTModel chunk (unwrapped), bound to its HF tensors, in a fixed
     order that is the same on every rank of a TP / expert-TP group."""
@@ -228,8 +236,7 @@ def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[B
     for local, layer_module in enumerate(model.decoder.layers):
         layer = offset + local
         experts = list(getattr(layer_module.mlp, "local_expert_indices", []))
-        for spec in layer_table(info, layer):
-            bound.extend(_bind_layer(spec, naming, local, layer, experts))
+        bound.extend(layer_weights(info, naming, layer, local, experts))
     if model.post_process:
         bound.append(BoundWeight(FINAL_NORM.mcore, FINAL_NORM.hf, REPLICATED))
         if not info.tie_word_embeddings:
@@ -247,9 +254,8 @@ def expected_hf_names(info: ConversionInfo) -> set[str]:
         names |= set(OUTPUT.hf)
     experts = list(range(info.num_experts))
     for layer in range(info.num_layers):
-        for spec in layer_table(info, layer):
-            for weight in _bind_layer(spec, MegatronNaming(), layer, layer, experts):
-                names.update(weight.hf)
+        for weight in layer_weights(info, MegatronNaming(), layer, layer, experts):
+            names.update(weight.hf)
     return names
 
 
