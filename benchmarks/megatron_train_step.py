@@ -1,0 +1,335 @@
+"""Whole ``megatron_train`` step (forward, backward, grad sync, clip, optimizer) in tokens/s and MFU.
+
+Random weights of Qwen2.5-1.5B / Qwen2.5-7B / a small Qwen3-MoE architecture, sequences of 4096
+tokens (512 prompt + 3584 response), micro-batch 1, 8 micro-batches per optimizer step, bf16
+with fp32 main params and Adam, through ``MegatronTrainStrategy.train_step`` with a PPO-clip loss
+on the vocab-parallel log-probs. MFU = model FLOPs / (step time x GPUs x measured bf16 peak), the
+peak being an 8192^3 bf16 matmul timed on the same device in the same run. Model FLOPs count 6 x
+matmul parameters per token (MoE: the activated experts), the LM head, and causal attention
+(2 x 2 x seq/2 x heads x head_dim per token forward, x3 for training); recompute is not counted.
+
+    torchrun --nproc_per_node 1 benchmarks/megatron_train_step.py --out one.json
+    torchrun --nproc_per_node 2 benchmarks/megatron_train_step.py --out two.json
+    python benchmarks/megatron_train_step.py --table one.json two.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
+from roll.distributed.scheduler.batch import Batch  # noqa: E402
+from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+
+SEQ, PROMPT = 4096, 512
+MICRO_BATCHES = 8
+
+
+def qwen25_1p5b() -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+
+
+def qwen25_7b(layers: int = 28) -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=layers,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    )
+
+
+def small_moe() -> transformers.PretrainedConfig:
+    return transformers.Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    )
+
+
+@dataclass
+class Case:
+    name: str
+    make_config: object
+    gpus: int
+    layout: dict = field(default_factory=dict)
+    note: str = ""
+
+
+CASES = [
+    Case("Qwen2.5-1.5B", qwen25_1p5b, 1),
+    Case(
+        "Qwen2.5-7B, 16 of 28 layers",
+        lambda: qwen25_7b(16),
+        1,
+        note="all 28 layers need 137 GiB for bf16 params + fp32 grads + fp32 Adam (18 B/param): over one H200",
+    ),
+    Case("Qwen2.5-1.5B", qwen25_1p5b, 2, {"use_distributed_optimizer": True}),
+    Case(
+        "MoE 3.2B (32 experts, top-4)",
+        small_moe,
+        2,
+        {"expert_model_parallel_size": 2, "moe_grouped_gemm": True, "use_distributed_optimizer": True},
+    ),
+    Case("Qwen2.5-7B", qwen25_7b, 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("Qwen2.5-7B", qwen25_7b, 2, {"use_distributed_optimizer": True}),
+]
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+def flops_per_token(cfg) -> float:
+    """Training model FLOPs per token (see the module docstring)."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q_dim, kv_dim = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    attn_params = h * q_dim + 2 * h * kv_dim + q_dim * h
+    if getattr(cfg, "num_experts", 0):
+        mlp_params = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
+    else:
+        mlp_params = 3 * h * cfg.intermediate_size
+    matmul = layers * (attn_params + mlp_params) + h * cfg.vocab_size
+    attention = layers * 2 * SEQ * q_dim  # QK^T and AV, causal: SEQ/2 keys on average
+    return 3 * (2 * matmul + attention)
+
+
+def measured_peak_tflops(device: torch.device) -> float:
+    """Best of 20 bf16 8192^3 matmuls after 5 warm-ups, in TFLOP/s."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(5):
+        a @ b
+    best = math.inf
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / best / 1e12
+
+
+# ------------------------------------------------------------------------------------- data
+def make_batch(rows: int, vocab: int, seed: int) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (rows, PROMPT), generator=gen)
+    responses = torch.randint(0, vocab, (rows, SEQ - PROMPT), generator=gen)
+    ones_p, ones_r = torch.ones_like(prompts), torch.ones_like(responses)
+    return Batch.from_dict(
+        {
+            "prompts": prompts,
+            "prompt_mask": ones_p,
+            "responses": responses,
+            "response_mask": ones_r,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([ones_p, ones_r], 1),
+            "old_log_probs": -torch.rand(rows, SEQ - PROMPT, generator=gen) * 10,
+            "advantages": torch.randn(rows, SEQ - PROMPT, generator=gen),
+        }
+    )
+
+
+def ppo_loss(outputs: dict[str, torch.Tensor], batch: Batch):
+    mask = batch["response_mask"].float()
+    ratio = torch.exp(outputs["log_probs"] - batch["old_log_probs"])
+    adv = batch["advantages"]
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    return (pg * mask).sum() / mask.sum(), {}
+
+
+# ---------------------------------------------------------------------------------- one case
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def run_case(case: Case, steps: int, warmup: int) -> dict:
+    from roll.distributed.strategy.megatron_strategy import MegatronTrainStrategy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.reset_peak_memory_stats()
+    hf_config = case.make_config()
+    role = RoleConfig(
+        model_args=ModelArgs(dtype="bf16"),
+        training_args=TrainingArgs(learning_rate=1e-6),
+        strategy_args=StrategyArgs("megatron_train", dict(case.layout)),
+    )
+    device = _device()
+    strategy = MegatronTrainStrategy(role, WorkerContext("actor_train", rank, world, rank, device))
+    strategy.initialize(hf_config=hf_config)
+    dp_rank, dp_size, _ = strategy.dp_layout()
+    micro = make_batch(MICRO_BATCHES, hf_config.vocab_size, seed=dp_rank).split(1)
+    times = []
+    for step in range(warmup + steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        strategy.train_step(micro, ppo_loss)
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = SEQ * MICRO_BATCHES * dp_size
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    row = {
+        "config": case.name,
+        "gpus": world,
+        "layout": _layout(case, dp_size),
+        "seq": SEQ,
+        "tokens_per_s": tokens / step_s,
+        "step_ms": step_s * 1e3,
+        "peak_gib": float(peak),
+        "model_tflop": flops_per_token(hf_config) * tokens / 1e12,
+        "note": case.note,
+    }
+    row.update(_offload_freed(strategy) if case.layout.get("tensor_model_parallel_size") == 2 else {})
+    del strategy
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def _layout(case: Case, dp: int) -> str:
+    tp = case.layout.get("tensor_model_parallel_size", 1)
+    parts = [f"TP{tp}" if tp > 1 else "", "SP" if case.layout.get("sequence_parallel") else ""]
+    parts += [
+        f"EP{case.layout['expert_model_parallel_size']}"
+        if "expert_model_parallel_size" in case.layout
+        else ""
+    ]
+    parts += [f"DP{dp}", "dist-opt" if case.layout.get("use_distributed_optimizer") else ""]
+    return " ".join(p for p in parts if p)
+
+
+def _offload_freed(strategy) -> dict:
+    """CUDA memory held before / after offloading params, grads and optimizer state (GiB)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() / 2**30
+    strategy.config.offload_params = True
+    start = time.perf_counter()
+    strategy.offload_states()
+    offload_s = time.perf_counter() - start
+    after = torch.cuda.memory_allocated() / 2**30
+    start = time.perf_counter()
+    strategy.reload_states()
+    torch.cuda.synchronize()
+    return {
+        "offload_before_gib": before,
+        "offload_after_gib": after,
+        "offload_s": offload_s,
+        "reload_s": time.perf_counter() - start,
+    }
+
+
+# ---------------------------------------------------------------------------------- output
+COLUMNS = ("config", "gpus", "layout", "seq", "tokens/s", "MFU", "peak GiB", "step ms")
+
+
+def table(rows: list[dict], peaks: dict) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        peak = peaks[str(r["gpus"])]
+        mfu = r["model_tflop"] / (r["step_ms"] / 1e3) / r["gpus"] / peak
+        cells = [
+            r["config"],
+            r["gpus"],
+            r["layout"],
+            r["seq"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{mfu:.1%}",
+            f"{r['peak_gib']:.1f}",
+            f"{r['step_ms']:.0f}",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines.append("")
+    lines += [f"measured bf16 matmul peak ({g} GPU run): {p:.0f} TFLOP/s" for g, p in peaks.items()]
+    lines += [f"- {r['config']} ({r['gpus']} GPU): {r['note']}" for r in rows if r["note"]]
+    for r in rows:
+        if "offload_before_gib" in r:
+            lines.append(
+                f"- offload ({r['config']}, {r['layout']}): {r['offload_before_gib']:.1f} GiB allocated -> "
+                f"{r['offload_after_gib']:.2f} GiB in {r['offload_s']:.1f} s; reload {r['reload_s']:.1f} s"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", help="write the rows and the measured peak as JSON")
+    parser.add_argument("--table", nargs="+", help="print the table of these JSON files and exit")
+    parser.add_argument("--only", help="run only cases whose name contains this")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    if args.table:
+        runs = [json.loads(Path(p).read_text()) for p in args.table]
+        print(
+            table(
+                [r for run in runs for r in run["rows"]],
+                {k: v for run in runs for k, v in run["peak"].items()},
+            )
+        )
+        return
+    warnings.filterwarnings("ignore")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", torch.cuda.current_device())
+    )
+    peak = measured_peak_tflops(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for case in CASES:
+        if case.gpus != world or (args.only and args.only not in case.name):
+            continue
+        rows.append(run_case(case, args.steps, args.warmup))
+        if rank == 0:  # written after every case, so an out-of-memory crash keeps the earlier rows
+            print(json.dumps(rows[-1]), flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"rows": rows, "peak": {str(world): peak}}, indent=1))
+    if rank == 0:
+        print(table(rows, {str(world): peak}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
