@@ -120,7 +120,18 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
         paths[family] = str(root / family)
         model.save_pretrained(paths[family])
+        _tokenizer().save_pretrained(paths[family])
     return paths
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer, so save_hf_checkpoint has one to copy."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    )
 
 
 def _free_port() -> int:
@@ -427,15 +438,22 @@ def _check_forward(chunks, ckpt: str) -> None:
 
 # --------------------------------------------------------------------------------------- save
 def _check_save(chunks, hf_config, ckpt: str, out: Path) -> None:
-    """save_hf_checkpoint from all ranks; transformers loads the result with the original weights."""
-    from roll.models.megatron.hf_io import save_hf_checkpoint
+    """save_hf_checkpoint from all ranks: transformers loads the result (and its tokenizer) with the
+    original weights, and load_hf_weights reads it back (several files + index when PP/EP > 1)."""
+    from roll.models.megatron.hf_io import load_hf_weights, save_hf_checkpoint
 
-    save_hf_checkpoint(chunks, hf_config, out)
-    if dist.get_rank() != 0:
-        return
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    original = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    reloaded_state, original_state = reloaded.state_dict(), original.state_dict()
-    assert set(reloaded_state) == set(original_state)
-    for name, tensor in original_state.items():
-        assert torch.equal(reloaded_state[name], tensor), f"{name} differs after save_hf_checkpoint"
+    save_hf_checkpoint(chunks, hf_config, out, tokenizer_dir=ckpt)
+    if dist.get_rank() == 0:
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        original = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        reloaded_state, original_state = reloaded.state_dict(), original.state_dict()
+        assert set(reloaded_state) == set(original_state)
+        for name, tensor in original_state.items():
+            assert torch.equal(reloaded_state[name], tensor), f"{name} differs after save_hf_checkpoint"
+        tokenizers = [transformers.AutoTokenizer.from_pretrained(path) for path in (out, ckpt)]
+        assert tokenizers[0].get_vocab() == tokenizers[1].get_vocab()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.data.zero_()
+    load_hf_weights(chunks, out)
+    _check_export(chunks, ckpt, out.parent / "export_after_save", Case(hf_config.model_type))
