@@ -6,7 +6,8 @@ copies them into the parameters in place. Every parameter is filled exactly once
 checkpoint tensor is claimed by the model's table, else ``CheckpointError`` names the tensor/file.
 
 Export (``export_hf_weights``) is collective: every rank of the model's process groups must iterate
-it (it all-gathers TP shards). Which ranks yield what, with ``gather=True``:
+it (it gathers TP shards onto TP rank 0). Which ranks yield what, with ``gather=True``
+(``export_roles()`` tells a rank its part):
 
 - non-expert tensors of PP stage p: the one rank of stage p with TP rank 0 and data-parallel rank 0
   (context-parallel included), yielding full tensors gathered over its TP group;

@@ -164,7 +164,9 @@ def build_model_chunks(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = transformer_config or transformer_config_from_hf(hf_config, megatron_cfg, dtype)
+    config = transformer_config
+    if config is None:
+        config = transformer_config_from_hf(hf_config, megatron_cfg, dtype)
     spec_fn = layer_spec_fn or default_layer_spec_fn()
     info = families.conversion_info(hf_config, megatron_cfg)
     model_kwargs = families.rope_kwargs(hf_config)
