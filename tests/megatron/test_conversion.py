@@ -77,14 +77,14 @@ class Case:
     # Build with roll's layer spec (layer_spec.build_layer_spec) instead of megatron-core's local one.
     roll_spec: bool = False
     # Count the embedding and the loss as pipeline layers (account_for_*_in_pipeline_split).
-    uneven: bool = False
+    pp_split_extras: bool = False
 
     def __str__(self) -> str:
         vpp = f"VPP{self.vpp}" if self.vpp else ""
         spec = " roll-spec" if self.roll_spec else ""
-        uneven = " uneven" if self.uneven else ""
+        extras = " +emb+loss" if self.pp_split_extras else ""
         return (
-            f"{self.family} TP{self.tp} PP{self.pp}{vpp} EP{self.ep} ETP{self.etp or self.tp}{spec}{uneven}"
+            f"{self.family} TP{self.tp} PP{self.pp}{vpp} EP{self.ep} ETP{self.etp or self.tp}{spec}{extras}"
         )
 
 
@@ -97,7 +97,7 @@ CASES = {
     + [Case(f, pp=2, vpp=2) for f in ("qwen2", "qwen3")]
     # 4 layers + embedding + loss = 6 pipeline "layers", 3 per stage. With VPP 3 the six chunks hold
     # [embedding], [L0], [L1], [L2], [L3], [loss] (first/last without any transformer layer).
-    + [Case("llama", pp=2, uneven=True), Case("qwen2", pp=2, vpp=3, uneven=True)]
+    + [Case("llama", pp=2, pp_split_extras=True), Case("qwen2", pp=2, vpp=3, pp_split_extras=True)]
     + [Case(f, ep=2) for f in MOE]
     + [Case("qwen3", tp=2, sliced_export=True), Case("mixtral", ep=2, sliced_export=True)]
     + [Case(f, tp=2, roll_spec=True) for f in ("qwen2", "qwen3_moe")]
@@ -245,8 +245,8 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
         virtual_pipeline_model_parallel_size=case.vpp,
         expert_model_parallel_size=case.ep,
         expert_tensor_parallel_size=case.etp,
-        account_for_embedding_in_pipeline_split=case.uneven,
-        account_for_loss_in_pipeline_split=case.uneven,
+        account_for_embedding_in_pipeline_split=case.pp_split_extras,
+        account_for_loss_in_pipeline_split=case.pp_split_extras,
     )
     cfg.validate(dist.get_world_size(), "strategy_config")
     hf_config = transformers.AutoConfig.from_pretrained(ckpt)
