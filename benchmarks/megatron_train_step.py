@@ -16,6 +16,7 @@ matmul parameters per token (MoE: the activated experts), the LM head, and causa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -220,6 +221,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
     }
     row.update(_offload_freed(strategy) if case.layout.get("tensor_model_parallel_size") == 2 else {})
     del strategy
+    gc.collect()  # the model, its config and DDP hooks form reference cycles
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return row

@@ -194,6 +194,9 @@ def _router_class() -> type:
         """megatron's TopKRouter with the gating GEMM in plain torch (no ``te_general_gemm``)."""
 
         def gating(self, input: torch.Tensor) -> torch.Tensor:
+            for param in (self.weight, self.bias):
+                if param is not None and param.device != input.device:  # built on CPU by megatron
+                    param.data = param.data.to(input.device)
             dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
                 self.config.moe_router_dtype, input.dtype
             )

@@ -63,6 +63,7 @@ def build_chunks(
     if hf_config is not None:
         chunks = build_model_chunks(hf_config, cfg, dtype)
         mark_tensor_parallel_params(chunks)
+        _to_device(chunks, ctx)
         init_random_weights(chunks)
         return hf_config, chunks
     path = model_path(role_config.model_args)
@@ -70,7 +71,15 @@ def build_chunks(
     chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
     mark_tensor_parallel_params(chunks)
     load_hf_weights(chunks, path)
+    _to_device(chunks, ctx)
     return hf_config, chunks
+
+
+def _to_device(chunks: list[torch.nn.Module], ctx: WorkerContext) -> None:
+    """megatron builds some parameters on CPU whatever the device (the MoE router's weight, moved
+    lazily by its own forward): put all of them on the worker's GPU before DDP/optimizer see them."""
+    if ctx.is_cuda:
+        move_params(chunks, torch.device("cuda", torch.cuda.current_device()))
 
 
 def mark_tensor_parallel_params(chunks: list[torch.nn.Module]) -> None:

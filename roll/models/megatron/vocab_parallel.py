@@ -29,24 +29,41 @@ def _vocab_range(local_size: int, group) -> tuple[int, int]:
     return rank * local_size, (rank + 1) * local_size
 
 
+# Rows of fp32 [rows, V/tp] temporaries per chunk: ~256 MiB each, whatever the vocabulary.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
+    """Works on [N, V/tp] rows in chunks, so the fp32 temporaries stay ~256 MiB; two rounds of
+    all-reduces over the TP group (the max, then sum-exp / E[shifted] / target logit)."""
+
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group, temperature: float, vocab_size):
-        scaled = _scaled(logits, temperature, vocab_size, group)
-        maxes = _all_reduce(scaled.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        shifted = scaled - maxes.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-        # E_p[shifted] for the entropy: sum_j p_j * shifted_j.
-        weighted = torch.nan_to_num(exp * shifted, nan=0.0)  # exp = 0 on vocab padding
-        mean_shifted = _all_reduce(weighted.sum(dim=-1), dist.ReduceOp.SUM, group) / sum_exp
-        start, end = _vocab_range(logits.shape[-1], group)
+        rows, vocab = logits.shape
+        start, end = _vocab_range(vocab, group)
         owned = (targets >= start) & (targets < end)
         local_idx = torch.where(owned, targets - start, torch.zeros_like(targets))
-        target_shifted = shifted.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1) * owned
-        target_shifted = _all_reduce(target_shifted, dist.ReduceOp.SUM, group)
-        log_sum_exp = sum_exp.log()
-        log_probs = target_shifted - log_sum_exp
+        maxes = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for part in _chunks(rows, vocab):
+            maxes[part] = _scaled(logits[part], temperature, vocab_size, group).max(dim=-1).values
+        _all_reduce(maxes, dist.ReduceOp.MAX, group)
+        stats = torch.empty(3, rows, dtype=torch.float32, device=logits.device)
+        for part in _chunks(rows, vocab):
+            shifted = _scaled(logits[part], temperature, vocab_size, group) - maxes[part].unsqueeze(-1)
+            exp = shifted.exp()
+            stats[0, part] = exp.sum(dim=-1)
+            # E_p[shifted] for the entropy (exp = 0 on vocab padding, where shifted = -inf)
+            stats[1, part] = torch.nan_to_num(exp * shifted, nan=0.0).sum(dim=-1)
+            stats[2, part] = shifted.gather(-1, local_idx[part].unsqueeze(-1)).squeeze(-1) * owned[part]
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        log_sum_exp = stats[0].log()
+        mean_shifted = stats[1] / stats[0]
+        log_probs = stats[2] - log_sum_exp
         entropy = log_sum_exp - mean_shifted
         ctx.save_for_backward(logits, local_idx, owned, maxes, log_sum_exp, mean_shifted)
         ctx.temperature = temperature
@@ -58,22 +75,30 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, local_idx, owned, maxes, log_sum_exp, mean_shifted = ctx.saved_tensors
-        scaled = _scaled(logits, ctx.temperature, ctx.vocab_size, ctx.group)
-        shifted = scaled - maxes.unsqueeze(-1)
-        probs = (shifted - log_sum_exp.unsqueeze(-1)).exp()
-        grad = torch.zeros_like(probs)
-        if grad_log_probs is not None:
-            # d logp / d l_i = onehot_i - p_i
-            grad -= probs * grad_log_probs.unsqueeze(-1)
-            onehot = grad_log_probs * owned
-            grad.scatter_add_(-1, local_idx.unsqueeze(-1), onehot.unsqueeze(-1))
-        if grad_entropy is not None:
-            # d H / d l_i = -p_i * (l_i - E_p[l])  (p_i = 0 on vocab padding; avoid 0 * -inf)
-            centered = torch.nan_to_num(shifted - mean_shifted.unsqueeze(-1), neginf=0.0)
-            grad -= probs * centered * grad_entropy.unsqueeze(-1)
-        if ctx.temperature != 1.0:
-            grad /= ctx.temperature
-        return grad.to(logits.dtype), None, None, None, None
+        grad = torch.empty_like(logits)
+        for part in _chunks(*logits.shape):
+            grad[part] = _chunk_grad(ctx, logits[part], part, grad_log_probs, grad_entropy)
+        return grad, None, None, None, None
+
+
+def _chunk_grad(ctx, logits, part, grad_log_probs, grad_entropy) -> torch.Tensor:
+    """d(sum g_lp * logp + g_ent * H) / d logits for one chunk of rows."""
+    _, local_idx, owned, maxes, log_sum_exp, mean_shifted = ctx.saved_tensors
+    shifted = _scaled(logits, ctx.temperature, ctx.vocab_size, ctx.group) - maxes[part].unsqueeze(-1)
+    probs = (shifted - log_sum_exp[part].unsqueeze(-1)).exp()
+    grad = torch.zeros_like(probs)
+    if grad_log_probs is not None:
+        # d logp / d l_i = onehot_i - p_i
+        g = grad_log_probs[part]
+        grad -= probs * g.unsqueeze(-1)
+        grad.scatter_add_(-1, local_idx[part].unsqueeze(-1), (g * owned[part]).unsqueeze(-1))
+    if grad_entropy is not None:
+        # d H / d l_i = -p_i * (l_i - E_p[l])  (p_i = 0 on vocab padding; avoid 0 * -inf)
+        centered = torch.nan_to_num(shifted - mean_shifted[part].unsqueeze(-1), neginf=0.0)
+        grad -= probs * centered * grad_entropy[part].unsqueeze(-1)
+    if ctx.temperature != 1.0:
+        grad /= ctx.temperature
+    return grad.to(logits.dtype)
 
 
 def _scaled(logits: torch.Tensor, temperature: float, vocab_size: int | None, group) -> torch.Tensor:
@@ -104,4 +129,9 @@ def vocab_parallel_logprobs_entropy(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _VocabParallelLogProbs.apply(logits, targets.long(), group, float(temperature), vocab_size)
+    lead = targets.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        flat, targets.reshape(-1).long(), group, float(temperature), vocab_size
+    )
+    return log_probs.reshape(lead), entropy.reshape(lead)
