@@ -1,16 +1,19 @@
-"""Offload and reload of a megatron training rank's GPU state (params, grads, optimizer state).
+"""Offload and reload of a megatron training rank's device state (params, grads, optimizer state).
 
 Colocated layouts run actor_train and actor_infer on the same GPUs: between training steps the
 trainer moves its state to CPU so the inference engine gets the memory back.
 
 >>> offloader = StateOffloader(ddp_chunks, optimizer)
->>> offloader.offload(params=True, grads=True, optimizer=True)   # CUDA memory freed
+>>> offloader.offload(params=True, grads=True, optimizer=True)   # device memory freed
 >>> offloader.reload()                                            # everything back, same tensors
 
-Grads (and params under the distributed optimizer) live in megatron DDP's contiguous buffers; those
-are freed by shrinking the buffer storage to 0 (megatron's own ``offload_to_cpu``), so every
-``param.data`` / ``param.main_grad`` view stays valid. Other params and the optimizer's fp32 main
-params and Adam moments are moved tensor by tensor.
+Every tensor keeps its identity and device: its *storage* is copied to (pinned) host memory and
+shrunk to 0 bytes, and on reload grown back and refilled. Nothing is re-pointed with
+``param.data = ...`` -- moving a parameter's data to another device makes autograd drop its
+gradient accumulator, which silently disconnects megatron DDP's gradient hooks (the next step
+then has all-zero gradients). Views (``param.main_grad`` into DDP's grad buffer, params into the
+distributed optimizer's param buffer) stay valid because the storage object itself survives.
+Gradients are not copied: they come back as zeros (the next step starts from zero anyway).
 """
 
 from __future__ import annotations
@@ -29,77 +32,94 @@ def _inner_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
         yield optimizer.optimizer
 
 
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's whole storage as a flat uint8 tensor (shared storages are handled once)."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
 class StateOffloader:
-    """Moves a DDP-wrapped model's state and its megatron optimizer's state off the GPU and back."""
+    """Frees and restores a DDP-wrapped model's and its megatron optimizer's device memory."""
 
     def __init__(self, model: list[torch.nn.Module], optimizer: Any) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.offloaded: set[str] = set()
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        )
+        # what -> {storage data_ptr: (storage, host copy or None, nbytes)}
+        self._saved: dict[str, dict[int, tuple[Any, torch.Tensor | None, int]]] = {}
 
-    def _buffers(self) -> list[Any]:
+    @property
+    def offloaded(self) -> set[str]:
+        return set(self._saved)
+
+    # ------------------------------------------------------------------------- what is where
+    def _ddp_buffers(self) -> list[Any]:
         return [b for m in self.model for b in list(m.buffers) + list(m.expert_parallel_buffers)]
 
-    def _loose_params(self) -> list[torch.nn.Parameter]:
-        """Params not held in a DDP param buffer (all of them without the distributed optimizer)."""
-        in_buffers = any(b.param_data is not None for b in self._buffers())
-        params = [p for m in self.model for p in m.parameters()]
-        return [p for p in params if not (in_buffers and p.requires_grad)]
+    def _param_tensors(self) -> list[torch.Tensor]:
+        buffered = [b.param_data for b in self._ddp_buffers() if b.param_data is not None]
+        if buffered:  # distributed optimizer: params are views into these buffers
+            return buffered + [p for m in self.model for p in m.parameters() if not p.requires_grad]
+        return [p for m in self.model for p in m.parameters()]
 
-    def _move_params(self, device: torch.device | str, to_cpu: bool) -> None:
-        for buffer in self._buffers():
-            if buffer.param_data is not None:
-                (buffer.offload_to_cpu if to_cpu else buffer.reload_from_cpu)(
-                    move_params=True, move_grads=False
-                )
-        for param in self._loose_params():
-            param.data = param.data.to(device, non_blocking=True)
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
 
-    def _move_optimizer(self, device: torch.device | str) -> None:
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
         model_params = {id(p) for m in self.model for p in m.parameters()}
+        tensors = []
         for inner in _inner_optimizers(self.optimizer):
             for group in inner.param_groups:
                 for param in group["params"]:
-                    if id(param) not in model_params:  # fp32 main params (model params move above)
-                        param.data = param.data.to(device, non_blocking=True)
-                    for key, value in inner.state.get(param, {}).items():
-                        if torch.is_tensor(value) and value.dim() > 0:
-                            inner.state[param][key] = value.to(device, non_blocking=True)
+                    if id(param) not in model_params:  # fp32 main params
+                        tensors.append(param)
+                    state = inner.state.get(param, {})
+                    tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        return tensors
+
+    # ------------------------------------------------------------------------------ moving
+    def _free(self, what: str, tensors: list[torch.Tensor], keep: bool) -> None:
+        saved = self._saved.setdefault(what, {})
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in saved or storage.nbytes() == 0:
+                continue
+            host = None
+            if keep:
+                pin = tensor.device.type == "cuda"
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                host.copy_(_storage_bytes(tensor), non_blocking=pin)
+            saved[storage.data_ptr()] = (storage, host, storage.nbytes())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # host copies done before the storage goes
+        for storage, _, _ in saved.values():
+            storage.resize_(0)
+
+    def _restore(self, what: str) -> None:
+        for storage, host, nbytes in self._saved.pop(what, {}).values():
+            storage.resize_(nbytes)
+            flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            if host is None:
+                flat.zero_()
+            else:
+                flat.copy_(host, non_blocking=True)
 
     def offload(self, params: bool, grads: bool, optimizer: bool) -> None:
-        """Free the chosen state's CUDA memory (no-op without CUDA)."""
-        if self._device is None:
-            return
-        torch.cuda.synchronize()
-        if params and "params" not in self.offloaded:
-            self._move_params("cpu", to_cpu=True)
-            self.offloaded.add("params")
-        if grads and "grads" not in self.offloaded:
-            for buffer in self._buffers():
-                buffer.offload_to_cpu(move_params=False, move_grads=True)
-            self.offloaded.add("grads")
-        if optimizer and "optimizer" not in self.offloaded:
-            self._move_optimizer("cpu")
-            self.offloaded.add("optimizer")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        """Free the chosen state's device memory (a copy of params / optimizer state goes to host)."""
+        if optimizer and "optimizer" not in self._saved:
+            self._free("optimizer", self._optimizer_tensors(), keep=True)
+        if grads and "grads" not in self._saved:
+            self._free("grads", self._grad_tensors(), keep=False)
+        if params and "params" not in self._saved:
+            self._free("params", self._param_tensors(), keep=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def reload(self) -> None:
-        """Bring back whatever ``offload`` moved (grads come back zeroed)."""
-        if "params" in self.offloaded:
-            self._move_params(self._device, to_cpu=False)
-        if "grads" in self.offloaded:
-            for buffer in self._buffers():
-                buffer.reload_from_cpu(move_params=False, move_grads=True)
-        if "optimizer" in self.offloaded:
-            self._move_optimizer(self._device)
-        if self.offloaded:
+        """Bring back whatever ``offload`` freed (grads come back zeroed)."""
+        for what in ("params", "grads", "optimizer"):
+            self._restore(what)
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.offloaded.clear()
 
     def ensure_loaded(self) -> None:
-        if self.offloaded:
+        if self._saved:
             self.reload()
