@@ -18,6 +18,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.strategy.base import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.rlvr.data.sampler import to_batch
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -69,7 +70,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
 
 
 def sample_prompts(run: RLVRRun, step: int):
-    prompts = run.sampler.next_batch(run.tokenizer.pad_token_id, run.config.prompt_length)
+    prompts = to_batch(run.sampler.next_batch(), run.tokenizer.pad_token_id, run.config.prompt_length)
     prompts.non_tensors["group_id"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
     return prompts
 
@@ -78,7 +79,9 @@ def update_inference_weights(run: RLVRRun, step: int) -> dict[str, float]:
     """Move actor_train's new weights into actor_infer every ``model_update_frequency`` steps."""
     if step % run.config.model_update_frequency:
         return {}
-    with stages.on_devices(run, "actor_train"), stages.on_devices(run, "actor_infer"):
+    # The trainer's parameters stay on its devices when it offloads (only optimizer state and
+    # gradients leave), so only a colocated engine has to come back for the sync.
+    with stages.on_devices(run, "actor_infer"):
         return run.model_update.sync(version=step)
 
 

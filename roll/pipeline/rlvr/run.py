@@ -106,7 +106,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         rows = load_prompt_files(
             config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
         )
-        val = to_batch(list(rows), tokenizer.pad_token_id, config.prompt_length)
+        val = to_batch([rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length)
         val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
     return sampler, val
 
@@ -156,8 +156,9 @@ def build_run(config: RLVRConfig) -> RLVRRun:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
     run.colocated = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
-    for tag in sampler.tags() if hasattr(sampler, "tags") else []:
-        run.reward_routes([tag])  # fail before any worker starts when a tag has no reward role
+    run.reward_routes(
+        sampler.dataset.domains()
+    )  # fail before any worker starts when a tag has no reward role
     build_clusters(run)
     run.model_update = _build_model_update(run)
     return run

@@ -22,6 +22,11 @@ class RewardWorker(Worker):
         if self.spec.kind == "model":
             self.create_strategy()
             self.strategy.initialize()
+        else:
+            from roll.pipeline.rlvr.rewards.scoring import RewardScorer
+
+            cfg = self.role_config
+            self.scorer = RewardScorer(cfg.reward_fn, cfg.reward_kwargs, cfg.timeout_s)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: Batch) -> Batch:
@@ -30,13 +35,13 @@ class RewardWorker(Worker):
         if self.spec.kind == "model":
             scores = load_reward_fn(cfg.reward_fn)(self.strategy, batch, cfg)
         else:
-            from roll.pipeline.rlvr.rewards.scoring import score_batch
-
-            scores = score_batch(
-                cfg.reward_fn,
-                [str(r) for r in batch["response_text"]],
-                [str(g) for g in batch["ground_truth"]],
-                cfg.reward_kwargs,
-                cfg.timeout_s,
+            scores = self.scorer.score(
+                [str(r) for r in batch["response_text"]], [str(g) for g in batch["ground_truth"]]
             )
         return Batch.from_dict({"scores": torch.as_tensor(scores, dtype=torch.float32)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shutdown(self) -> None:
+        if getattr(self, "scorer", None) is not None:
+            self.scorer.close()
+        super().shutdown()
