@@ -7,13 +7,20 @@ The transport tests spawn real processes and build the links exactly like the wo
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
+import sys
 import tempfile
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 
+from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
+from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.model_update.bucket import (
     ALIGN,
     BucketMeta,
@@ -24,11 +31,21 @@ from roll.distributed.model_update.bucket import (
 )
 from roll.distributed.model_update.checksum import bucket_checksums, first_mismatch, tensor_checksum
 from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.model_update.group import ModelUpdateGroup
 from roll.distributed.model_update.link import Link, LinkSpec
+from roll.distributed.model_update.probe import build_probe_batch
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links
 from roll.distributed.model_update.sender import BucketSender
+from roll.distributed.scheduler.cluster import Cluster
+from roll.distributed.scheduler.placement import PlacementPlan, plan_role
+from roll.distributed.scheduler.resource_manager import ResourceManager
+from roll.distributed.strategy.registry import get_strategy_spec
+from roll.pipeline.workers.actor_worker import ActorWorker
 
 torch.set_num_threads(1)
+# Ray workers cannot import this test module by name; ship its classes and functions by value.
+ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # Forked members start in a fraction of a second (a spawned one re-imports torch: seconds each on a
 # small machine); nothing in the parent has started threads or CUDA at that point.
 START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
@@ -243,3 +260,146 @@ def test_receiver_rejects_a_bucket_of_another_version():
     receiver = BucketReceiver(_FakeLink([(meta, None)]), torch.device("cpu"))
     with pytest.raises(ModelUpdateError, match="version 5"):
         receiver.receive(lambda named: None, version=4)
+
+
+# ------------------------------------------------------------------- (d) end to end through Ray
+
+E2E_LAYOUTS = {
+    # inference role -> device slots (the trainer holds slots 0 and 1; its rank 0 is the one sender)
+    "infer_colocated": [0, 1],  # rank 0 maps the sender's buffers, rank 1 gets a broadcast
+    "infer_disaggregated": [2, 3],  # both get a broadcast
+    "infer_partial": [0, 3],  # one shared slot, one of its own
+}
+CORRUPTED = "model.layers.1.mlp.up_proj.weight"
+
+
+class _InspectableActorWorker(ActorWorker):
+    """ActorWorker plus read-outs of the weights for the bit-identity checks."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def trainer_weights(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu().clone() for name, t in self.strategy.iter_hf_weights()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu().clone() for name, t in self.strategy.model.state_dict().items()}
+
+
+def _policy_loss(outputs, micro):
+    mask = micro["response_mask"].float()
+    return -(outputs["log_probs"] * mask).sum() / mask.sum(), {}
+
+
+def _e2e_config(model_dir) -> RLVRConfig:
+    def role(strategy: str, devices: list[int], **strategy_config) -> RoleConfig:
+        args = StrategyArgs(strategy, strategy_config=strategy_config)
+        args.config = get_strategy_spec(strategy).config_cls(**strategy_config)
+        return RoleConfig(
+            model_args=ModelArgs(model_name_or_path=str(model_dir), dtype="fp32"),
+            training_args=TrainingArgs(learning_rate=0.05),
+            strategy_args=args,
+            device_mapping=devices,
+            infer_batch_size=4,
+        )
+
+    return RLVRConfig(
+        actor_train=role("fsdp2_train", [0, 1], mixed_precision=False),
+        actor_infer=role("hf_infer", E2E_LAYOUTS["infer_colocated"]),
+        num_gpus_per_node=4,
+        device="cpu",
+        model_update_buffer_size_mb=1,
+        model_update_probe_tolerance=1e-3,
+        model_update_probe_size=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    import ray
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if ray.is_initialized():
+        ray.shutdown()
+    model_dir = build_tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+    config = _e2e_config(model_dir)
+    roles = {"actor_train": config.actor_train}
+    for name, devices in E2E_LAYOUTS.items():
+        roles[name] = dataclasses.replace(config.actor_infer, device_mapping=devices)
+    role_plans = {name: plan_role(name, role, config.num_gpus_per_node) for name, role in roles.items()}
+    plan = PlacementPlan(1, config.num_gpus_per_node, role_plans, ())
+    rm = ResourceManager(plan, "cpu", log_to_driver=False)
+    clusters = {}
+    try:
+        for name, role in roles.items():
+            clusters[name] = Cluster(name, _InspectableActorWorker, rm, plan.roles[name], role, config)
+        for name, cluster in clusters.items():
+            cluster.initialize(10) if name == "actor_train" else cluster.initialize()
+        groups = {
+            name: ModelUpdateGroup(clusters["actor_train"], clusters[name], config) for name in E2E_LAYOUTS
+        }
+        for group in groups.values():
+            group.setup()
+        yield clusters, groups, config
+    finally:
+        # Ray's shutdown ends every worker, also one still blocked in a link after a failed test
+        # (Cluster.shutdown would queue behind it).
+        rm.destroy()
+        ray.shutdown()
+
+
+def _train_one_step(clusters, seed: int) -> None:
+    batch = build_probe_batch(VOCAB_SIZE, size=4, seed=seed)
+    clusters["actor_train"].train_step(batch, _policy_loss, seed)
+
+
+def _assert_engines_hold_trainer_weights(clusters, names) -> dict[str, torch.Tensor]:
+    want = clusters["actor_train"].trainer_weights()[0]
+    for name in names:
+        for rank, got in enumerate(clusters[name].engine_weights()):
+            assert sorted(got) == sorted(want), f"{name} rank {rank}"
+            for key, tensor in want.items():
+                assert same(tensor, got[key]), f"{name} rank {rank}: {key} differs"
+    return want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_e2e_fsdp2_to_hf_infer_every_layout_bit_identical_and_versioned(e2e):
+    clusters, groups, _ = e2e
+    links = {name: [(s.local_receivers, s.remote_receivers) for s in g.specs] for name, g in groups.items()}
+    assert links["infer_colocated"][0] == ((0,), (1,)) and links["infer_colocated"][1] == ((1,), (0,))
+    assert links["infer_disaggregated"][0] == ((), (0, 1))
+    assert links["infer_partial"][0] == ((0,), (1,))
+    before = clusters["actor_train"].trainer_weights()[0]
+    _train_one_step(clusters, seed=1)
+    for name, group in groups.items():
+        metrics = group.sync(version=1)
+        assert metrics["model_update/version_train"] == metrics["model_update/version_infer"] == 1
+        assert metrics["model_update/probe_logprob_diff"] < 1e-5, name
+        assert metrics["model_update/bytes"] > 0 and metrics["model_update/time_s"] > 0
+        assert clusters[name].model_update_version() == [1, 1]
+    after = _assert_engines_hold_trainer_weights(clusters, E2E_LAYOUTS)
+    assert any(not torch.equal(before[k], after[k]) for k in after), "the training step changed nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_e2e_corruption_is_caught_and_named(e2e):
+    import ray
+
+    clusters, groups, _ = e2e
+    group, infer = groups["infer_partial"], clusters["infer_partial"]
+    # On the wire: the checksums catch it and name the tensor and the receiving rank.
+    ray.get(infer.workers[1].model_update_inject_fault.remote(CORRUPTED, "wire"))
+    with pytest.raises(ModelUpdateError, match=rf"infer_partial rank 1: tensor '{CORRUPTED}'"):
+        group.sync(version=2)
+    # In the engine after loading (a bad load): the probe catches it, the verify pass names it.
+    ray.get(infer.workers[0].model_update_inject_fault.remote(CORRUPTED, "engine"))
+    with pytest.raises(
+        ModelUpdateError, match=rf"tolerance.*first mismatching tensor: '{CORRUPTED}' on infer_partial rank 0"
+    ):
+        group.sync(version=3)
+    # The next clean update repairs it.
+    metrics = group.sync(version=4)
+    assert metrics["model_update/probe_logprob_diff"] < 1e-5
+    _assert_engines_hold_trainer_weights(clusters, ["infer_partial"])

@@ -73,7 +73,13 @@ def open_shared(handle: IpcHandle, device: torch.device) -> torch.Tensor:
         args[_CUDA_DEVICE_ARG] = device.index if device.index is not None else torch.cuda.current_device()
         return rebuild_cuda_tensor(*args)
     if handle.kind == "shm":
-        return torch.from_file(handle.payload[0], shared=True, size=handle.nbytes, dtype=torch.uint8)
+        path = handle.payload[0]
+        if not os.path.exists(path):  # from_file would silently create a new, empty file
+            raise FileNotFoundError(
+                f"shared bucket buffer {path} is gone: a receiver must map it (IpcCache) before its "
+                "first ack, after which the sender removes the name"
+            )
+        return torch.from_file(path, shared=True, size=handle.nbytes, dtype=torch.uint8)
     raise ValueError(f"unknown IPC handle kind {handle.kind!r}")
 
 

@@ -13,12 +13,17 @@ Up to three groups per link, all over one ``TCPStore`` hosted by the sender:
                     receivers=(0, 1), local=(True, False), backend="nccl")
     link = Link.connect(spec, member="sender", device=device)        # on trainer rank 0
     link = Link.connect(spec, member=1, device=device)               # on inference rank 1
+
+A remote receiver whose engine receives in its own processes (vLLM's TP workers) passes
+``join_data``: the engine joins the data group with ``data_ranks`` ranks instead of this process.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,12 +42,32 @@ class LinkSpec:
     receivers: tuple[int, ...]
     local: tuple[bool, ...]
     backend: str
+    # The sender's global device id (None on CPU-only roles).
+    sender_device: int | None = None
+    # Ranks each receiver takes in the data group (engines with TP worker processes take several).
+    data_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.receivers) != len(self.local):
             raise ValueError(
                 f"link {self.name}: {len(self.receivers)} receivers but {len(self.local)} local flags"
             )
+        if self.data_ranks is not None and len(self.data_ranks) != len(self.receivers):
+            raise ValueError(
+                f"link {self.name}: {len(self.receivers)} receivers but {len(self.data_ranks)} data_ranks"
+            )
+
+    def ranks_of(self, receiver: int) -> int:
+        return 1 if self.data_ranks is None else self.data_ranks[self.receivers.index(receiver)]
+
+    @property
+    def data_world_size(self) -> int:
+        return 1 + sum(self.ranks_of(r) for r in self.remote_receivers)
+
+    def data_rank_offset(self, receiver: int) -> int:
+        """First rank of ``receiver`` in the data group (the sender is rank 0)."""
+        remote = self.remote_receivers
+        return 1 + sum(self.ranks_of(r) for r in remote[: remote.index(receiver)])
 
     @property
     def remote_receivers(self) -> tuple[int, ...]:
@@ -92,8 +117,12 @@ class Link:
         member: str | int,
         device: torch.device,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        join_data: Callable[[str, int, str, int, int, str], Any] | None = None,
     ) -> Link:
-        """Join both groups; every member of the link must call this concurrently."""
+        """Join the link's groups; every member of the link must call this concurrently.
+
+        ``join_data(host, port, prefix, rank_offset, world_size, backend)`` joins the data group on
+        a remote receiver's behalf (its engine's processes take ``spec.ranks_of(member)`` ranks)."""
         is_sender = member == "sender"
         world = 1 + len(spec.receivers)
         store = open_store(spec.host, spec.port, world, is_sender, timeout)
@@ -107,8 +136,16 @@ class Link:
         control = ControlChannel(control_group, control_rank, ack_group, ack_rank)
         data = None
         remote = spec.remote_receivers
-        if remote and (is_sender or member in remote):
-            data_rank = 0 if is_sender else 1 + remote.index(member)
-            group = new_group(spec.backend, store, f"{spec.name}/data", data_rank, 1 + len(remote), timeout)
-            data = BroadcastTransport(group, data_rank)
+        prefix, world = f"{spec.name}/data", spec.data_world_size
+        if remote and is_sender:
+            data = BroadcastTransport(new_group(spec.backend, store, prefix, 0, world, timeout), 0)
+        elif member in remote and join_data is not None:
+            join_data(spec.host, spec.port, prefix, spec.data_rank_offset(member), world, spec.backend)
+        elif member in remote:
+            if spec.ranks_of(member) != 1:
+                raise ValueError(
+                    f"link {spec.name}: receiver {member} takes {spec.ranks_of(member)} data ranks but has no join_data"
+                )
+            rank = spec.data_rank_offset(member)
+            data = BroadcastTransport(new_group(spec.backend, store, prefix, rank, world, timeout), rank)
         return cls(spec, member, control, data, store)

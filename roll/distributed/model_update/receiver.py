@@ -8,6 +8,10 @@ checksums are computed (on the device, read back once at the end) and ``load`` g
 
     receiver = BucketReceiver(link, device)
     result = receiver.receive(strategy.load_weights, version=step, lock=threading.Lock())
+
+With ``engine`` given (a strategy whose engine takes buckets in its own processes, e.g. vLLM's TP
+workers), a colocated bucket goes to ``engine.load_shared_bucket(meta, handle, verify=True)`` and a
+broadcast one to ``engine.receive_bucket(meta, verify=True)``; both return the bucket's checksums.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,11 +57,12 @@ class _Buffer:
 class BucketReceiver:
     """Receives one update from one link (this member must be one of the link's receivers)."""
 
-    def __init__(self, link: Link, device: torch.device):
+    def __init__(self, link: Link, device: torch.device, engine: Any = None):
         if link.is_sender:
             raise ValueError(f"link {link.spec.name}: this member is the sender, not a receiver")
         self.link = link
         self.device = device
+        self.engine = engine
         self.cuda = device.type == "cuda"
         self.buffers = [_Buffer(), _Buffer()]
         self.ipc = IpcCache()
@@ -64,20 +70,29 @@ class BucketReceiver:
         self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def receive(
-        self, load: LoadFn, version: int, lock: threading.Lock | None = None, fault: FaultFn | None = None
+        self,
+        load: LoadFn,
+        version: int,
+        lock: threading.Lock | None = None,
+        fault: FaultFn | None = None,
+        use_engine: bool = True,
     ) -> ReceiveResult:
+        """Take one whole update; ``use_engine=False`` passes every bucket to ``load`` even when an
+        engine is attached (the verification pass compares instead of loading)."""
         if self.cuda:
             torch.cuda.set_device(self.device)  # receive() may run on a helper thread
         lock = lock or threading.Lock()
         result = ReceiveResult()
-        sums: list[torch.Tensor] = []
+        sums: list[torch.Tensor | list] = []
         start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
             meta, handle = self.link.control.recv()
             result.wait_s += time.perf_counter() - t0
             self._check(meta, version)
-            if meta.nbytes:
+            if meta.nbytes and self.engine is not None and use_engine:
+                sums.append(self._engine_take(meta, handle, lock, result))
+            elif meta.nbytes:
                 sums.append(self._take(meta, handle, load, lock, fault, result))
             result.names.extend(meta.names)
             result.nbytes += meta.nbytes
@@ -88,8 +103,7 @@ class BucketReceiver:
             self.work_stream.synchronize()
         if self.link.is_local:
             self.link.control.finish_acks()
-        if sums:
-            result.checksums = [tuple(row) for row in torch.cat(sums).cpu().tolist()]
+        result.checksums = _rows(sums)
         result.total_s = time.perf_counter() - start
         return result
 
@@ -120,6 +134,18 @@ class BucketReceiver:
             self.link.control.ack()
         return bucket_sums
 
+    def _engine_take(self, meta: BucketMeta, handle, lock, result: ReceiveResult) -> list:
+        t0 = time.perf_counter()
+        with lock:
+            if self.link.is_local:
+                sums = self.engine.load_shared_bucket(meta, handle, verify=True)
+            else:
+                sums = self.engine.receive_bucket(meta, verify=True)
+        result.load_s += time.perf_counter() - t0
+        if self.link.is_local:
+            self.link.control.ack()
+        return [tuple(row) for row in sums]
+
     def _post_recv(self, buffer: _Buffer, nbytes: int):
         if buffer.flat is None or buffer.flat.numel() < nbytes:
             if self.work_stream is not None:
@@ -141,8 +167,25 @@ class BucketReceiver:
             )
 
 
+def _rows(parts: list[torch.Tensor | list]) -> list[tuple[int, int]]:
+    """Checksum rows in order; device tensors come back to the host in one transfer."""
+    device = [p for p in parts if isinstance(p, torch.Tensor)]
+    host = iter(torch.cat(device).cpu().tolist()) if device else iter(())
+    rows: list[tuple[int, int]] = []
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            rows.extend(tuple(next(host)) for _ in range(part.shape[0]))
+        else:
+            rows.extend(part)
+    return rows
+
+
 def receive_links(
-    receivers: list[BucketReceiver], load: LoadFn, version: int, fault: FaultFn | None = None
+    receivers: list[BucketReceiver],
+    load: LoadFn,
+    version: int,
+    fault: FaultFn | None = None,
+    use_engine: bool = True,
 ) -> list[ReceiveResult]:
     """Receive one update from every link at once (one thread per link, loads serialized).
 
@@ -150,13 +193,13 @@ def receive_links(
     could otherwise hold up a collective that another sender's weight generator needs.
     """
     if len(receivers) == 1:
-        return [receivers[0].receive(load, version, None, fault)]
+        return [receivers[0].receive(load, version, None, fault, use_engine)]
     lock = threading.Lock()
     results: list[ReceiveResult | BaseException | None] = [None] * len(receivers)
 
     def run(i: int) -> None:
         try:
-            results[i] = receivers[i].receive(load, version, lock, fault)
+            results[i] = receivers[i].receive(load, version, lock, fault, use_engine)
         except BaseException as exc:  # noqa: BLE001 - re-raised below on the caller's thread
             results[i] = exc
 

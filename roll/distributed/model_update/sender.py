@@ -128,7 +128,7 @@ class BucketSender:
         if self.link.data is not None and meta.nbytes:
             with stream_context(self.stream):
                 slot.work = self.link.data.send(flat)
-        slot.acks_pending = self.shared
+        slot.acks_pending = self.shared and meta.nbytes > 0  # receivers ack what they read
         slot.index = meta.index
         result.names.extend(meta.names)
         result.nbytes += meta.nbytes

@@ -1,0 +1,254 @@
+"""``ModelUpdateGroup``: the driver's handle on moving a trainer role's weights into an inference role.
+
+Set up once, used every ``model_update_frequency`` steps::
+
+    group = ModelUpdateGroup(clusters["actor_train"], clusters["actor_infer"], config)
+    group.setup()                       # links, process groups, IPC paths, probe batch
+    metrics = group.sync(version=step)  # every trainer rank sends, every engine loads, then checks
+
+Layout: each trainer rank gets a *link* to every inference worker (see ``link.py``). A worker on
+the sender's own device maps the sender's buckets (CUDA IPC / shared memory); the others receive a
+broadcast (NCCL / gloo). Trainer ranks whose ``iter_hf_weights`` yields nothing (FSDP ranks > 0,
+Megatron TP peers) send one empty bucket. Partial overlap needs nothing special: each pair is
+colocated or not on its own.
+
+Checks after every sync (``ModelUpdateError`` on failure):
+
+1. every tensor came from exactly one trainer rank, and every engine worker received every
+   tensor with the sender's checksum (names the first tensor that differs);
+2. probe (``model_update_probe_size`` > 0): the engines' log-probs on a fixed batch against the
+   trainer's, logged as ``model_update/probe_logprob_diff``; above ``model_update_probe_tolerance``
+   the trainer sends the weights again and each engine compares them with what it holds, naming
+   the first tensor that differs.
+
+Generation and updates never overlap: the pipeline calls ``sync`` between steps, and each engine
+worker applies a whole update inside one Ray call (see ``worker_mixin``), bumping its version last.
+
+Colocated devices (trainer and engine time-share a GPU), in the pipeline's order:
+``actor_train.offload_states()`` (optimizer state and gradients leave, parameters stay) ->
+``actor_infer.reload_states()`` (engine weights back; vLLM sleep level 2 wakes weights only) ->
+``group.sync(step)`` (engines that dropped their KV cache restore it in ``finish_model_update``) ->
+generation. The sync needs the trainer's parameters on the device, not its optimizer state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.model_update.link import LinkSpec
+from roll.distributed.model_update.probe import build_probe_batch, logprob_diff
+from roll.distributed.scheduler.batch import Batch
+from roll.distributed.scheduler.cluster import get_all
+
+PREFIX = "model_update/"
+
+
+class ModelUpdateGroup:
+    """Trainer role -> inference role weight sync; see the module docstring."""
+
+    def __init__(self, train_cluster, infer_cluster, config: RLVRConfig, probe_batch: Batch | None = None):
+        if config.model_update_buffer_size_mb < 1:
+            raise ModelUpdateError(
+                f"model_update_buffer_size_mb must be >= 1, got {config.model_update_buffer_size_mb}"
+            )
+        self.train = train_cluster
+        self.infer = infer_cluster
+        self.config = config
+        self.bucket_bytes = config.model_update_buffer_size_mb << 20
+        self.probe_batch = probe_batch
+        self.name = f"{train_cluster.role}->{infer_cluster.role}"
+        self.specs: list[LinkSpec] | None = None
+
+    # ------------------------------------------------------------------------------ set up
+    def setup(self) -> None:
+        """Build every link (once; later calls do nothing)."""
+        if self.specs is not None:
+            return
+        senders = self.train.execute_all("model_update_device_info")
+        receivers = self.infer.execute_all("model_update_device_info")
+        addresses = self.train.execute_all("model_update_open_port")
+        specs = plan_links(self.train.role, self.infer.role, senders, receivers, addresses)
+        get_all(
+            self.train.async_execute_all("model_update_connect_sender", self.name, specs, self.bucket_bytes),
+            self.infer.async_execute_all("model_update_connect_receiver", self.name, specs),
+        )
+        self.specs = specs
+        if self.probe_batch is None and self.config.model_update_probe_size > 0:
+            self.probe_batch = default_probe_batch(self.config)
+
+    def describe(self) -> str:
+        """One line per link: which receivers map the sender's buffers and which get a broadcast."""
+        lines = []
+        for spec in self.specs or []:
+            local = ", ".join(map(str, spec.local_receivers)) or "-"
+            remote = ", ".join(map(str, spec.remote_receivers)) or "-"
+            lines.append(f"{spec.name}: colocated (IPC) {local}; broadcast ({spec.backend}) {remote}")
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------------------------- sync
+    def sync(self, version: int) -> dict[str, float]:
+        """Send the trainer's current weights as ``version``; returns ``model_update/*`` metrics."""
+        self.setup()
+        start = time.perf_counter()
+        sent, received = get_all(
+            self.train.async_execute_all("model_update_send", self.name, version),
+            self.infer.async_execute_all("model_update_receive", self.name, version),
+        )
+        elapsed = time.perf_counter() - start
+        check_update(sent, received, self.train.role, self.infer.role)
+        metrics = update_metrics(sent, received, elapsed, version)
+        if self.probe_batch is not None:
+            metrics |= self.probe(version)
+        return metrics
+
+    def probe(self, version: int) -> dict[str, float]:
+        """Trainer vs engine log-probs on the probe batch; raises above the configured tolerance."""
+        start = time.perf_counter()
+        trainer, engines = get_all(
+            self.train.async_execute_all("model_update_probe_log_probs", self.probe_batch),
+            self.infer.async_execute_all("model_update_probe_log_probs", self.probe_batch),
+        )
+        reference = next((out for out in trainer if out is not None), None)
+        if reference is None:
+            raise ModelUpdateError(f"{self.train.role}: no rank returned probe log-probs")
+        mask = self.probe_batch["response_mask"]
+        diffs = {
+            rank: logprob_diff(reference, out, mask) for rank, out in enumerate(engines) if out is not None
+        }
+        worst_rank = max(diffs, key=diffs.get)
+        diff = diffs[worst_rank]
+        tolerance = self.config.model_update_probe_tolerance
+        if tolerance is not None and not diff <= tolerance:
+            raise ModelUpdateError(
+                f"weights of version {version}: mean |log-prob difference| {diff:.4g} between {self.train.role} "
+                f"and {self.infer.role} rank {worst_rank} exceeds model_update_probe_tolerance={tolerance}; "
+                f"{self.locate_mismatch(version)}"
+            )
+        return {f"{PREFIX}probe_logprob_diff": diff, f"{PREFIX}probe_time_s": time.perf_counter() - start}
+
+    def locate_mismatch(self, version: int) -> str:
+        """Send the weights again and let every engine compare them with its own; a sentence naming
+        the first tensor that differs (or saying why none could be named)."""
+        able = self.infer.execute_all("model_update_can_verify", self.name)
+        if not all(able):
+            ranks = [rank for rank, ok in enumerate(able) if not ok]
+            return (
+                f"{self.infer.role} ranks {ranks} cannot show their weights by HF name, so the tensor "
+                "cannot be named; every received tensor matched the sender's checksum"
+            )
+        _, verdicts = get_all(
+            self.train.async_execute_all("model_update_send", self.name, version),
+            self.infer.async_execute_all("model_update_verify", self.name, version),
+        )
+        for rank, verdict in enumerate(verdicts):
+            if verdict["first_mismatch"] is not None:
+                return (
+                    f"first mismatching tensor: {verdict['first_mismatch']!r} on {self.infer.role} rank {rank} "
+                    f"({verdict['mismatches']} tensor(s) differ from the trainer's)"
+                )
+        return "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
+
+
+def plan_links(
+    train_role: str,
+    infer_role: str,
+    senders: list[dict[str, Any]],
+    receivers: list[dict[str, Any]],
+    addresses: list[tuple[str, int]],
+) -> list[LinkSpec]:
+    """One ``LinkSpec`` per trainer rank from the workers' ``model_update_device_info``.
+
+    A receiver is colocated with a sender when its global device ids include the sender's device.
+    """
+    kinds = {info["cuda"] for info in senders + receivers}
+    if len(kinds) > 1:
+        raise ModelUpdateError(
+            f"{train_role} and {infer_role} must both run on CUDA or both on CPU for a model update"
+        )
+    backend = "nccl" if kinds == {True} else "gloo"
+    specs = []
+    for rank, (info, (host, port)) in enumerate(zip(senders, addresses)):
+        device = info["device_ids"][0] if info["device_ids"] else None
+        local = tuple(device is not None and device in r["device_ids"] for r in receivers)
+        specs.append(
+            LinkSpec(
+                name=f"{train_role}->{infer_role}/{rank}",
+                sender=rank,
+                host=host,
+                port=port,
+                receivers=tuple(range(len(receivers))),
+                local=local,
+                backend=backend,
+                sender_device=device,
+                data_ranks=tuple(r["data_ranks"] for r in receivers),
+            )
+        )
+    return specs
+
+
+def check_update(sent: list[dict], received: list[dict], train_role: str, infer_role: str) -> None:
+    """Every tensor from one trainer rank only, and every engine got each with the sent checksum."""
+    owner: dict[str, int] = {}
+    for rank, result in enumerate(sent):
+        for name in result["names"]:
+            if name in owner:
+                raise ModelUpdateError(
+                    f"tensor {name!r} was sent by {train_role} ranks {owner[name]} and {rank}; "
+                    "iter_hf_weights must yield each tensor on one rank only"
+                )
+            owner[name] = rank
+    if not owner:
+        raise ModelUpdateError(
+            f"no {train_role} rank yielded any weights (iter_hf_weights is empty everywhere)"
+        )
+    for infer_rank, result in enumerate(received):
+        for sender, (names, sums) in enumerate(result["links"]):
+            want = list(zip(sent[sender]["names"], sent[sender]["checksums"]))
+            got = list(zip(names, sums))
+            for (name, want_sum), got_pair in zip(want, got):
+                if got_pair != (name, tuple(want_sum)):
+                    raise ModelUpdateError(
+                        f"{infer_role} rank {infer_rank}: tensor {name!r} from {train_role} rank {sender} "
+                        f"arrived different from what was sent (checksum {tuple(got_pair[1])} != {tuple(want_sum)})"
+                    )
+            if len(got) != len(want):
+                raise ModelUpdateError(
+                    f"{infer_role} rank {infer_rank}: got {len(got)} tensors from {train_role} rank {sender}, "
+                    f"which sent {len(want)}"
+                )
+
+
+def update_metrics(sent: list[dict], received: list[dict], elapsed: float, version: int) -> dict[str, float]:
+    nbytes = sum(r["nbytes"] for r in sent)
+    return {
+        f"{PREFIX}time_s": elapsed,
+        f"{PREFIX}bytes": float(nbytes),
+        f"{PREFIX}gbps": nbytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+        f"{PREFIX}buckets": float(sum(r["buckets"] for r in sent)),
+        f"{PREFIX}sender_iter_s": max(r["iter_s"] for r in sent),
+        f"{PREFIX}sender_wait_s": max(r["wait_s"] for r in sent),
+        f"{PREFIX}sender_total_s": max(r["total_s"] for r in sent),
+        f"{PREFIX}receiver_load_s": max(r["load_s"] for r in received),
+        f"{PREFIX}receiver_wait_s": max(r["wait_s"] for r in received),
+        f"{PREFIX}receiver_total_s": max(r["total_s"] for r in received),
+        f"{PREFIX}version_train": float(min(r["version"] for r in sent)),
+        f"{PREFIX}version_infer": float(min(r["version"] for r in received)),
+        f"{PREFIX}version": float(version),
+    }
+
+
+def default_probe_batch(config: RLVRConfig) -> Batch:
+    """``model_update_probe_size`` random sequences within the trainer model's vocabulary."""
+    from transformers import AutoConfig
+
+    from roll.models.loading import model_path
+
+    model_args = config.actor_train.model_args
+    hf_config = AutoConfig.from_pretrained(
+        model_path(model_args), trust_remote_code=model_args.trust_remote_code
+    )
+    vocab = getattr(hf_config, "vocab_size", None) or hf_config.get_text_config().vocab_size
+    return build_probe_batch(vocab, config.model_update_probe_size, config.seed)

@@ -1,0 +1,272 @@
+"""Worker methods of the model update, mixed into the role workers (subclasses of ``Worker``).
+
+``ModelUpdateGroup`` (driver side) calls them through the clusters; nothing else needs to. A worker
+class that trains mixes in the sender, one that serves generation the receiver; ``ActorWorker``
+serves every model role, so it takes both::
+
+    class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker): ...
+
+Sender (trainer rank): ``model_update_send`` iterates ``self.strategy.iter_hf_weights()`` on every
+rank (it may be collective) and streams what this rank yields into its link.
+
+Receiver (engine worker): ``model_update_receive`` takes one update from every link and loads each
+bucket with ``self.strategy.load_weights`` (or the engine's own bucket calls, see below), then calls
+``strategy.finish_model_update(version)`` when the strategy has it and records ``weight_version``.
+The whole update runs inside one actor call, and Ray runs one call at a time per worker, so a
+``generate`` on the same worker runs wholly before or wholly after it: no request sees a half-updated
+model. ``model_update_in_progress`` says whether an update is being applied, for engines that
+serve requests from other threads.
+
+Engines that receive buckets in their own processes (vLLM's TP workers) offer, besides
+``load_weights``: ``model_update_ranks()`` (ranks they add to a broadcast group),
+``join_model_update_group(host, port, prefix, rank_offset, world_size, backend)``,
+``receive_bucket(meta, verify)`` and ``load_shared_bucket(meta, handle, verify)`` (both return the
+bucket's checksums when ``verify``). The receiver uses them when present.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+import torch
+
+from roll.distributed.executor.dispatch import Dispatch, register
+from roll.distributed.model_update.bucket import BucketMeta
+from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.model_update.link import Link, LinkSpec
+from roll.distributed.model_update.process_group import free_port
+from roll.distributed.model_update.receiver import BucketReceiver, receive_links
+from roll.distributed.model_update.sender import BucketSender
+from roll.distributed.scheduler.batch import Batch
+
+
+class _ModelUpdateWorker:
+    """What both ends need: where this worker's devices are, its weight version, the probe."""
+
+    weight_version: int | None = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_device_info(self) -> dict[str, Any]:
+        """Global device ids (``ROLL_DEVICE_IDS``), node IP, device kind and broadcast ranks needed."""
+        ids = os.environ.get("ROLL_DEVICE_IDS", "")
+        strategy = getattr(self, "strategy", None)
+        ranks = strategy.model_update_ranks() if hasattr(strategy, "model_update_ranks") else 1
+        return {
+            "rank": self.rank,
+            "device_ids": [int(d) for d in ids.split(",") if d != ""],
+            "node_ip": ray.util.get_node_ip_address(),
+            "cuda": self.ctx.is_cuda,
+            "data_ranks": int(ranks),
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_version(self) -> int | None:
+        return self.weight_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_probe_log_probs(self, batch: Batch) -> torch.Tensor | None:
+        """Log-probs [B, R] of the probe batch on CPU from an output rank (None elsewhere). Every
+        rank must take part: the forward may be collective (FSDP gathers, Megatron TP/PP)."""
+        out = self.strategy.compute_log_probs(batch)["log_probs"]
+        layout = self.strategy.dp_layout() if hasattr(self.strategy, "dp_layout") else (self.rank, 1, True)
+        return out.float().cpu() if layout[2] else None
+
+
+class ModelUpdateSenderMixin(_ModelUpdateWorker):
+    """Trainer side: one link per rank, this rank its sender."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_open_port(self) -> tuple[str, int]:
+        """Where this rank will host its link's rendezvous store."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_connect_sender(self, group: str, specs: list[LinkSpec], bucket_bytes: int) -> None:
+        """Join this rank's link of ``group`` (``specs[rank]``); all members of a link join together.
+        A trainer may feed several inference roles: one group each."""
+        link = Link.connect(specs[self.rank], "sender", self.ctx.device)
+        senders = self.__dict__.setdefault("_model_update_senders", {})
+        senders[group] = BucketSender(link, self.ctx.device, bucket_bytes)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_send(self, group: str, version: int) -> dict[str, Any]:
+        """Send this rank's share of the weights over ``group`` as ``version``; names, checksums, timings."""
+        sender = self.__dict__.get("_model_update_senders", {}).get(group)
+        if sender is None:
+            raise ModelUpdateError(
+                f"{self.role} rank {self.rank}: model_update_send({group!r}) before model_update_connect_sender"
+            )
+        result = sender.send(self.strategy.iter_hf_weights(), version)
+        self.weight_version = version
+        return {
+            "names": result.names,
+            "checksums": result.checksums,
+            "nbytes": result.nbytes,
+            "buckets": result.buckets,
+            "iter_s": result.iter_s,
+            "wait_s": result.wait_s,
+            "total_s": result.total_s,
+            "version": version,
+        }
+
+
+class ModelUpdateReceiverMixin(_ModelUpdateWorker):
+    """Engine side: one receiver per trainer rank's link."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_connect_receiver(self, group: str, specs: list[LinkSpec]) -> None:
+        """Join every link of ``group`` (in order, so all members meet in the same order)."""
+        own = self.model_update_device_info()["device_ids"]
+        receivers = []
+        for spec in specs:
+            device = self._link_device(spec, own)
+            engine = self.strategy if _engine_receives(self.strategy, spec, self.rank) else None
+            join = _engine_join(engine, spec, self.rank) if engine is not None else None
+            link = Link.connect(spec, self.rank, device, join_data=join)
+            receivers.append(BucketReceiver(link, device, engine=engine))
+        self.__dict__.setdefault("_model_update_receivers", {})[group] = receivers
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_receive(self, group: str, version: int) -> dict[str, Any]:
+        """Apply one whole update (every link of ``group``), then record ``version``; names,
+        checksums, timings."""
+        receivers = self._receivers(group)
+        self._model_update_active = True
+        try:
+            results = receive_links(receivers, self.strategy.load_weights, version, self._fault_hook())
+            finish = getattr(self.strategy, "finish_model_update", None)
+            if finish is not None:
+                finish(version)
+        finally:
+            self._model_update_active = False
+        self._apply_engine_fault()
+        self.weight_version = version
+        return {
+            "links": [(r.names, r.checksums) for r in results],
+            "nbytes": sum(r.nbytes for r in results),
+            "load_s": max((r.load_s for r in results), default=0.0),
+            "wait_s": max((r.wait_s for r in results), default=0.0),
+            "total_s": max((r.total_s for r in results), default=0.0),
+            "version": version,
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_verify(self, group: str, version: int) -> dict[str, Any]:
+        """Receive a repeated update without loading it and compare every tensor with the engine's
+        own (cast to the engine's dtype): the first tensor that differs, per link order."""
+        engine = _engine_hf_weights(self.strategy)
+        mismatches: list[str] = []
+        missing: list[str] = []
+        lock = threading.Lock()
+
+        def compare(named: Iterator[tuple[str, torch.Tensor]]) -> None:
+            for name, received in named:
+                have = engine.get(name) if engine is not None else None
+                if have is None:
+                    missing.append(name)
+                elif not torch.equal(received.to(device=have.device, dtype=have.dtype), have):
+                    with lock:
+                        mismatches.append(name)
+
+        results = receive_links(self._receivers(group), compare, version, use_engine=False)
+        order = [name for r in results for name in r.names]
+        first = min(mismatches, key=order.index) if mismatches else None
+        return {
+            "first_mismatch": first,
+            "mismatches": len(mismatches),
+            "exposes_weights": engine is not None,
+            "missing": missing[:5],
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_can_verify(self, group: str) -> bool:
+        """Whether ``model_update_verify`` works here: this process receives every bucket itself and
+        the engine shows its weights by HF name."""
+        if any(r.engine is not None for r in self._receivers(group)):
+            return False
+        strategy = self.strategy
+        return hasattr(strategy, "iter_hf_weights") or isinstance(
+            getattr(strategy, "model", None), torch.nn.Module
+        )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_in_progress(self) -> bool:
+        return bool(getattr(self, "_model_update_active", False))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_inject_fault(self, name: str | None, where: str = "wire") -> None:
+        """Test hook: corrupt tensor ``name`` in the next update, on arrival (``"wire"``: the
+        checksums catch it) or in the engine after loading (``"engine"``: the probe catches it)."""
+        if where not in ("wire", "engine"):
+            raise ValueError(f"where must be 'wire' or 'engine', got {where!r}")
+        self._model_update_fault = (name, where) if name else None
+
+    # ------------------------------------------------------------------------------ helpers
+    def _receivers(self, group: str) -> list[BucketReceiver]:
+        receivers = self.__dict__.get("_model_update_receivers", {}).get(group)
+        if receivers is None:
+            raise ModelUpdateError(
+                f"{self.role} rank {self.rank}: model update of {group!r} before model_update_connect_receiver"
+            )
+        return receivers
+
+    def _link_device(self, spec: LinkSpec, own_ids: list[int]) -> torch.device:
+        """This worker's device; for a colocated link, the local index of the sender's device."""
+        if not self.ctx.is_cuda or not spec.is_local(self.rank) or spec.sender_device not in own_ids:
+            return self.ctx.device
+        return torch.device("cuda", own_ids.index(spec.sender_device))
+
+    def _fault_hook(self):
+        fault = getattr(self, "_model_update_fault", None)
+        if fault is None or fault[1] != "wire":
+            return None
+        name = fault[0]
+
+        def corrupt(meta: BucketMeta, flat: torch.Tensor) -> None:
+            for tensor in meta.tensors:
+                if tensor.name == name and tensor.nbytes:
+                    flat[tensor.offset : tensor.offset + 1].bitwise_xor_(1)
+
+        self._model_update_fault = None
+        return corrupt
+
+    def _apply_engine_fault(self) -> None:
+        fault = getattr(self, "_model_update_fault", None)
+        if fault is None or fault[1] != "engine":
+            return
+        self._model_update_fault = None
+        weights = _engine_hf_weights(self.strategy) or {}
+        if fault[0] not in weights:
+            raise KeyError(f"inject_fault: the engine has no tensor {fault[0]!r}")
+        self.strategy.load_weights(iter([(fault[0], weights[fault[0]] + 1.0)]))
+
+
+def _engine_receives(strategy: Any, spec: LinkSpec, rank: int) -> bool:
+    """Whether the engine takes this link's buckets in its own processes (see the module docstring)."""
+    if spec.is_local(rank):
+        return hasattr(strategy, "load_shared_bucket")
+    return hasattr(strategy, "receive_bucket") and hasattr(strategy, "join_model_update_group")
+
+
+def _engine_join(engine: Any, spec: LinkSpec, rank: int):
+    if spec.is_local(rank):
+        return None
+
+    def join(host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str) -> None:
+        engine.join_model_update_group(host, port, prefix, rank_offset, world_size, backend)
+
+    return join
+
+
+def _engine_hf_weights(strategy: Any) -> dict[str, torch.Tensor] | None:
+    """The engine's weights by HF name, where it can tell: ``iter_hf_weights`` or an HF ``model``."""
+    if hasattr(strategy, "iter_hf_weights"):
+        return {name: t.detach().clone() for name, t in strategy.iter_hf_weights()}
+    model = getattr(strategy, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return {name: t.detach() for name, t in model.state_dict().items()}
+    return None
