@@ -165,14 +165,26 @@ def sender_weights(sender: int, version: int) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _transport_member(index: int, members: list[tuple], out_dir: str) -> None:
+def member_device(kind: str, who: int, backend: str) -> torch.device:
+    """CPU under gloo; under NCCL sender s and receiver r sit on GPU s and GPU r (2 GPUs)."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    torch.cuda.set_device(who)
+    return torch.device("cuda", who)
+
+
+def _transport_member(
+    index: int, members: list[tuple], out_dir: str, backend: str, bucket_bytes: int
+) -> None:
     torch.set_num_threads(1)
     kind, who, specs = members[index]
-    device = torch.device("cpu")
+    device = member_device(kind, who, backend)
     if kind == "sender":
         link = Link.connect(specs[0], "sender", device)
-        sender = BucketSender(link, device, bucket_bytes=2048)
-        results = [sender.send(iter(sender_weights(who, v)), version=v) for v in (1, 2)]
+        sender = BucketSender(link, device, bucket_bytes=bucket_bytes)
+        results = [
+            sender.send(((n, t.to(device)) for n, t in sender_weights(who, v)), version=v) for v in (1, 2)
+        ]
         torch.save([(r.names, r.checksums, r.nbytes) for r in results], f"{out_dir}/sender{who}.pt")
         return
     links = [Link.connect(spec, who, device) for spec in specs]
@@ -184,14 +196,21 @@ def _transport_member(index: int, members: list[tuple], out_dir: str) -> None:
         def load(named, got=got):
             for name, tensor in named:
                 assert name not in got, f"{name} loaded twice"
-                got[name] = tensor.clone()
+                assert tensor.device == device, f"{name} arrived on {tensor.device}, not {device}"
+                got[name] = tensor.cpu().clone()
 
         results = receive_links(receivers, load, version)
         got_by_version.append((got, [(r.names, r.checksums) for r in results]))
     torch.save(got_by_version, f"{out_dir}/receiver{who}.pt")
 
 
-def run_transport(num_senders: int, num_receivers: int, local: dict[int, set[int]]) -> None:
+def run_transport(
+    num_senders: int,
+    num_receivers: int,
+    local: dict[int, set[int]],
+    backend: str = "gloo",
+    bucket_bytes: int = 2048,
+) -> None:
     """Spawn the members; ``local[s]`` lists the receivers that share sender ``s``'s device."""
     specs = [
         LinkSpec(
@@ -201,7 +220,7 @@ def run_transport(num_senders: int, num_receivers: int, local: dict[int, set[int
             port=_free_port(),
             receivers=tuple(range(num_receivers)),
             local=tuple(r in local.get(s, set()) for r in range(num_receivers)),
-            backend="gloo",
+            backend=backend,
         )
         for s in range(num_senders)
     ]
@@ -209,7 +228,10 @@ def run_transport(num_senders: int, num_receivers: int, local: dict[int, set[int
     members += [("receiver", r, specs) for r in range(num_receivers)]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _transport_member, args=(members, out_dir), nprocs=len(members), start_method=START_METHOD
+            _transport_member,
+            args=(members, out_dir, backend, bucket_bytes),
+            nprocs=len(members),
+            start_method=START_METHOD if backend == "gloo" else "spawn",
         )
         sent = {s: torch.load(f"{out_dir}/sender{s}.pt") for s in range(num_senders)}
         for r in range(num_receivers):
@@ -260,6 +282,136 @@ def test_receiver_rejects_a_bucket_of_another_version():
     receiver = BucketReceiver(_FakeLink([(meta, None)]), torch.device("cpu"))
     with pytest.raises(ModelUpdateError, match="version 5"):
         receiver.receive(lambda named: None, version=4)
+
+
+# ------------------------------------------------- Megatron TP / PP / EP trainer -> two receivers
+
+MEGATRON_CASES = {
+    "TP2": ("qwen2", {"tensor_model_parallel_size": 2}),
+    "PP2": ("qwen2", {"pipeline_model_parallel_size": 2}),
+    "EP2": ("qwen3_moe", {"expert_model_parallel_size": 2}),
+}
+
+
+def megatron_checkpoints(root) -> dict[str, str]:
+    """A tied tiny Qwen2 and a tiny Qwen3-MoE (fp32 safetensors)."""
+    import transformers
+
+    qwen2 = build_tiny_model_dir(root / "qwen2")
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        vocab_size=130,
+        head_dim=16,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(root / "qwen3_moe")
+    return {"qwen2": str(qwen2), "qwen3_moe": str(root / "qwen3_moe")}
+
+
+def _megatron_sender(rank: int, port: int, cases: list[str], specs: dict, ckpts: dict, backend: str) -> None:
+    """Trainer rank ``rank`` of a 2-rank Megatron world: for each case, build and load the model,
+    then stream ``export_hf_weights`` (the strategies' ``iter_hf_weights``) into its link."""
+    import transformers
+    from megatron.core import parallel_state as ps
+
+    from roll.configs.strategy_configs import MegatronConfig
+    from roll.models.megatron.hf_io import export_hf_weights, load_hf_weights
+    from roll.models.megatron.model_builder import build_model_chunks, local_layer_spec
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "megatron"))
+    import compat  # tests/megatron/compat.py: megatron-core on CPU
+
+    device = member_device("sender", rank, backend)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group(backend, rank=rank, world_size=2)
+    compat.apply()
+    try:
+        for case in cases:
+            family, layout = MEGATRON_CASES[case]
+            ps.initialize_model_parallel(**layout)
+            compat.seed(1234)
+            hf_config = transformers.AutoConfig.from_pretrained(ckpts[family])
+            chunks = build_model_chunks(hf_config, MegatronConfig(**layout), torch.float32, local_layer_spec)
+            load_hf_weights(chunks, ckpts[family])
+            link = Link.connect(specs[case][rank], "sender", device)
+            BucketSender(link, device, bucket_bytes=16 << 10).send(export_hf_weights(chunks), version=1)
+            ps.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _megatron_member(
+    index: int, port: int, cases: list[str], specs: dict, ckpts: dict, out_dir: str, backend: str
+):
+    torch.set_num_threads(1)
+    if index < 2:
+        _megatron_sender(index, port, cases, specs, ckpts, backend)
+        return
+    who = index - 2
+    device = member_device("receiver", who, backend)
+    for case in cases:
+        receivers = [BucketReceiver(Link.connect(spec, who, device), device) for spec in specs[case]]
+        got: dict[str, torch.Tensor] = {}
+
+        def load(named, got=got):
+            for name, tensor in named:
+                assert name not in got, f"{name} arrived twice"
+                got[name] = tensor.cpu().clone()
+
+        results = receive_links(receivers, load, version=1)
+        senders = [sum(1 for _ in r.names) for r in results]
+        torch.save((got, senders), f"{out_dir}/{case}_receiver{who}.pt")
+
+
+def run_megatron_to_receivers(tmp_path, backend: str) -> dict[str, list[int]]:
+    """Every case's received tensors equal the checkpoint bit for bit on both receivers; returns
+    how many tensors each trainer rank sent per case."""
+    from safetensors.torch import load_file
+
+    ckpts = megatron_checkpoints(tmp_path)
+    cases = list(MEGATRON_CASES)
+    specs = {
+        case: [
+            LinkSpec(f"megatron/{case}/{s}", s, "127.0.0.1", _free_port(), (0, 1), (s == 0, s == 1), backend)
+            for s in range(2)
+        ]
+        for case in cases
+    }
+    out_dir = str(tmp_path)
+    start = START_METHOD if backend == "gloo" else "spawn"
+    mp.start_processes(
+        _megatron_member,
+        args=(_free_port(), cases, specs, ckpts, out_dir, backend),
+        nprocs=4,
+        start_method=start,
+    )
+    per_sender = {}
+    for case in cases:
+        want = load_file(f"{ckpts[MEGATRON_CASES[case][0]]}/model.safetensors")
+        for who in range(2):
+            got, senders = torch.load(f"{out_dir}/{case}_receiver{who}.pt")
+            assert sorted(got) == sorted(want), f"{case} receiver {who}: {sorted(set(want) ^ set(got))[:5]}"
+            for name, tensor in want.items():
+                assert same(tensor, got[name]), f"{case} receiver {who}: {name} differs"
+            per_sender[case] = senders
+    return per_sender
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_megatron_tp_pp_ep_trainer_to_two_receivers_bit_identical(tmp_path):
+    pytest.importorskip("megatron.core")
+    per_sender = run_megatron_to_receivers(tmp_path, "gloo")
+    assert per_sender["TP2"][1] == 0 and per_sender["TP2"][0] > 0  # TP peers gather, one sends
+    assert min(per_sender["PP2"]) > 0 and min(per_sender["EP2"]) > 0  # each stage / expert shard sends
 
 
 # ------------------------------------------------------------------- (d) end to end through Ray
