@@ -165,20 +165,20 @@ def sender_weights(sender: int, version: int) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def member_device(kind: str, who: int, backend: str) -> torch.device:
-    """CPU under gloo; under NCCL sender s and receiver r sit on GPU s and GPU r (2 GPUs)."""
+def member_device(gpu: int, backend: str) -> torch.device:
+    """CPU under gloo, else ``cuda:gpu``."""
     if backend == "gloo":
         return torch.device("cpu")
-    torch.cuda.set_device(who)
-    return torch.device("cuda", who)
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
 
 
 def _transport_member(
     index: int, members: list[tuple], out_dir: str, backend: str, bucket_bytes: int
 ) -> None:
     torch.set_num_threads(1)
-    kind, who, specs = members[index]
-    device = member_device(kind, who, backend)
+    kind, who, specs, gpu = members[index]
+    device = member_device(gpu, backend)
     if kind == "sender":
         link = Link.connect(specs[0], "sender", device)
         sender = BucketSender(link, device, bucket_bytes=bucket_bytes)
@@ -210,8 +210,11 @@ def run_transport(
     local: dict[int, set[int]],
     backend: str = "gloo",
     bucket_bytes: int = 2048,
+    receiver_gpus: list[int] | None = None,
 ) -> None:
-    """Spawn the members; ``local[s]`` lists the receivers that share sender ``s``'s device."""
+    """Spawn the members; ``local[s]`` lists the receivers that share sender ``s``'s device.
+    Under NCCL sender s runs on GPU s and receiver r on ``receiver_gpus[r]`` (default: GPU r)."""
+    receiver_gpus = receiver_gpus or list(range(num_receivers))
     specs = [
         LinkSpec(
             name=f"test/{s}",
@@ -224,8 +227,8 @@ def run_transport(
         )
         for s in range(num_senders)
     ]
-    members = [("sender", s, [specs[s]]) for s in range(num_senders)]
-    members += [("receiver", r, specs) for r in range(num_receivers)]
+    members = [("sender", s, [specs[s]], s) for s in range(num_senders)]
+    members += [("receiver", r, specs, receiver_gpus[r]) for r in range(num_receivers)]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _transport_member,
@@ -329,7 +332,7 @@ def _megatron_sender(rank: int, port: int, cases: list[str], specs: dict, ckpts:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "megatron"))
     import compat  # tests/megatron/compat.py: megatron-core on CPU
 
-    device = member_device("sender", rank, backend)
+    device = member_device(rank, backend)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group(backend, rank=rank, world_size=2)
     compat.apply()
@@ -356,7 +359,7 @@ def _megatron_member(
         _megatron_sender(index, port, cases, specs, ckpts, backend)
         return
     who = index - 2
-    device = member_device("receiver", who, backend)
+    device = member_device(who, backend)
     for case in cases:
         receivers = [BucketReceiver(Link.connect(spec, who, device), device) for spec in specs[case]]
         got: dict[str, torch.Tensor] = {}

@@ -114,6 +114,30 @@ def write_tensor(flat: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor) -> 
         flat[end:pad_end].zero_()
 
 
+def write_tensors(flat: torch.Tensor, metas: list[TensorMeta], tensors: list[torch.Tensor]) -> None:
+    """``write_tensor`` for many tensors with few kernel launches: consecutive contiguous tensors on
+    ``flat``'s device whose sizes are multiples of 256 bytes lie back to back, so each such run is
+    one ``torch.cat`` into its byte range (MoE models yield thousands of small tensors)."""
+    run: list[int] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            write_tensor(flat, metas[run[0]], tensors[run[0]])
+        elif run:
+            first, last = metas[run[0]], metas[run[-1]]
+            parts = [tensors[i].reshape(-1).view(torch.uint8) for i in run]
+            torch.cat(parts, out=flat[first.offset : last.offset + last.nbytes])
+        run.clear()
+
+    for i, (meta, tensor) in enumerate(zip(metas, tensors)):
+        if meta.nbytes % ALIGN == 0 and tensor.is_contiguous() and tensor.device == flat.device:
+            run.append(i)
+            continue
+        flush()
+        write_tensor(flat, meta, tensor)
+    flush()
+
+
 def tensor_view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     """``meta``'s tensor as a view into ``flat`` (no copy)."""
     raw = flat[meta.offset : meta.offset + meta.nbytes]
@@ -141,8 +165,7 @@ def pack_bucket(
     else:
         device = out.device if out is not None else (named[0][1].device if named else torch.device("cpu"))
         flat = torch.empty(total, dtype=torch.uint8, device=device)
-    for meta, (_, tensor) in zip(metas, named):
-        write_tensor(flat, meta, tensor)
+    write_tensors(flat, metas, [tensor for _, tensor in named])
     return BucketMeta(metas, total, version, index, last), flat
 
 

@@ -53,7 +53,12 @@ def new_group(
     scoped = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(scoped, rank, world_size, timeout)
+    try:
+        return dist.ProcessGroupNCCL(scoped, rank, world_size, timeout)
+    except TypeError:  # builds whose binding only takes Options
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(scoped, rank, world_size, options)
 
 
 def broadcast_options(root: int) -> dist.BroadcastOptions:

@@ -1,9 +1,10 @@
 """Sender side of a link: stream HF-named tensors into double-buffered buckets and send them.
 
-Tensors are copied into the current bucket buffer as the generator yields them (so each gathered
-tensor can be freed at once); when the next tensor does not fit, the bucket is sent and packing
-continues in the other buffer. On GPU the copies run on a side stream and the broadcast is issued
-from it, so the generator's gathers and the packing of bucket k+1 overlap the transfer of bucket k.
+The generator's tensors are collected until the next one does not fit (so at most one bucket of
+them is alive); then they are copied into a free buffer in a few launches (``write_tensors``) and
+sent, and collecting continues for the other buffer. On GPU the copies run on a side stream and
+the broadcast is issued from it, so the generator's gathers and the packing of bucket k+1 overlap
+the transfer of bucket k.
 A buffer is reused only after its broadcast finished (a stream wait, not a host wait) and every
 colocated receiver acknowledged it (they read it in place).
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from roll.distributed.model_update.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensor
+from roll.distributed.model_update.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensors
 from roll.distributed.model_update.checksum import bucket_checksums
 from roll.distributed.model_update.ipc import IpcHandle, allocate_shared, release_shared
 from roll.distributed.model_update.link import Link
@@ -76,8 +77,7 @@ class BucketSender:
         result = SendResult()
         sums: list[torch.Tensor] = []
         start = time.perf_counter()
-        index, metas, used = 0, [], 0
-        slot = self._acquire(0, self.bucket_bytes, result)
+        index, metas, tensors, used = 0, [], [], 0
         iterator = iter(named)
         while True:
             t0 = time.perf_counter()
@@ -89,16 +89,14 @@ class BucketSender:
             nbytes = tensor_nbytes(tensor)
             size = align(nbytes)
             if metas and used + size > self.bucket_bytes:
-                sums.append(self._flush(slot, BucketMeta(metas, used, version, index, False), result))
-                index, metas, used = index + 1, [], 0
-                slot = self._acquire(index, max(size, self.bucket_bytes), result)
-            elif not metas and size > slot.flat.numel():
-                slot = self._acquire(index, size, result)
-            meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), used, nbytes)
-            self._write(slot, meta, tensor)
-            metas.append(meta)
+                sums.append(
+                    self._send_bucket(BucketMeta(metas, used, version, index, False), tensors, result)
+                )
+                index, metas, tensors, used = index + 1, [], [], 0
+            metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), used, nbytes))
+            tensors.append(tensor)
             used += size
-        sums.append(self._flush(slot, BucketMeta(metas, used, version, index, True), result))
+        sums.append(self._send_bucket(BucketMeta(metas, used, version, index, True), tensors, result))
         for slot in sorted(self.slots, key=lambda s: s.index):
             self._wait_free(slot, result)
         if self.stream is not None:
@@ -107,15 +105,21 @@ class BucketSender:
         result.total_s = time.perf_counter() - start
         return result
 
-    def _write(self, slot: _Slot, meta: TensorMeta, tensor: torch.Tensor) -> None:
+    def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor], result: SendResult) -> torch.Tensor:
+        """Pack one bucket into a free buffer and send it; returns its checksums (on the device)."""
+        slot = self._acquire(meta.index, meta.nbytes, result)
         if self.stream is None:
-            write_tensor(slot.flat, meta, tensor)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            write_tensor(slot.flat, meta, tensor)
-        if tensor.device.type == "cuda":
-            tensor.record_stream(self.stream)
+            write_tensors(slot.flat, meta.tensors, tensors)
+        else:
+            # The tensors come from the generator's stream; pack on the side stream once they exist,
+            # and keep their memory from being reused until the copies ran.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                write_tensors(slot.flat, meta.tensors, tensors)
+            for tensor in tensors:
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(self.stream)
+        return self._flush(slot, meta, result)
 
     def _flush(self, slot: _Slot, meta: BucketMeta, result: SendResult) -> torch.Tensor:
         """Send one bucket; returns its checksums (still on the device)."""
@@ -141,7 +145,7 @@ class BucketSender:
         if slot.flat is None or slot.flat.numel() < need:
             if self.stream is not None:
                 self.stream.synchronize()
-            self._allocate(slot, index % 2, need)
+            self._allocate(slot, index % 2, max(need, self.bucket_bytes))
         return slot
 
     def _allocate(self, slot: _Slot, position: int, nbytes: int) -> None:
