@@ -370,6 +370,10 @@ def trainer_phases(trainer: ShardedTrainer, spec: LinkSpec, bucket_bytes: int, d
         "tensors": len(sent.names),
         "sync_s": statistics.median(times[1:]),
         "sync_first_s": times[0],
+        # The last update's host-side view: time in the generator, blocked on buffer reuse, total.
+        "send_iter_s": sent.iter_s,
+        "send_wait_s": sent.wait_s,
+        "send_total_s": sent.total_s,
         "checksums": sent.checksums,
         "names": sent.names,
     }
@@ -411,6 +415,9 @@ def engine_phases(engine: dict, specs: list[LinkSpec], who: int, device, reps: i
         "load_s": load_s,
         "links": [(r.names, r.checksums) for r in results],
         "local": [link.is_local for link in links],
+        "recv_wait_s": max(r.wait_s for r in results),
+        "recv_load_s": max(r.load_s for r in results),
+        "recv_total_s": max(r.total_s for r in results),
     }
 
 
@@ -443,6 +450,12 @@ def report(gathered: list[dict], args: argparse.Namespace) -> None:
                 "load_s": max(r["load_s"] for r in engines),
                 "sync_s": sync_s,
                 "sync_first_s": max(r["sync_first_s"] for r in senders),
+                "send_iter_s": max(r["send_iter_s"] for r in senders),
+                "send_wait_s": max(r["send_wait_s"] for r in senders),
+                "send_total_s": max(r["send_total_s"] for r in senders),
+                "recv_wait_s": max(r["recv_wait_s"] for r in engines),
+                "recv_load_s": max(r["recv_load_s"] for r in engines),
+                "recv_total_s": max(r["recv_total_s"] for r in engines),
                 "bw_GBps": bw,
                 "bound_s": bound,
                 "ratio": sync_s / bound,
@@ -450,9 +463,12 @@ def report(gathered: list[dict], args: argparse.Namespace) -> None:
         )
     cols = ["model", "layout", "GB", "tensors", "buckets", "gather_convert_s", "pack_s", "checksum_s"]
     cols += ["wire_s", "load_s", "sync_s", "bw_GBps", "bound_s", "ratio"]
-    print(" | ".join(cols))
-    for row in table:
-        print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
+    host = ["model", "layout", "sync_first_s", "send_iter_s", "send_wait_s", "send_total_s"]
+    host += ["recv_wait_s", "recv_load_s", "recv_total_s"]
+    for columns in (cols, host):
+        print(" | ".join(columns))
+        for row in table:
+            print(" | ".join(f"{row[c]:.4f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": table}, indent=1))
 
