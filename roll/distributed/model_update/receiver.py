@@ -1,10 +1,9 @@
 """Receiver side of a link: take each bucket, check it, and hand it to the engine.
 
 Per bucket: the metadata (and, for a colocated receiver, the IPC handle) arrives on the control
-channel; a remote receiver then receives the bytes into one of two preallocated buffers; a
-colocated one maps the sender's buffer. The receiver reads one bucket ahead: bucket k+1's receive
-is posted (on a side stream that only waits for the previous use of that buffer) before bucket k
-is loaded, so the wire never waits for the host to finish issuing a load. The bucket is unpacked into views, its
+channel; a remote receiver then receives the bytes into one of two preallocated buffers (posted
+on a side stream that only waits for the previous use of that buffer, so bucket k+1 arrives while
+bucket k loads); a colocated one maps the sender's buffer. The bucket is unpacked into views, its
 checksums are computed (on the device, read back once at the end) and ``load`` gets the views.
 
     receiver = BucketReceiver(link, device)
@@ -55,17 +54,6 @@ class _Buffer:
         self.free: torch.cuda.Event | None = None
 
 
-@dataclass
-class _Arrival:
-    """A bucket whose metadata arrived: its bytes mapped (colocated) or on the way (``work``)."""
-
-    meta: BucketMeta
-    handle: Any
-    flat: torch.Tensor | None = None
-    work: Any = None
-    buffer: _Buffer | None = None
-
-
 class BucketReceiver:
     """Receives one update from one link (this member must be one of the link's receivers)."""
 
@@ -97,30 +85,20 @@ class BucketReceiver:
         result = ReceiveResult()
         sums: list[torch.Tensor | list] = []
         start = time.perf_counter()
-        engine = self.engine if use_engine else None
-
-        def arrive() -> _Arrival:
+        while True:
             t0 = time.perf_counter()
             meta, handle = self.link.control.recv()
             result.wait_s += time.perf_counter() - t0
             self._check(meta, version)
-            return self._arrive(meta, handle, engine is not None)
-
-        # One bucket of lookahead: bucket k+1 is already on the wire while bucket k loads.
-        current = arrive()
-        while True:
-            upcoming = None if current.meta.last else arrive()
-            meta = current.meta
-            if meta.nbytes and engine is not None:
-                sums.append(self._engine_take(meta, current.handle, lock, result))
+            if meta.nbytes and self.engine is not None and use_engine:
+                sums.append(self._engine_take(meta, handle, lock, result))
             elif meta.nbytes:
-                sums.append(self._take(current, load, lock, fault, result))
+                sums.append(self._take(meta, handle, load, lock, fault, result))
             result.names.extend(meta.names)
             result.nbytes += meta.nbytes
             result.buckets += 1
             if meta.last:
                 break
-            current = upcoming
         if self.work_stream is not None:
             self.work_stream.synchronize()
         if self.link.is_local:
@@ -129,21 +107,18 @@ class BucketReceiver:
         result.total_s = time.perf_counter() - start
         return result
 
-    def _arrive(self, meta: BucketMeta, handle, engine: bool) -> _Arrival:
-        """Start taking a bucket: map the sender's buffer (colocated) or post the receive (remote)."""
-        if engine or not meta.nbytes:
-            return _Arrival(meta, handle)
+    def _take(
+        self, meta: BucketMeta, handle, load: LoadFn, lock, fault, result: ReceiveResult
+    ) -> torch.Tensor:
+        buffer = None
         if self.link.is_local:
-            return _Arrival(meta, handle, self.ipc.open(handle, self.device)[: meta.nbytes])
-        buffer = self.buffers[meta.index % 2]
-        flat, work = self._post_recv(buffer, meta.nbytes)
-        return _Arrival(meta, handle, flat, work, buffer)
-
-    def _take(self, arrival: _Arrival, load: LoadFn, lock, fault, result: ReceiveResult) -> torch.Tensor:
-        meta, flat = arrival.meta, arrival.flat
+            flat, work = self.ipc.open(handle, self.device)[: meta.nbytes], None
+        else:
+            buffer = self.buffers[meta.index % 2]
+            flat, work = self._post_recv(buffer, meta.nbytes)
         with stream_context(self.work_stream):
-            if arrival.work is not None:
-                arrival.work.wait()
+            if work is not None:
+                work.wait()
             if fault is not None:
                 fault(meta, flat)
             bucket_sums = bucket_checksums(meta, flat)
@@ -151,8 +126,8 @@ class BucketReceiver:
             with lock:
                 load(iter(unpack_bucket(meta, flat)))
             result.load_s += time.perf_counter() - t0
-            if arrival.buffer is not None and self.cuda:
-                arrival.buffer.free.record(self.work_stream)
+            if buffer is not None and self.cuda:
+                buffer.free.record(self.work_stream)
         if self.link.is_local:
             if self.work_stream is not None:
                 self.work_stream.synchronize()
