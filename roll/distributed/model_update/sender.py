@@ -107,6 +107,11 @@ class BucketSender:
 
     def _send_bucket(self, meta: BucketMeta, tensors: list[torch.Tensor], result: SendResult) -> torch.Tensor:
         """Pack one bucket into a free buffer and send it; returns its checksums (on the device)."""
+        if not meta.nbytes:  # an empty last bucket (a rank with nothing to send): metadata only
+            self.link.control.send((meta, None))
+            result.names.extend(meta.names)
+            result.buckets += 1
+            return torch.zeros(len(meta.tensors), 2, dtype=torch.int64, device=self.device)
         slot = self._acquire(meta.index, meta.nbytes, result)
         if self.stream is None:
             write_tensors(slot.flat, meta.tensors, tensors)
