@@ -1,0 +1,236 @@
+"""Score responses with a rule reward, each sample under a time limit that cannot hang the run.
+
+A reward function may never return (a sympy ``simplify`` on a hostile expression, a regex with
+catastrophic backtracking). Signals cannot interrupt it inside a Ray actor thread, and a Python
+thread cannot be killed, so samples are scored in spawned worker processes: a sample that runs past
+``timeout_s`` scores 0.0, its worker is killed and replaced, and the timeout is counted.
+
+    scorer = RewardScorer("math_rule", {"last_number_fallback": True}, timeout_s=5.0)
+    scores = scorer.score(responses, ground_truths)   # list[float], same order
+    scorer.stats                                       # {"scored": .., "timeouts": .., "errors": ..}
+    scorer.close()
+
+``score_batch`` does the same with one scorer kept per (reward, kwargs, timeout) in this process,
+so workers are started once per reward worker, not once per batch. ``reward_fn`` is a name from
+``roll.pipeline.rlvr.rewards.registry`` or a ``"package.module:function"`` path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from roll.configs.errors import ConfigError
+from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, get_reward_spec
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 120.0
+
+
+def resolve_target(reward_fn: str, path: str = "reward_fn") -> str:
+    """The ``module:function`` of a rule reward (a registry name or a path given as is)."""
+    if reward_fn not in REWARD_FUNCTIONS and ":" in reward_fn:
+        return reward_fn
+    spec = get_reward_spec(reward_fn, path)
+    if spec.kind != "rule":
+        raise ConfigError(
+            path, f"{reward_fn!r} is a {spec.kind} reward; it is scored by its own strategy, not here"
+        )
+    return spec.target
+
+
+def load_target(target: str, path: str = "reward_fn") -> Callable[..., float]:
+    module_name, _, fn_name = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(path, f"cannot load reward function {target!r}: {exc}") from exc
+
+
+def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str = "reward_kwargs") -> None:
+    """Raise a ConfigError naming any key of ``reward_kwargs`` the reward function does not accept."""
+    params = inspect.signature(load_target(resolve_target(reward_fn))).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for key in reward_kwargs:
+        if key not in accepted:
+            raise ConfigError(
+                f"{path}.{key}", f"{reward_fn!r} takes no such option; options: {accepted or 'none'}"
+            )
+
+
+def _worker_main(fd: int, target: str, kwargs: dict[str, Any]) -> None:
+    """Worker process: load the function, say ready, then score (index, response, truth) messages."""
+    conn = Connection(fd)
+    fn = load_target(target)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        index, response, truth = msg
+        try:
+            conn.send((index, float(fn(response, truth, **kwargs)), None))
+        except Exception as exc:  # a failing sample scores 0.0 and is counted, the run goes on
+            conn.send((index, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    """One scoring process, started as ``python -m`` this module (not multiprocessing spawn, which
+    re-runs the parent's ``__main__``: a Ray worker's or a script's), talking over a socket pair."""
+
+    def __init__(self, target: str, kwargs: dict[str, Any]):
+        self.conn, child = Pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        argv = [sys.executable, "-m", __name__, str(child.fileno()), target, json.dumps(kwargs)]
+        self.process = subprocess.Popen(argv, env=env, pass_fds=[child.fileno()])
+        child.close()
+        try:
+            if not self.conn.poll(WORKER_START_TIMEOUT_S):
+                raise EOFError
+            self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise RuntimeError(
+                f"reward worker for {target!r} did not start (exit code {self.process.returncode})"
+            ) from None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        self.conn.close()
+
+
+class RewardScorer:
+    """A rule reward run in ``num_procs`` worker processes with a per-sample time limit."""
+
+    def __init__(
+        self, reward_fn: str, reward_kwargs: dict[str, Any] | None, timeout_s: float, num_procs: int = 1
+    ):
+        if timeout_s <= 0 or num_procs < 1:
+            raise ValueError(f"timeout_s must be > 0 and num_procs >= 1, got {timeout_s} and {num_procs}")
+        self.target = resolve_target(reward_fn)
+        load_target(self.target)  # fail here, with the name, rather than in a worker
+        self.kwargs = dict(reward_kwargs or {})
+        self.timeout_s = timeout_s
+        self.workers = [_Worker(self.target, self.kwargs) for _ in range(num_procs)]
+        self.stats = {"scored": 0, "timeouts": 0, "errors": 0}
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        scores = [0.0] * len(responses)
+        pending = deque(range(len(responses)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample index, start time)
+        while pending or busy:
+            for slot in range(len(self.workers)):
+                if slot not in busy and pending:
+                    index = pending.popleft()
+                    self.workers[slot].conn.send((index, responses[index], ground_truths[index]))
+                    busy[slot] = (index, time.monotonic())
+            self._collect(busy, scores)
+        self.stats["scored"] += len(responses)
+        return scores
+
+    def _collect(self, busy: dict[int, tuple[int, float]], scores: list[float]) -> None:
+        """Wait for the first result or deadline; store results, replace workers past their deadline."""
+        deadline = min(start for _, start in busy.values()) + self.timeout_s
+        conns = {self.workers[slot].conn: slot for slot in busy}
+        for conn in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+            slot = conns[conn]
+            try:
+                index, value, error = conn.recv()
+            except EOFError:  # the worker died (e.g. out of memory): count it like an error
+                index, value, error = busy[slot][0], 0.0, "reward worker exited"
+                self._replace(slot)
+            scores[index] = value
+            if error:
+                self.stats["errors"] += 1
+                logger.warning("reward %s failed on sample %d: %s", self.target, index, error)
+            del busy[slot]
+        now = time.monotonic()
+        for slot, (index, start) in list(busy.items()):
+            if now - start >= self.timeout_s:
+                logger.warning(
+                    "reward %s timed out (%.1f s) on sample %d", self.target, self.timeout_s, index
+                )
+                self.stats["timeouts"] += 1
+                scores[index] = 0.0
+                self._replace(slot)
+                del busy[slot]
+
+    def _replace(self, slot: int) -> None:
+        self.workers[slot].kill()
+        self.workers[slot] = _Worker(self.target, self.kwargs)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                worker.process.wait(timeout=2)
+                worker.conn.close()
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        self.workers = []
+
+
+_SCORERS: dict[tuple[str, str, float, int], RewardScorer] = {}
+
+
+def score_batch(
+    reward_fn_name: str,
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    reward_kwargs: dict[str, Any] | None = None,
+    timeout_s: float | None = 10.0,
+    num_procs: int = 1,
+    stats: dict[str, int] | None = None,
+) -> list[float]:
+    """Scores of ``responses`` (0.0 for samples past ``timeout_s`` seconds or that raised).
+
+    ``timeout_s=None`` scores in this process with no time limit (for rewards known to be fast).
+    When ``stats`` is given, this call's "scored", "timeouts" and "errors" counts are added to it.
+    """
+    if timeout_s is None:
+        fn = load_target(resolve_target(reward_fn_name))
+        scores = [
+            float(fn(r, t, **(reward_kwargs or {}))) for r, t in zip(responses, ground_truths, strict=True)
+        ]
+        if stats is not None:
+            stats["scored"] = stats.get("scored", 0) + len(scores)
+        return scores
+    key = (reward_fn_name, json.dumps(reward_kwargs or {}, sort_keys=True), float(timeout_s), num_procs)
+    if key not in _SCORERS:
+        _SCORERS[key] = RewardScorer(reward_fn_name, reward_kwargs, timeout_s, num_procs)
+    scorer = _SCORERS[key]
+    before = dict(scorer.stats)
+    scores = scorer.score(responses, ground_truths)
+    if stats is not None:
+        for name, value in scorer.stats.items():
+            stats[name] = stats.get(name, 0) + value - before[name]
+    return scores
+
+
+@atexit.register
+def close_all_scorers() -> None:
+    """Stop every worker process ``score_batch`` started."""
+    while _SCORERS:
+        _SCORERS.popitem()[1].close()
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
