@@ -7,9 +7,27 @@ where megatron-core, vLLM or SGLang are not installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from roll.configs.errors import ConfigError
+
+if TYPE_CHECKING:
+    from roll.configs.role import RoleConfig
+
+C = TypeVar("C")
+
+
+def typed_strategy_config(role_config: RoleConfig, config_cls: type[C]) -> C:
+    """The role's typed ``strategy_config``: the one validation stored, else built strictly here
+    (strategies constructed directly, e.g. in tests)."""
+    from roll.configs.loader import build_dataclass
+
+    args = role_config.strategy_args
+    if args is not None and isinstance(args.config, config_cls):
+        return args.config
+    return build_dataclass(
+        config_cls, (args.strategy_config if args else None) or {}, "strategy_args.strategy_config"
+    )
 
 
 @dataclass(frozen=True)
@@ -181,8 +199,21 @@ class MegatronConfig:
             raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
 
 
+class _EngineTensorParallel:
+    """Mixin for engines whose worker owns ``tensor_parallel_size`` devices."""
+
+    tensor_parallel_size: int
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.tensor_parallel_size
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
+
+
 @dataclass
-class VLLMConfig:
+class VLLMConfig(_EngineTensorParallel):
     """vLLM V1 engine options; a worker owns ``tensor_parallel_size`` devices."""
 
     gpu_memory_utilization: float = 0.8
@@ -200,13 +231,6 @@ class VLLMConfig:
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def devices_per_worker(self) -> int:
-        return self.tensor_parallel_size
-
-    def parallel_sizes(self, world_size: int) -> ParallelSizes:
-        return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
-
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -223,7 +247,7 @@ class VLLMConfig:
 
 
 @dataclass
-class SGLangConfig:
+class SGLangConfig(_EngineTensorParallel):
     """SGLang Engine options; a worker owns ``tensor_parallel_size`` devices."""
 
     mem_fraction_static: float = 0.8
@@ -235,13 +259,6 @@ class SGLangConfig:
     disable_radix_cache: bool = False
     # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def devices_per_worker(self) -> int:
-        return self.tensor_parallel_size
-
-    def parallel_sizes(self, world_size: int) -> ParallelSizes:
-        return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")

@@ -46,14 +46,6 @@ def import_engine(module: str, role: str, strategy_name: str) -> ModuleType:
         ) from exc
 
 
-def typed_strategy_config(role_config: RoleConfig, config_cls: type) -> Any:
-    """The role's validated ``strategy_config`` (validation stores it), else built from the raw dict."""
-    args = role_config.strategy_args
-    if args is not None and args.config is not None:
-        return args.config
-    return config_cls(**((args.strategy_config if args else None) or {}))
-
-
 def dataclass_field_names(cls: type) -> set[str]:
     """Option names of an engine's argument dataclass (``vllm.EngineArgs``, SGLang ``ServerArgs``)."""
     return {f.name for f in dataclasses.fields(cls)}

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import FSDP2Config
+from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import LossFn, WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
@@ -63,10 +63,7 @@ class FSDP2TrainStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        args = role_config.strategy_args
-        self.config: FSDP2Config = (args.config if args and args.config else None) or FSDP2Config(
-            **((args.strategy_config if args else None) or {})
-        )
+        self.config: FSDP2Config = typed_strategy_config(role_config, FSDP2Config)
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None

@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import HFInferConfig
+from roll.configs.strategy_configs import HFInferConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch
@@ -47,10 +47,7 @@ class HFInferStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        args = role_config.strategy_args
-        self.config: HFInferConfig = (args.config if args and args.config else None) or HFInferConfig(
-            **((args.strategy_config if args else None) or {})
-        )
+        self.config: HFInferConfig = typed_strategy_config(role_config, HFInferConfig)
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._rng_state: dict[str, torch.Tensor] | None = None

@@ -37,7 +37,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import SGLangConfig
+from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.engine_options import (
@@ -46,7 +46,6 @@ from roll.distributed.strategy.engine_options import (
     import_engine,
     response_width,
     sglang_engine_options,
-    typed_strategy_config,
 )
 from roll.distributed.strategy.engine_requests import (
     Completion,

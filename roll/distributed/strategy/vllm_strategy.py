@@ -38,7 +38,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import VLLMConfig
+from roll.configs.strategy_configs import VLLMConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.engine_options import (
@@ -46,7 +46,6 @@ from roll.distributed.strategy.engine_options import (
     dataclass_field_names,
     import_engine,
     response_width,
-    typed_strategy_config,
     vllm_engine_options,
 )
 from roll.distributed.strategy.engine_requests import (

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import MegatronConfig
+from roll.configs.strategy_configs import MegatronConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import WorkerContext
 from roll.models.logprobs import batch_temperature
@@ -32,10 +32,7 @@ from roll.models.megatron.parallel import broadcast_from_last_stage, init_parall
 
 def megatron_config(role_config: RoleConfig) -> MegatronConfig:
     """The role's typed MegatronConfig (validated by roll.configs.validate, or built here)."""
-    args = role_config.strategy_args
-    if args is not None and isinstance(args.config, MegatronConfig):
-        return args.config
-    return MegatronConfig(**((args.strategy_config if args else None) or {}))
+    return typed_strategy_config(role_config, MegatronConfig)
 
 
 def check_policy_model(role_config: RoleConfig, strategy: str) -> None:

@@ -99,7 +99,11 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
     )
     sampler = PromptSampler(
-        train, config.rollout_batch_size, config.seed, config.actor_train.data_args.domain_interleave_probs
+        train,
+        config.rollout_batch_size,
+        config.seed,
+        config.actor_train.data_args.domain_interleave_probs,
+        path="actor_train.data_args.domain_interleave_probs",
     )
     val = None
     if config.validation is not None and config.validation.data_args.file_name:
