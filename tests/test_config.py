@@ -235,3 +235,17 @@ def test_dry_run_plan_for_8_gpu_colocated(capsys):
     assert "1 node(s) x 8 GPU(s)" in out
     assert "actor_train + actor_infer + reference on devices 0-7" in out
     assert "TP=2 PP=1 CP=1 EP=1 DP=4" in out
+
+
+def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys):
+    from roll.distributed.scheduler.errors import WorkerError
+    from roll.pipeline.rlvr import pipeline
+
+    def fail(config):
+        raise WorkerError("actor_train", 1, "ValueError", "bad batch", remote_traceback="Traceback ...")
+
+    monkeypatch.setattr(pipeline, "run_pipeline", fail)
+    code = main(["--config_name", "minimal", "--config_path", str(GOOD.parent)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err == ["WorkerError: actor_train rank 1: ValueError: bad batch"]

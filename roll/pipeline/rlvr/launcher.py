@@ -8,10 +8,12 @@ A bad config prints one ``ConfigError: <key path>: <message>`` line and exits wi
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 from roll.configs.errors import ConfigError
+from roll.distributed.scheduler.errors import WorkerError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,3 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:
+        # One line names the role, rank and the original exception; the worker's traceback goes
+        # to the run's log, where it helps without burying the message.
+        logging.getLogger("roll").debug("worker traceback:\n%s", exc.remote_traceback)
+        print(f"WorkerError: {exc}", file=sys.stderr)
+        return 1

@@ -74,10 +74,15 @@ def setup_logging(run_dir: Path) -> None:
     if root.handlers:
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "run.log")):
+    # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
+    for handler, level in (
+        (logging.StreamHandler(sys.stderr), logging.INFO),
+        (logging.FileHandler(run_dir / "run.log"), logging.DEBUG),
+    ):
         handler.setFormatter(fmt)
+        handler.setLevel(level)
         root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.DEBUG)
 
 
 def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
