@@ -3,6 +3,7 @@
 >>> rm = ResourceManager(plan, config.device)
 >>> actor_train = Cluster("actor_train", ActorWorker, rm, plan.roles["actor_train"], config.actor_train, config)
 >>> actor_train.create_strategy()                  # every rank; then re-reads the DP layout
+>>> actor_train.initialize()                       # the same for workers that build it in initialize
 >>> out = actor_train.compute_log_probs(batch)     # dispatched by the method's @register mode
 >>> pending = actor_train.async_train_step(batch)  # returns at once ...
 >>> metrics = pending.get()                        # ... and gathers here
@@ -164,6 +165,16 @@ class Cluster:
         """Build every rank's strategy, then re-read the DP layout (the strategy may define it)."""
         self.execute_all("create_strategy")
         self.refresh_dp_layout()
+
+    def initialize(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run every rank's ``initialize`` (which builds its strategy), then re-read the DP layout.
+
+        Without the re-read the cluster would keep the layout it read before any strategy
+        existed (every rank its own DP group) and send different DP chunks to TP/PP peers, whose
+        collectives then mismatch: a gloo error on CPU, a hang on NCCL."""
+        out = self.execute_all("initialize", *args, **kwargs)
+        self.refresh_dp_layout()
+        return out
 
     def refresh_dp_layout(self) -> None:
         layouts = [DPRank(*layout) for layout in self.execute_all("dp_layout")]
