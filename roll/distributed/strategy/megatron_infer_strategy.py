@@ -46,6 +46,7 @@ class MegatronInferStrategy:
         self.chunks: list[torch.nn.Module] = []
         self.tokenizer = None
         self._offloaded = False
+        self._loader = None  # NamedTensorLoader of the model update in progress
 
     def initialize(self) -> None:
         from roll.models.loading import load_tokenizer
@@ -129,8 +130,18 @@ class MegatronInferStrategy:
         self.reload_states()
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Full HF-named tensors (any subset); each rank keeps its TP / PP / EP shard."""
-        from roll.models.megatron.named_loading import load_named_tensors
+        """Full HF-named tensors (any subset); each rank keeps its TP / PP / EP shard. A model
+        update calls this once per bucket: parts of a fused parameter (q/k/v, gate/up) are held
+        across calls until complete, and ``finish_model_update`` checks none is left waiting."""
+        from roll.models.megatron.named_loading import NamedTensorLoader
 
         self._ensure_loaded()
-        load_named_tensors(self.chunks, named_tensors)
+        if self._loader is None:
+            self._loader = NamedTensorLoader(self.chunks)
+        self._loader.load(named_tensors)
+
+    def finish_model_update(self, version: int) -> None:
+        """End of one model update: raise if a fused parameter never got all its parts."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.finish()

@@ -66,6 +66,7 @@ class MegatronTrainStrategy:
         self.optimizer: Any = None
         self.offloader: StateOffloader | None = None
         self.step_count = 0
+        self._loader = None  # NamedTensorLoader of the model update in progress
         self._lr_lambda = build_lr_lambda(role_config.training_args, None) if _constant(role_config) else None
 
     # ------------------------------------------------------------------------------------- setup
@@ -170,11 +171,21 @@ class MegatronTrainStrategy:
         yield from export_hf_weights([unwrap(c) for c in self.model])
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        from roll.models.megatron.named_loading import load_named_tensors
+        """Full HF-named tensors (any subset), possibly one bucket per call: parts of a fused
+        parameter are held across calls until complete (see ``finish_model_update``)."""
+        from roll.models.megatron.named_loading import NamedTensorLoader
 
         self.offloader.ensure_loaded()
-        load_named_tensors([unwrap(c) for c in self.model], named_tensors)
+        if self._loader is None:
+            self._loader = NamedTensorLoader([unwrap(c) for c in self.model])
+        self._loader.load(named_tensors)
         self.optimizer.reload_model_params()
+
+    def finish_model_update(self, version: int) -> None:
+        """End of one model update: raise if a fused parameter never got all its parts."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.finish()
 
     def save_hf_checkpoint(self, path: str) -> None:
         from roll.models.loading import model_path

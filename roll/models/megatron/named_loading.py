@@ -3,7 +3,8 @@
 The sender yields whole HF tensors (``hf_io.export_hf_weights`` of actor_train, or any HF
 checkpoint); each receiving rank keeps only what its chunks own, cut to its TP / EP shard with the
 same tables and slicing as ``hf_io.load_hf_weights``. Tensors that fuse into one parameter (q/k/v,
-gate/up) are held until all of them have arrived, then dropped.
+gate/up) are held until all of them have arrived, then dropped; across buckets of one update
+(several calls) with ``NamedTensorLoader``.
 
 >>> count = load_named_tensors(chunks, trainer.iter_hf_weights())   # parameters written
 """
@@ -42,33 +43,72 @@ class _TensorSource:
 
 def load_named_tensors(model_chunks: list[Any], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy the shards this rank owns of each incoming tensor into its parameters; returns how many
-    parameters were written. Unknown names raise ``hf_io.CheckpointError``."""
-    models = [hf_io.unwrap(chunk) for chunk in model_chunks]
-    info = models[0].roll_hf_info
-    known = wm.expected_hf_names(info) | set(wm.OUTPUT.hf)
-    entries: list[tuple[wm.BoundWeight, torch.Tensor]] = []
-    waiting: dict[str, set[int]] = {}  # HF name -> entries that still need it
-    for model in models:
-        bound, params = hf_io._bind_chunk(model, info)
-        for weight in bound:
-            for name in weight.hf:
-                waiting.setdefault(name, set()).add(len(entries))
-            entries.append((weight, params[weight.mcore]))
-    source = _TensorSource()
-    written = 0
-    for name, tensor in named_tensors:
-        if name not in known:
-            raise hf_io.CheckpointError(f"{source.where(name)} is not a {info.model_type} weight")
-        if name not in waiting:
-            continue  # owned by another pipeline stage / expert-parallel rank
-        source.files[name] = tensor
-        for index in sorted(waiting[name]):
-            weight, param = entries[index]
-            if all(h in source.files for h in weight.hf):
-                hf_io._load_weight(source, weight, param, info)
-                written += 1
-                for h in weight.hf:
-                    waiting[h].discard(index)
-        for h in [h for h in source.files if not waiting[h]]:
-            del source.files[h]
+    parameters were written. Unknown names raise ``hf_io.CheckpointError``; so does a fused
+    parameter whose parts did not all arrive."""
+    loader = NamedTensorLoader(model_chunks)
+    written = loader.load(named_tensors)
+    loader.finish()
     return written
+
+
+class NamedTensorLoader:
+    """``load_named_tensors`` over several calls: one model update arrives as a stream of buckets,
+    each loaded by its own call, and the parts of a fused parameter (q/k/v, gate/up) may arrive in
+    different buckets. Parts still waiting for a sibling at the end of a call are copied (the
+    caller reuses the bucket's buffer) and held until the sibling comes; ``finish()`` raises if any
+    part is still waiting, instead of leaving that parameter silently stale.
+
+    >>> loader = NamedTensorLoader(chunks)
+    >>> for bucket in buckets: loader.load(bucket)
+    >>> loader.finish()
+    """
+
+    def __init__(self, model_chunks: list[Any]) -> None:
+        models = [hf_io.unwrap(chunk) for chunk in model_chunks]
+        self.info = models[0].roll_hf_info
+        self.known = wm.expected_hf_names(self.info) | set(wm.OUTPUT.hf)
+        self.entries: list[tuple[wm.BoundWeight, torch.Tensor]] = []
+        self.waiting: dict[str, set[int]] = {}  # HF name -> entries that still need it
+        for model in models:
+            bound, params = hf_io._bind_chunk(model, self.info)
+            for weight in bound:
+                for name in weight.hf:
+                    self.waiting.setdefault(name, set()).add(len(self.entries))
+                self.entries.append((weight, params[weight.mcore]))
+        self.source = _TensorSource()
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write every parameter whose parts have all arrived; returns how many were written."""
+        source, written = self.source, 0
+        for name, tensor in named_tensors:
+            if name not in self.known:
+                raise hf_io.CheckpointError(f"{source.where(name)} is not a {self.info.model_type} weight")
+            if name not in self.waiting:
+                continue  # owned by another pipeline stage / expert-parallel rank
+            source.files[name] = tensor
+            for index in sorted(self.waiting[name]):
+                weight, param = self.entries[index]
+                if all(h in source.files for h in weight.hf):
+                    hf_io._load_weight(source, weight, param, self.info)
+                    written += 1
+                    for h in weight.hf:
+                        self.waiting[h].discard(index)
+            for h in [h for h in source.files if not self.waiting[h]]:
+                del source.files[h]
+        for name, tensor in source.files.items():
+            source.files[name] = tensor.clone()  # held past this call: the buffer will be reused
+        return written
+
+    def pending(self) -> list[str]:
+        """HF names received but still waiting for the other parts of their fused parameter."""
+        return sorted(self.source.files)
+
+    def finish(self) -> None:
+        """Forget the held parts; raise if any fused parameter was left incomplete."""
+        pending = self.pending()
+        self.source.files.clear()
+        if pending:
+            raise hf_io.CheckpointError(
+                f"model update ended with {len(pending)} tensor(s) whose fused parameter never got all "
+                f"its parts (first: {pending[0]!r}); that parameter was not written"
+            )
