@@ -46,9 +46,10 @@ torch.set_num_threads(1)
 # Ray workers cannot import this test module by name; ship its classes and functions by value.
 ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
-# Forked members start in a fraction of a second (a spawned one re-imports torch: seconds each on a
-# small machine); nothing in the parent has started threads or CUDA at that point.
-START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+# Spawned, not forked: in a full test session earlier tests have started threads (Ray, gloo,
+# torch's pools) in this process, and a forked child of a threaded parent can crash (a SIGSEGV in
+# megatron's initialize_model_parallel was seen in CI).
+START_METHOD = "spawn"
 
 
 def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
