@@ -16,11 +16,18 @@ collectives are called on the backend object (``group.broadcast([t], opts)``), n
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# How long one store wait or collective of a model update may block before it raises (gloo) or the
+# NCCL watchdog aborts the process: either way the driver gets a WorkerError naming the role and
+# rank instead of a silent hang. A whole update of a 7B model takes well under a second on H200, and
+# the longest legitimate wait (a receiver's link to a trainer rank that sends only its empty last
+# bucket, after the other ranks' whole export) is the export time; 10 minutes leaves a wide margin.
+# ROLL_MODEL_UPDATE_TIMEOUT_S overrides it (set it in system_envs for very large exports).
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("ROLL_MODEL_UPDATE_TIMEOUT_S", 600)))
 BACKENDS = ("gloo", "nccl")
 
 

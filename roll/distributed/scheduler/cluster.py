@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
 
 
+# How long ``Cluster.shutdown`` lets the workers leave their process groups before killing them.
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
 class AsyncResult:
     """Calls running on some workers of one cluster; ``get()`` waits for them and gathers the results."""
 
@@ -185,10 +189,15 @@ class Cluster:
     def dp_size(self) -> int:
         return self.dp_layouts[0].dp_size
 
-    def shutdown(self) -> None:
-        """Destroy the process groups and end the worker processes."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Destroy the process groups and end the worker processes.
+
+        The graceful part waits at most ``timeout_s``: after another role failed, this role's
+        workers may still be blocked in a collective with the dead ones (a model-update broadcast),
+        and their ``shutdown`` call would queue behind it until the collective's own timeout."""
         if self._error is None and self.workers:
-            self.execute_all("shutdown")
+            refs = [worker.shutdown.remote() for worker in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         self._kill()
 
     def _check_alive(self) -> None:
