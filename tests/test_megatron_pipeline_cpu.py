@@ -10,13 +10,16 @@ Guards two bugs that hung or corrupted that example on 2 x H200:
 
 The shims reach the Ray workers through ``tests/megatron/ray_cpu_shim/sitecustomize.py`` on
 ``PYTHONPATH`` with ``ROLL_TEST_MEGATRON_CPU=1`` (a local Ray's workers inherit the driver's
-environment). Needs ``python examples/prepare_default_example.py`` to have been run.
+environment). Uses ``output/default_example`` when ``examples/prepare_default_example.py`` has
+made it, else makes a quick one (5 warm-start steps: the test checks plumbing, not accuracy).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,13 +37,35 @@ EXAMPLE = REPO / "output" / "default_example"
 SHIM = REPO / "tests" / "megatron" / "ray_cpu_shim"
 
 
-def small_config(tmp: Path) -> Path:
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    """The default example's model and data: the prepared one, or a quick one made here."""
+    if (EXAMPLE / "sft_model").is_dir():
+        return EXAMPLE
+    out = tmp_path_factory.mktemp("example")
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "prepare_default_example.py"),
+            "--out",
+            str(out),
+            "--sft_steps",
+            "5",
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    return out
+
+
+def small_config(tmp: Path, example: Path) -> Path:
     """The 2-GPU Megatron example shrunk for CPU: fp32, 4 prompts x 4 samples, 16 tokens."""
     raw = yaml.safe_load((REPO / "examples" / "config" / "rlvr_megatron_2gpus.yaml").read_text())
     raw.update(
         device="cpu",
         output_dir=str(tmp / "run"),
-        pretrain=str(EXAMPLE / "sft_model"),
+        pretrain=str(example / "sft_model"),
         max_steps=2,
         eval_steps=0,
         save_steps=0,
@@ -51,8 +76,8 @@ def small_config(tmp: Path) -> Path:
         model_update_buffer_size_mb=1,
         model_update_probe_tolerance=1.0e-4,
     )
-    raw["validation"]["data_args"]["file_name"] = [str(EXAMPLE / "data" / "val.jsonl")]
-    raw["actor_train"]["data_args"]["file_name"] = [str(EXAMPLE / "data" / "train.jsonl")]
+    raw["validation"]["data_args"]["file_name"] = [str(example / "data" / "val.jsonl")]
+    raw["actor_train"]["data_args"]["file_name"] = [str(example / "data" / "train.jsonl")]
     raw["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     for role in ("actor_train", "actor_infer", "reference"):
         raw[role]["model_args"]["dtype"] = "fp32"
@@ -73,15 +98,9 @@ def shimmed_ray(monkeypatch):
     ray.shutdown()
 
 
-needs_example = pytest.mark.skipif(
-    not (EXAMPLE / "sft_model").is_dir(), reason="run python examples/prepare_default_example.py first"
-)
-
-
 @pytest.mark.slow
-@needs_example
-def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray):
-    config = load_config(small_config(tmp_path))
+def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
+    config = load_config(small_config(tmp_path, example))
     run_dir = run_pipeline(config)
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -98,14 +117,13 @@ def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray):
     assert (run_dir / "hf_model" / "model.safetensors").is_file()
 
 
-@needs_example
-def test_fused_parameter_split_across_buckets():
+def test_fused_parameter_split_across_buckets(example):
     """The pipeline's 1 MB buckets happen to cut between whole fused groups of this model, so cut
     one by hand: q_proj in one load_weights call, k_proj/v_proj in the next."""
-    mp.spawn(_split_update_worker, args=(_free_port(),), nprocs=1, join=True)
+    mp.spawn(_split_update_worker, args=(_free_port(), str(example)), nprocs=1, join=True)
 
 
-def _split_update_worker(rank: int, port: int) -> None:
+def _split_update_worker(rank: int, port: int, example: str) -> None:
     import sys
 
     sys.path.insert(0, str(REPO / "tests" / "megatron"))
@@ -125,7 +143,7 @@ def _split_update_worker(rank: int, port: int) -> None:
     args = StrategyArgs("megatron_infer", strategy_config={"tensor_model_parallel_size": 1})
     args.config = get_strategy_spec("megatron_infer").config_cls(tensor_model_parallel_size=1)
     role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=str(EXAMPLE / "sft_model"), dtype="fp32"),
+        model_args=ModelArgs(model_name_or_path=str(Path(example) / "sft_model"), dtype="fp32"),
         strategy_args=args,
         device_mapping=[0],
     )
