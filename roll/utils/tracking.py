@@ -100,15 +100,18 @@ def plot_curves(jsonl: Path, out: Path) -> Path | None:
         "validation score (val/score/mean)": "val/score/mean",
     }
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
     for label, key in series.items():
         points = [(r["step"], r[key]) for r in rows if key in r]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            plotted = True
     ax.set_xlabel("step")
     ax.set_ylabel("score")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if plotted:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
