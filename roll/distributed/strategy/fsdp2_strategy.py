@@ -292,7 +292,8 @@ class FSDP2TrainStrategy:
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer shards (torch.distributed.checkpoint) and, from rank 0, the step and
-        LR scheduler (``trainer_state.json``); each rank's RNG state in ``rng_rank{r}.pt``."""
+        LR scheduler (``trainer_state.json``). The process RNG is the worker's to save (see
+        ``ActorWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -303,7 +304,6 @@ class FSDP2TrainStrategy:
                 "scheduler": self.scheduler.state_dict(),
             }
             Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
-        torch.save(_rng_state(self.ctx.device), Path(path, f"rng_rank{self.ctx.rank}.pt"))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
@@ -323,28 +323,12 @@ class FSDP2TrainStrategy:
         self.step = trainer["step"]
         if trainer["total_steps"] is not None:
             self.set_total_steps(trainer["total_steps"])
-        rng_file = Path(path, f"rng_rank{self.ctx.rank}.pt")
-        if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=True), self.ctx.device)
         dist.barrier()
 
 
 def _no_lambdas(value: object) -> None:
     """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
     return None
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _ensure_process_group(ctx: WorkerContext) -> None:

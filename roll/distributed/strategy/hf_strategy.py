@@ -39,6 +39,7 @@ from roll.models.loading import load_model, load_tokenizer
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import copy_named_tensors
+from roll.utils.rng import device_rng_state, set_device_rng_state
 
 
 class HFInferStrategy:
@@ -102,13 +103,13 @@ class HFInferStrategy:
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.is_cuda else []):
-            _set_rng_state(rng, self.ctx.device)
+            set_device_rng_state(rng, self.ctx.device)
             for micro in batch.split(max(1, self.role_config.infer_batch_size)):
                 toks, logps = self._generate_micro(micro, params)
                 responses += toks
                 logprobs += logps
             if params.seed is None:
-                self._rng_state = _get_rng_state(self.ctx.device)
+                self._rng_state = device_rng_state(self.ctx.device)
         return build_generation_batch(
             batch,
             responses,
@@ -266,17 +267,4 @@ def _eos_cut(tokens: list[int], eos_ids: list[int]) -> int:
 def _seeded_rng_state(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        return _get_rng_state(device)
-
-
-def _get_rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+        return device_rng_state(device)
