@@ -46,11 +46,6 @@ class RLVRRun:
     default_reward: str | None = None
     show_progress: bool = True
 
-    @property
-    def needs_reference(self) -> bool:
-        c = self.config
-        return c.use_kl_loss or (c.add_token_level_kl and c.init_kl_coef > 0) or "reference" in self.clusters
-
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
         routes: dict[str, list[int]] = {}

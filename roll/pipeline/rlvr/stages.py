@@ -78,7 +78,7 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
 
 
 def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
-    if "reference" not in run.clusters or not run.needs_reference:
+    if "reference" not in run.clusters:
         return batch
     with on_devices(run, "reference"):
         out = dp_call(
