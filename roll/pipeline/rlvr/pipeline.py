@@ -75,9 +75,10 @@ def sample_prompts(run: RLVRRun, step: int):
     return prompts
 
 
-def update_inference_weights(run: RLVRRun, step: int) -> dict[str, float]:
-    """Move actor_train's new weights into actor_infer every ``model_update_frequency`` steps."""
-    if step % run.config.model_update_frequency:
+def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
+    """Move actor_train's new weights into actor_infer every ``model_update_frequency`` steps
+    (``always``: now, e.g. after a resume, whatever the step)."""
+    if step % run.config.model_update_frequency and not always:
         return {}
     # The trainer's parameters stay on its devices when it offloads (only optimizer state and
     # gradients leave), so only a colocated engine has to come back for the sync.
@@ -97,7 +98,7 @@ def resume(run: RLVRRun) -> int:
                 run.clusters[role].load_checkpoint(str(path))
     run.sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"])
-    update_inference_weights(run, state["step"])
+    update_inference_weights(run, state["step"], always=True)  # the engines start from pretrain
     logger.info("resumed from %s at step %d", path, state["step"])
     return state["step"]
 
