@@ -11,6 +11,7 @@ checkpoints that include the worker's RNG state. A critic is the same worker wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -37,8 +38,11 @@ class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.DP_COMPUTE)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         if params.seed is not None:
-            # Same seed on every rank of a DP group (TP peers must sample alike), distinct across groups.
-            seed_everything(params.seed + 1000 * self.dp_layout()[0])
+            # Same seed on every rank of a DP group (TP peers must sample alike), distinct across
+            # groups. Strategies with their own sampling stream (hf_infer, vllm, sglang) read it from
+            # params; the global seed serves those that sample from torch's RNG (megatron_infer).
+            params = dataclasses.replace(params, seed=params.seed + 1000 * self.dp_layout()[0])
+            seed_everything(params.seed)
         return self.strategy.generate(batch, params)
 
     @register(Dispatch.DP_COMPUTE)
