@@ -1,25 +1,39 @@
 """Model-update benchmark: trainer -> engine weight sync time by phase, against the NCCL bound.
 
-Four processes on 2 GPUs (ranks: 0 = trainer on GPU 0, 1 = trainer on GPU 1, 2 = engine on GPU 0,
-3 = engine on GPU 1) run the production pieces (``Link``, ``BucketSender``, ``receive_links``)
-with random weights in bf16:
+``--gpus N`` (2 or 4; with ``--device cpu`` the "GPUs" are slots) starts 2N processes: a trainer
+rank and an engine rank per GPU (ranks 0..N-1 = trainers on GPUs 0..N-1, ranks N..2N-1 = engines on
+GPUs 0..N-1). They run the production pieces (``Link``, ``BucketSender``, ``receive_links``) with
+random weights in bf16:
 
 - the trainer side holds Megatron-layout shards (QKV fused and interleaved per KV group, gate/up
   fused, MoE experts stacked) and its ``iter_hf_weights`` gathers TP shards over NCCL and converts
-  them to HF names, as ``megatron_train`` does; experts go out from their EP rank;
+  them to HF names, as ``megatron_train`` does; experts go out from their EP rank. As in production,
+  the TP lead (trainer rank 0 of the layout) sends every dense tensor and each EP rank its own
+  experts; a rank with nothing to send sends one empty bucket;
 - the engine side holds HF-named parameters and loads each bucket by ``copy_`` (as ``hf_infer``).
 
-Layouts: ``disagg`` (trainer GPU 0 -> engine GPU 1, NCCL), ``colocated`` (trainer and engine on
-GPU 0, CUDA IPC), ``colocated_tp2`` (TP2/EP2 trainer on both GPUs, an engine on each: one IPC link
-and one NCCL link per engine).
+Layouts (``LAYOUTS``; a trainer and an engine on one GPU talk by CUDA IPC, the others by NCCL):
+
+- 2 GPUs: ``disagg`` (trainer GPU 0 -> engine GPU 1), ``colocated`` (trainer and engine on GPU 0),
+  ``colocated_tp2`` (TP2/EP2 trainer on GPUs 0-1, an engine on each: one IPC and one NCCL link each);
+- 4 GPUs, besides those three: ``disagg_tp2`` (TP2/EP2 trainer on GPUs 0-1 -> engines on GPUs 2-3,
+  each engine on two NCCL links), ``disagg_1to3`` (trainer GPU 0 -> engines on GPUs 1-3, one NCCL
+  broadcast to three receivers), ``colocated_tp4`` (TP4/EP4 trainer on GPUs 0-3, an engine on
+  each: one IPC and three NCCL links per engine).
 
 Phases, each timed alone with the device synchronized (after one untimed pass): gather+convert
 (the weight generator), pack (copies into bucket buffers), checksum, wire (NCCL broadcast of the
 same buckets), load (unpack + copy into the engine, one ``copy_`` per tensor as ``hf_infer``). ``sync`` is the real pipelined update (median of ``--reps``).
-``bw`` is a 1 GiB NCCL broadcast GPU 0 -> GPU 1 measured in the same run; ``bound`` = bytes / bw
-and ``ratio`` = sync / bound.
+
+Bandwidth (``BANDWIDTHS``, 1 GiB NCCL broadcasts in the same run, median of 5): ``bw`` = GPU 0 ->
+GPU 1; with 4 GPUs also ``bw_1to2`` = GPU 0 -> GPUs 2-3 and ``bw_1to3`` = GPU 0 -> GPUs 1-3. Each
+row's bound uses the broadcast of its lead trainer's fan-out (the ``bw`` column names it):
+``disagg``, ``colocated_tp2`` -> ``bw``; ``disagg_tp2`` -> ``bw_1to2``; ``disagg_1to3``,
+``colocated_tp4`` -> ``bw_1to3``; ``colocated`` (IPC only) is held to ``bw``. ``bound`` = bytes /
+that bandwidth (one stream: EP senders sending at once can beat it) and ``ratio`` = sync / bound.
 
     python benchmarks/model_update.py --models 1.5b,7b,moe --out model_update.json
+    python benchmarks/model_update.py --gpus 4 --models 1.5b,7b,moe --out model_update_4gpu.json
     python benchmarks/model_update.py --device cpu --models tiny      # the same code on gloo
 """
 
@@ -76,13 +90,48 @@ MODELS = {
     "7b": ModelSpec("7b", 3584, 18944, 28, 28, 4, 152064, False),
     "moe": ModelSpec("moe", 2048, 0, 12, 16, 4, 151936, False, 32, 768),
 }
-TRAINERS, ENGINES = (0, 1), (2, 3)
-GPU = {0: 0, 1: 1, 2: 0, 3: 1}
-# layout -> (trainer ranks, engine ranks, {trainer rank: engine ranks on the same GPU})
+# name -> (source GPU, destination GPUs): a broadcast from the trainer rank on the source GPU to the
+# engine ranks on the destination GPUs.
+BANDWIDTHS = {"bw": (0, (1,)), "bw_1to2": (0, (2, 3)), "bw_1to3": (0, (1, 2, 3))}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Trainer GPUs (one TP/EP group), engine GPUs, and the ``BANDWIDTHS`` entry that bounds it.
+
+    Trainer rank = its GPU; engine rank = ``gpus`` + its GPU (``gpus`` = processes per side). A trainer
+    reaches the engine on its own GPU by IPC and the others by NCCL. ``bw`` must be the broadcast
+    of the lead trainer's fan-out: from its GPU to the engines' GPUs other than its own."""
+
+    trainer_gpus: tuple[int, ...]
+    engine_gpus: tuple[int, ...]
+    bw: str
+
+    def __post_init__(self) -> None:
+        lead = self.trainer_gpus[0]
+        remote = tuple(g for g in self.engine_gpus if g != lead)
+        if remote and BANDWIDTHS[self.bw] != (lead, remote):
+            raise ValueError(f"layout {self}: bandwidth {self.bw} is not GPU {lead} -> GPUs {remote}")
+
+    @property
+    def gpus_needed(self) -> int:
+        return 1 + max(self.trainer_gpus + self.engine_gpus)
+
+    def engines(self, gpus: int) -> tuple[int, ...]:
+        return tuple(gpus + g for g in self.engine_gpus)
+
+    def local(self, trainer_gpu: int) -> tuple[bool, ...]:
+        """Per engine: does it share ``trainer_gpu`` (an IPC link) or not (NCCL)."""
+        return tuple(g == trainer_gpu for g in self.engine_gpus)
+
+
 LAYOUTS = {
-    "disagg": ((0,), (3,), {}),
-    "colocated": ((0,), (2,), {0: {2}}),
-    "colocated_tp2": ((0, 1), (2, 3), {0: {2}, 1: {3}}),
+    "disagg": Layout((0,), (1,), "bw"),
+    "colocated": Layout((0,), (0,), "bw"),
+    "colocated_tp2": Layout((0, 1), (0, 1), "bw"),
+    "disagg_tp2": Layout((0, 1), (2, 3), "bw_1to2"),
+    "disagg_1to3": Layout((0,), (1, 2, 3), "bw_1to3"),
+    "colocated_tp4": Layout((0, 1, 2, 3), (0, 1, 2, 3), "bw_1to3"),
 }
 
 
@@ -192,6 +241,19 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in trainer.iter_hf_weights()}
 
 
+def check_split(spec: ModelSpec, tp: int) -> None:
+    """Raise if ``spec`` does not split evenly over ``tp`` trainer ranks (rows, heads, experts)."""
+    dims = {
+        "vocab": spec.vocab,
+        "(heads + 2 * kv_heads) * head_dim": (spec.heads + 2 * spec.kv_heads) * spec.head_dim,
+        "heads * head_dim": spec.heads * spec.head_dim,
+    }
+    dims |= {"experts": spec.experts} if spec.experts else {"inter": spec.inter}
+    uneven = [f"{name}={value}" for name, value in dims.items() if value % tp]
+    if uneven:
+        raise SystemExit(f"model {spec.name}: {', '.join(uneven)} not divisible by TP/EP {tp}")
+
+
 # ------------------------------------------------------------------------------- measurement
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -260,70 +322,110 @@ def barrier_group(group, device) -> None:
 
 
 # ---------------------------------------------------------------------------------- members
+@dataclass
+class Member:
+    """One process: its rank, device, the TP/EP groups (by trainer ranks) and the run's arguments."""
+
+    rank: int
+    gpus: int
+    device: torch.device
+    backend: str
+    args: argparse.Namespace
+    tp_groups: dict
+
+
 def run_member(rank: int, args: argparse.Namespace, ports: dict) -> None:
     torch.set_num_threads(1)
-    cuda = args.device == "cuda"
+    cuda, gpus = args.device == "cuda", args.gpus
+    device = torch.device("cuda", rank % gpus) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(GPU[rank])
-    device = torch.device("cuda", GPU[rank]) if cuda else torch.device("cpu")
+        torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]))
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group("gloo", rank=rank, world_size=2 * gpus, timeout=datetime.timedelta(minutes=10))
     backend = "nccl" if cuda else "gloo"
-    tp_group = dist.new_group(list(TRAINERS), backend=backend)
-    bw_group = dist.new_group([0, 3], backend=backend)  # GPU 0 -> GPU 1
-    if rank in TRAINERS:  # start the TP communicator outside the timed phases
-        dist.all_gather_into_tensor(
-            torch.empty(2, device=device), torch.ones(1, device=device), group=tp_group
-        )
-    nbytes = (1 << 30) if cuda else (64 << 20)
-    bw = nccl_bandwidth(bw_group, device, nbytes) if rank in (0, 3) else None
+    layouts = args.layouts.split(",")
+    member = Member(rank, gpus, device, backend, args, make_tp_groups(layouts, rank, device, backend))
+    nbytes = bandwidth_bytes(args.device)
+    bw = measure_bandwidths(bandwidths_for(layouts), member, nbytes)
     rows = []
     for model in args.models.split(","):
         spec = MODELS[model]
         shapes = hf_shapes(spec)
-        for layout in args.layouts.split(","):
-            row = run_layout(
-                rank, spec, shapes, layout, args, ports[(model, layout)], tp_group, device, backend
-            )
-            rows.append(row)
-    gathered = [None] * 4
+        for layout in layouts:
+            rows.append(run_layout(member, spec, shapes, layout, ports[(model, layout)]))
+    gathered = [None] * (2 * gpus)
     dist.all_gather_object(gathered, {"rows": rows, "bw": bw})
     if rank == 0:
         report(gathered, args)
     dist.destroy_process_group()
 
 
-def run_layout(rank, spec, shapes, layout, args, port, tp_group, device, backend) -> dict:
-    trainers, engines, local = LAYOUTS[layout]
+def make_tp_groups(layouts: list[str], rank: int, device, backend: str) -> dict:
+    """One TP/EP group per distinct trainer set of ``layouts``, keyed by its ranks.
+
+    ``new_group`` is collective over the world: every rank creates every group, in one order."""
+    sets = sorted({LAYOUTS[name].trainer_gpus for name in layouts if len(LAYOUTS[name].trainer_gpus) > 1})
+    groups = {ranks: dist.new_group(list(ranks), backend=backend) for ranks in sets}
+    for ranks, group in groups.items():  # start the communicators outside the timed phases
+        if rank in ranks:
+            out = torch.empty(len(ranks), device=device)
+            dist.all_gather_into_tensor(out, torch.ones(1, device=device), group=group)
+    return groups
+
+
+def bandwidths_for(layouts: list[str]) -> list[str]:
+    """``bw`` (always, the reference of the IPC-only rows) and each layout's fan-out, in table order."""
+    wanted = {"bw"} | {LAYOUTS[name].bw for name in layouts}
+    return [name for name in BANDWIDTHS if name in wanted]
+
+
+def measure_bandwidths(names: list[str], member: Member, nbytes: int) -> dict[str, float]:
+    """GB/s of each named broadcast; only its members measure (trainer rank 0, the source, is in all)."""
+    members = {}
+    for name in names:
+        src, dsts = BANDWIDTHS[name]
+        members[name] = [src, *(member.gpus + d for d in dsts)]
+    groups = {name: dist.new_group(ranks, backend=member.backend) for name, ranks in members.items()}
+    return {
+        name: nccl_bandwidth(groups[name], member.device, nbytes)
+        for name in names
+        if member.rank in members[name]
+    }
+
+
+def run_layout(member: Member, spec: ModelSpec, shapes: dict, name: str, ports: list[int]) -> dict:
+    layout, rank, device = LAYOUTS[name], member.rank, member.device
+    trainers, engines = layout.trainer_gpus, layout.engines(member.gpus)
     tp = len(trainers)
-    bucket_bytes = align(args.bucket_mb << 20)
+    bucket_bytes = align(member.args.bucket_mb << 20)
+    receivers = tuple(range(len(engines)))
     specs = [
         LinkSpec(
-            f"bench/{spec.name}/{layout}/{t}",
+            f"bench/{spec.name}/{name}/{t}",
             i,
             "127.0.0.1",
-            port[i],
-            tuple(range(len(engines))),
-            tuple(e in local.get(t, ()) for e in engines),
-            backend,
+            ports[i],
+            receivers,
+            layout.local(t),
+            member.backend,
         )
         for i, t in enumerate(trainers)
     ]
-    dtype = torch.bfloat16
-    result: dict = {"model": spec.name, "layout": layout, "rank": rank}
+    dtype, reps = torch.bfloat16, member.args.reps
+    result: dict = {"model": spec.name, "layout": name, "rank": rank}
     barrier()
     if rank in trainers:
-        group = tp_group if tp > 1 else None
+        group = member.tp_groups[trainers] if tp > 1 else None
         trainer = ShardedTrainer(spec, trainers.index(rank), tp, group, device, dtype)
         sync(device)
-        result |= trainer_phases(trainer, specs[trainers.index(rank)], bucket_bytes, device, args.reps)
+        result |= trainer_phases(trainer, specs[trainers.index(rank)], bucket_bytes, device, reps)
         del trainer
     elif rank in engines:
         engine = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in shapes.items()}
-        result |= engine_phases(engine, specs, engines.index(rank), device, args.reps)
+        result |= engine_phases(engine, specs, engines.index(rank), device, reps)
         del engine
-    else:
-        for _ in range(phase_barriers(args.reps)):
+    else:  # not in this layout: the same number of world barriers as its members
+        for _ in range(phase_barriers(reps)):
             barrier()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -423,46 +525,21 @@ def engine_phases(engine: dict, specs: list[LinkSpec], who: int, device, reps: i
 
 # --------------------------------------------------------------------------------- reporting
 def report(gathered: list[dict], args: argparse.Namespace) -> None:
-    bw = gathered[0]["bw"]
-    table = []
+    bandwidths = gathered[0]["bw"]  # trainer rank 0 is the source of every broadcast measured
     by_key: dict[tuple[str, str], list[dict]] = {}
     for member in gathered:
         for row in member["rows"]:
             by_key.setdefault((row["model"], row["layout"]), []).append(row)
+    table = []
     for (model, layout), rows in by_key.items():
-        senders = [r for r in rows if "sync_s" in r]
+        senders = sorted((r for r in rows if "sync_s" in r), key=lambda r: r["rank"])
         engines = [r for r in rows if "load_s" in r]
         check_bit_identity(senders, engines, model, layout)
-        nbytes = sum(r["bytes"] for r in senders)
-        bound = nbytes / (bw * 1e9)
-        sync_s = max(r["sync_s"] for r in senders)
-        table.append(
-            {
-                "model": model,
-                "layout": layout,
-                "GB": nbytes / 1e9,
-                "tensors": sum(r["tensors"] for r in senders),
-                "buckets": sum(r["buckets"] for r in senders),
-                "gather_convert_s": max(r["gather_convert_s"] for r in senders),
-                "pack_s": max(r["pack_s"] for r in senders),
-                "checksum_s": max(r["checksum_s"] for r in senders),
-                "wire_s": max(r["wire_s"] for r in senders),
-                "load_s": max(r["load_s"] for r in engines),
-                "sync_s": sync_s,
-                "sync_first_s": max(r["sync_first_s"] for r in senders),
-                "send_iter_s": max(r["send_iter_s"] for r in senders),
-                "send_wait_s": max(r["send_wait_s"] for r in senders),
-                "send_total_s": max(r["send_total_s"] for r in senders),
-                "recv_wait_s": max(r["recv_wait_s"] for r in engines),
-                "recv_load_s": max(r["recv_load_s"] for r in engines),
-                "recv_total_s": max(r["recv_total_s"] for r in engines),
-                "bw_GBps": bw,
-                "bound_s": bound,
-                "ratio": sync_s / bound,
-            }
-        )
+        key = LAYOUTS[layout].bw
+        table.append(table_row(model, layout, senders, engines, key, bandwidths[key]))
+    print(bandwidth_header(bandwidths, args))
     cols = ["model", "layout", "GB", "tensors", "buckets", "gather_convert_s", "pack_s", "checksum_s"]
-    cols += ["wire_s", "load_s", "sync_s", "bw_GBps", "bound_s", "ratio"]
+    cols += ["wire_s", "load_s", "sync_s", "bw", "bw_GBps", "bound_s", "ratio"]
     host = ["model", "layout", "sync_first_s", "send_iter_s", "send_wait_s", "send_total_s"]
     host += ["recv_wait_s", "recv_load_s", "recv_total_s"]
     for columns in (cols, host):
@@ -470,41 +547,110 @@ def report(gathered: list[dict], args: argparse.Namespace) -> None:
         for row in table:
             print(" | ".join(f"{row[c]:.4f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": table}, indent=1))
+        out = {"args": vars(args), "bandwidths_GBps": bandwidths, "rows": table}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def bandwidth_bytes(device: str) -> int:
+    return (1 << 30) if device == "cuda" else (64 << 20)
+
+
+def bandwidth_header(bandwidths: dict[str, float], args: argparse.Namespace) -> str:
+    """The line above the table: which broadcast each ``bw`` key is and what it measured."""
+    parts = []
+    for name, value in bandwidths.items():
+        src, dsts = BANDWIDTHS[name]
+        where = f"GPU{'s' if len(dsts) > 1 else ''} {','.join(map(str, dsts))}"
+        parts.append(f"{name} = GPU {src} -> {where}: {value:.1f} GB/s")
+    size = f"{bandwidth_bytes(args.device) >> 20} MiB"
+    return (
+        f"# {args.gpus} GPUs ({args.device}); bound_s = bytes / the {size} broadcast of the layout's "
+        f"fan-out named in column bw (median of 5): " + "; ".join(parts)
+    )
+
+
+SENDER_TIMES = ("gather_convert_s", "pack_s", "checksum_s", "wire_s", "sync_s", "sync_first_s")
+SENDER_TIMES += ("send_iter_s", "send_wait_s", "send_total_s")
+ENGINE_TIMES = ("load_s", "recv_wait_s", "recv_load_s", "recv_total_s")
+
+
+def table_row(model: str, layout: str, senders: list[dict], engines: list[dict], key: str, bw: float) -> dict:
+    """One layout's row: sums over senders for sizes, the slowest member for times."""
+    nbytes = sum(r["bytes"] for r in senders)
+    bound = nbytes / (bw * 1e9)
+    sync_s = max(r["sync_s"] for r in senders)
+    row = {"model": model, "layout": layout, "GB": nbytes / 1e9}
+    row |= {name: sum(r[name] for r in senders) for name in ("tensors", "buckets")}
+    row |= {name: max(r[name] for r in senders) for name in SENDER_TIMES}
+    row |= {name: max(r[name] for r in engines) for name in ENGINE_TIMES}
+    return row | {"bw": key, "bw_GBps": bw, "bound_s": bound, "ratio": sync_s / bound}
 
 
 def check_bit_identity(senders: list[dict], engines: list[dict], model: str, layout: str) -> None:
-    """Every engine received every sender's tensors with the sender's checksums."""
+    """Every engine of the layout received every sender's tensors with the sender's checksums
+    (``senders`` in rank order, which is the order of each engine's links)."""
+    spec = LAYOUTS[layout]
+    if len(senders) != len(spec.trainer_gpus) or len(engines) != len(spec.engine_gpus):
+        raise AssertionError(f"{model}/{layout}: {len(senders)} senders and {len(engines)} engines reported")
     for engine in engines:
-        for sender, (names, sums) in zip(sorted(senders, key=lambda r: r["rank"]), engine["links"]):
+        if len(engine["links"]) != len(senders):
+            raise AssertionError(
+                f"{model}/{layout}: engine rank {engine['rank']} has {len(engine['links'])} links"
+            )
+        for sender, (names, sums) in zip(senders, engine["links"]):
             if names != sender["names"] or [tuple(s) for s in sums] != [
                 tuple(s) for s in sender["checksums"]
             ]:
                 raise AssertionError(f"{model}/{layout}: engine rank {engine['rank']} got different tensors")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (each link's store and the world's get their own)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="1.5b,7b,moe")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default=None, help="default: every layout that fits in --gpus")
+    parser.add_argument(
+        "--gpus", type=int, default=2, choices=(2, 4), help="a trainer and an engine rank per GPU"
+    )
     parser.add_argument("--bucket_mb", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit("needs 2 CUDA GPUs (or --device cpu)")
-    ports = {"world": _free_port()}
+    fits = [name for name, layout in LAYOUTS.items() if layout.gpus_needed <= args.gpus]
+    args.layouts = args.layouts or ",".join(fits)
+    for name in args.layouts.split(","):
+        if name not in fits:
+            raise SystemExit(f"--layouts: {name!r} is not a layout for {args.gpus} GPUs; choose from {fits}")
     for model in args.models.split(","):
-        for layout in args.layouts.split(","):
-            ports[(model, layout)] = [_free_port() for _ in LAYOUTS[layout][0]]
-    mp.start_processes(run_member, args=(args, ports), nprocs=4, start_method="spawn")
+        if model not in MODELS:
+            raise SystemExit(f"--models: unknown model {model!r}; choose from {list(MODELS)}")
+        for name in args.layouts.split(","):
+            check_split(MODELS[model], len(LAYOUTS[name].trainer_gpus))
+    if args.device == "cuda" and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count()} (or --device cpu)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    keys = [(model, name) for model in args.models.split(",") for name in args.layouts.split(",")]
+    pool = iter(free_ports(1 + sum(len(LAYOUTS[name].trainer_gpus) for _, name in keys)))
+    ports: dict = {"world": next(pool)}
+    for model, name in keys:  # one store port per link (trainer rank) of each model x layout
+        ports[(model, name)] = [next(pool) for _ in LAYOUTS[name].trainer_gpus]
+    mp.start_processes(run_member, args=(args, ports), nprocs=2 * args.gpus, start_method="spawn")
 
 
 if __name__ == "__main__":
