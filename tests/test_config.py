@@ -76,6 +76,10 @@ BAD_CASES = {
     ),
     "negative_device": ("actor_train.device_mapping", ">= 0"),
     "vllm_tp_split": ("actor_infer.device_mapping", "span nodes"),
+    "full_recompute_no_method": (
+        "actor_train.strategy_args.strategy_config.recompute_method",
+        "needs recompute_method",
+    ),
 }
 
 

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 import torch.multiprocessing as mp
 import yaml
@@ -33,30 +31,6 @@ from roll.pipeline.rlvr.pipeline import run_pipeline
 from roll.utils.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "output" / "default_example"
-SHIM = REPO / "tests" / "megatron" / "ray_cpu_shim"
-
-
-@pytest.fixture(scope="module")
-def example(tmp_path_factory) -> Path:
-    """The default example's model and data: the prepared one, or a quick one made here."""
-    if (EXAMPLE / "sft_model").is_dir():
-        return EXAMPLE
-    out = tmp_path_factory.mktemp("example")
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "prepare_default_example.py"),
-            "--out",
-            str(out),
-            "--sft_steps",
-            "5",
-        ],
-        check=True,
-        cwd=REPO,
-        timeout=600,
-    )
-    return out
 
 
 def small_config(tmp: Path, example: Path) -> Path:
@@ -86,18 +60,6 @@ def small_config(tmp: Path, example: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def shimmed_ray(monkeypatch):
-    """A fresh local Ray whose workers load the Megatron CPU shims."""
-    ray.shutdown()
-    monkeypatch.setenv("ROLL_TEST_MEGATRON_CPU", "1")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    path = os.pathsep.join(p for p in (str(SHIM), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
     config = load_config(small_config(tmp_path, example))
@@ -124,7 +86,6 @@ def test_fused_parameter_split_across_buckets(example):
 
 
 def _split_update_worker(rank: int, port: int, example: str) -> None:
-    import sys
 
     sys.path.insert(0, str(REPO / "tests" / "megatron"))
     import compat

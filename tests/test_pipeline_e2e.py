@@ -118,8 +118,15 @@ def setup(tmp_path_factory):
 
 
 def comparable(row: dict) -> dict:
-    """Metrics that must match between runs: everything but wall-clock times and bandwidths."""
-    return {k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_s") or "gbps" in k)}
+    """Metrics that must match between runs: everything but wall-clock times, rates and memory."""
+    varying = (
+        "time/",
+        "memory/",
+        "perf/tokens_per_s",
+        "perf/train_tokens_per_s",
+        "perf/generate_tokens_per_s",
+    )
+    return {k: v for k, v in row.items() if not (k.startswith(varying) or k.endswith("_s") or "gbps" in k)}
 
 
 def test_pipeline_runs_every_stage_checkpoints_and_resumes(setup):
@@ -140,8 +147,14 @@ def test_pipeline_runs_every_stage_checkpoints_and_resumes(setup):
             "rollout/logprob_mismatch",
             "actor/kl_loss",
             "model_update/probe_logprob_diff",
+            "perf/tokens_per_s_per_device",
+            "perf/generate_tokens_per_s",
+            "memory/actor_train/peak_rss_gib",
+            "memory/actor_infer/peak_rss_gib",
         ):
             assert key in row and math.isfinite(row[key]), key
+        # Prompt + response tokens of the step's batch.
+        assert row["perf/tokens"] > row["perf/response_tokens"] > 0
         assert row["model_update/probe_logprob_diff"] < 1e-4
     for step in (1, 2, 3):
         assert (full / "checkpoints" / f"step_{step}" / "pipeline_state.json").exists()

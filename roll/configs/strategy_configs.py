@@ -85,6 +85,7 @@ class FSDP2Config(_DataParallelOnly):
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
 TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
@@ -186,6 +187,7 @@ class MegatronConfig:
                 f"{path}.recompute_granularity",
                 f"expected one of {list(RECOMPUTE_GRANULARITIES)}, got {self.recompute_granularity!r}",
             )
+        self._validate_recompute(path)
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ConfigError(
                 f"{path}.moe_token_dispatcher_type",
@@ -197,6 +199,31 @@ class MegatronConfig:
             )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
+
+    def _validate_recompute(self, path: str) -> None:
+        """Full recompute needs a method and a layer count (megatron-core asserts at model build,
+        on every rank); selective recompute takes neither."""
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ConfigError(
+                f"{path}.recompute_method",
+                f"expected one of {list(RECOMPUTE_METHODS)}, got {self.recompute_method!r}",
+            )
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None:
+                raise ConfigError(
+                    f"{path}.recompute_method",
+                    "recompute_granularity: full needs recompute_method: uniform (recompute every "
+                    "recompute_num_layers-layer chunk) or block (recompute the first "
+                    "recompute_num_layers layers of each stage)",
+                )
+            if self.recompute_num_layers is None or self.recompute_num_layers < 1:
+                raise ConfigError(
+                    f"{path}.recompute_num_layers",
+                    f"recompute_granularity: full needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}",
+                )
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            key = "recompute_method" if self.recompute_method is not None else "recompute_num_layers"
+            raise ConfigError(f"{path}.{key}", "only applies with recompute_granularity: full")
 
 
 class _EngineTensorParallel:

@@ -13,9 +13,18 @@ Without CUDA:
 3. The model-parallel RNG tracker is a CPU stand-in whose ``fork()`` keeps torch's CPU generator:
    megatron's tracker saves/restores CUDA RNG states. Forks still happen (attention dropout,
    expert init), so dropout must be 0 where results are compared (our tiny models use 0).
+4. The MoE all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` only converts CUDA tensors (to
+   numpy split sizes for ``all_to_all_single``); on CPU the splits stayed tensors, which
+   ``all_to_all_single`` rejects. The stand-in converts CPU tensors the same way.
+5. Gathers and reduce-scatters with uneven splits (the all-to-all dispatcher under expert-TP > 1)
+   call ``all_gather``/``reduce_scatter`` on lists of differently sized tensors, which gloo
+   rejects; the stand-ins pad to the largest split (gather) or all-reduce and slice (scatter).
+6. Full recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA RNG state around
+   each recomputed chunk; on CPU the stand-ins save/restore nothing (the CPU generator is
+   saved by megatron itself).
 
 Without TransformerEngine (CPU or GPU):
-4. ``moe_utils.te_general_gemm = None``: 0.16.1's router references the name without defining
+7. ``moe_utils.te_general_gemm = None``: 0.16.1's router references the name without defining
    it when TE is missing (fixed upstream later), so any MoE forward on the local spec fails.
 
 >>> compat.apply(); compat.seed(1234)      # after parallel_state.initialize_model_parallel
@@ -47,10 +56,50 @@ def apply() -> None:
     if torch.cuda.is_available():
         return
     from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer.moe import token_dispatcher
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    token_dispatcher.maybe_move_tensor_to_cpu = _splits_on_cpu
+    _patch_uneven_collectives()
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def _patch_uneven_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    even_gather, even_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return even_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((group.size() * max(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        parts = out.split(max(sizes))
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return even_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total.split([int(n) for n in input_split_sizes])[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = scatter
+
+
+def _splits_on_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def seed(value: int) -> None:

@@ -3,7 +3,8 @@
 They create helper tensors with ``device="cuda"``, call ``.cuda()`` / ``torch.cuda.synchronize()``
 and check ``param.type() == "torch.cuda.FloatTensor"``. Inside ``cuda_on_cpu()`` a
 ``TorchFunctionMode`` sends those tensors to the CPU and reports CPU tensor types under their CUDA
-names; ``torch.cuda.synchronize``/``empty_cache`` do nothing. Together with ``compat.apply()``
+names; ``torch.cuda.synchronize``/``empty_cache`` do nothing, and CUDA streams/events (the MoE all-to-all
+dispatcher's device-to-host side stream) are stand-ins that order nothing (CPU work is in order). Together with ``compat.apply()``
 (forward-pass patches) the megatron strategies then run unchanged on gloo. Never used on CUDA
 machines (``cuda_on_cpu`` is a no-op there) and never imported by ``roll/``.
 
@@ -49,15 +50,55 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _CpuStream:
+    """``torch.cuda.Stream`` on CPU: every operation is already ordered, so waits do nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+@contextlib.contextmanager
+def _cpu_stream_context(stream=None):
+    yield
+
+
 @contextlib.contextmanager
 def cuda_on_cpu():
     """Run the block with CUDA-only helper tensors on CPU (does nothing where CUDA exists)."""
     if torch.cuda.is_available():
         yield
         return
-    saved = {name: getattr(torch.cuda, name) for name in ("synchronize", "empty_cache")}
+    names = ("synchronize", "empty_cache", "Stream", "Event", "stream", "current_stream")
+    saved = {name: getattr(torch.cuda, name) for name in names}
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = lambda *args, **kwargs: _CpuEvent()
+    torch.cuda.stream = _cpu_stream_context
+    torch.cuda.current_stream = lambda *args, **kwargs: _DEFAULT_STREAM
     try:
         with _CudaOnCpu():
             yield

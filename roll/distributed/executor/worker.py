@@ -37,6 +37,7 @@ import torch.distributed as dist
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
 from roll.distributed.strategy.base import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
+from roll.utils.memory import DeviceMemoryMonitor, memory_stats
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -79,6 +80,7 @@ class Worker:
         np.random.seed((seed + rank) % 2**32)
         torch.manual_seed(seed + rank)
         self.strategy = None
+        self.memory_monitor = DeviceMemoryMonitor(self.ctx.device) if self.ctx.is_cuda else None
 
     def _pick_device(self) -> torch.device:
         if os.environ.get("ROLL_DEVICE", "cpu") != "cuda":
@@ -150,6 +152,13 @@ class Worker:
         }
 
     @register(Dispatch.ONE_TO_ALL)
+    def memory_stats(self) -> dict[str, float]:
+        """Peak memory (GiB) since the previous call; see ``roll.utils.memory.memory_stats``."""
+        return memory_stats(self.ctx.device, self.memory_monitor)
+
+    @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:
+        if self.memory_monitor is not None:
+            self.memory_monitor.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -19,6 +19,7 @@ from roll.distributed.strategy.base import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
 from roll.pipeline.rlvr.data.sampler import to_batch
+from roll.pipeline.rlvr.perf import memory_metrics, throughput_metrics
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -60,6 +61,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
+            metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
             run.tracker.log(metrics | timer.metrics(), step)
             if config.save_steps and step % config.save_steps == 0:
                 save_step(run, step)

@@ -1,0 +1,150 @@
+"""Hugging Face checkpoints with random weights at real model shapes, for scale runs and benchmarks
+on machines without hub access.
+
+A preset holds a published model's ``config.json`` values (layer sizes, heads, experts, vocabulary);
+``num_hidden_layers`` may be cut so the same per-layer shapes fit fewer GPUs. The weights are
+transformers' own initialisation of that architecture, saved with ``save_pretrained``, so every
+loader (HF, Megatron conversion, vLLM) reads the checkpoint as it would read the real one.
+
+    write_random_checkpoint("qwen3-30b-a3b", "output/qwen3-30b-a3b-4l", num_hidden_layers=4,
+                            tokenizer_dir="output/default_example/sft_model")
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from roll.configs.errors import ConfigError
+
+logger = logging.getLogger("roll")
+
+# Values of the published config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen2.5-7B, ...).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2.5-7b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # The Qwen3-MoE architecture at test size (CPU tests of the scale run's code paths).
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            vocab_size=1024,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def preset_config(preset: str, num_hidden_layers: int | None = None, **overrides: Any):
+    """The preset's transformers config, with ``num_hidden_layers`` and any field overridden."""
+    if preset not in PRESETS:
+        raise ConfigError("preset", f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+    class_name, values = PRESETS[preset]
+    values = dict(values, **overrides)
+    if num_hidden_layers is not None:
+        if num_hidden_layers < 1:
+            raise ConfigError("num_hidden_layers", f"must be >= 1, got {num_hidden_layers}")
+        values["num_hidden_layers"] = num_hidden_layers
+    return getattr(transformers, class_name)(**values)
+
+
+def write_random_checkpoint(
+    preset: str,
+    out: str | Path,
+    num_hidden_layers: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Build the preset's model with random weights on ``device`` and save it (and the tokenizer of
+    ``tokenizer_dir``, whose special tokens then become the config's) under ``out``."""
+    out = Path(out)
+    overrides: dict[str, Any] = {}
+    tokenizer = None
+    if tokenizer_dir is not None:
+        from roll.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(str(tokenizer_dir))
+        overrides = dict(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    config = preset_config(preset, num_hidden_layers, **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "%s with %d layers: %.2f B parameters -> %s", preset, config.num_hidden_layers, params / 1e9, out
+    )
+    model.save_pretrained(out, max_shard_size="4GB")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,63 @@
+"""Per-step performance metrics: token throughput and peak memory per device and per role.
+
+    metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
+
+``perf/tokens_per_s_per_device`` counts every prompt and response token of the step's batch over
+the step time (validation left out) and every device a model role holds (reward workers on CPU not counted), the
+number peers report as tokens/s/GPU. ``memory/device<d>/peak_used_gib`` is the largest
+device-wide used memory sampled on global device ``d`` since the previous step (every process on
+it: colocated roles, caches, CUDA contexts); ``memory/<role>/peak_allocated_gib`` is the largest
+allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`` is reported.
+"""
+
+from __future__ import annotations
+
+from roll.distributed.scheduler.batch import Batch
+from roll.pipeline.rlvr.run import RLVRRun
+
+
+def model_devices(run: RLVRRun) -> tuple[int, ...]:
+    """Global device ids held by the model roles (every role that is not CPU-only)."""
+    devices = {d for plan in run.plan.roles.values() if not plan.cpu_only for d in plan.devices}
+    return tuple(sorted(devices))
+
+
+def throughput_metrics(run: RLVRRun, batch: Batch, times: dict[str, float]) -> dict[str, float]:
+    prompt_tokens = float(batch["prompt_mask"].sum())
+    response_tokens = float(batch["response_mask"].sum())
+    tokens = prompt_tokens + response_tokens
+    out = {"perf/tokens": tokens, "perf/response_tokens": response_tokens}
+    step_s = sum(v for k, v in times.items() if k != "time/validation")
+    if step_s > 0:
+        out["perf/tokens_per_s_per_device"] = tokens / step_s / max(1, len(model_devices(run)))
+    if times.get("time/generate", 0.0) > 0:
+        out["perf/generate_tokens_per_s"] = response_tokens / times["time/generate"]
+    train = run.plan.roles["actor_train"]
+    if times.get("time/train", 0.0) > 0:
+        out["perf/train_tokens_per_s_per_device"] = tokens / times["time/train"] / len(train.devices)
+    return out
+
+
+def memory_metrics(run: RLVRRun) -> dict[str, float]:
+    """Peaks since the previous call, from every model role's ranks (see the module docstring)."""
+    out: dict[str, float] = {}
+    for role, cluster in run.clusters.items():
+        plan = run.plan.roles[role]
+        if plan.cpu_only:
+            continue
+        stats = cluster.execute_all("memory_stats")
+        for key in ("peak_allocated", "peak_reserved", "peak_rss"):
+            values = [s[key] for s in stats if key in s]
+            if values:
+                out[f"memory/{role}/{key}_gib"] = max(values)
+        for worker, s in zip(plan.workers, stats):
+            if "device_peak_used" not in s:
+                continue
+            # A worker's monitor samples its first device (a multi-GPU engine worker's others
+            # belong to the engine's own processes).
+            name = f"memory/device{worker.devices[0]}/peak_used_gib"
+            out[name] = max(out.get(name, 0.0), s["device_peak_used"])
+    device_peaks = [v for k, v in out.items() if k.startswith("memory/device")]
+    if device_peaks:
+        out["memory/peak_used_gib_max"] = max(device_peaks)
+    return out
