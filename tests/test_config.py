@@ -253,3 +253,16 @@ def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err == ["WorkerError: actor_train rank 1: ValueError: bad batch"]
+
+
+def test_missing_tracker_package_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from roll.configs import validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        validate.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name)
+    )
+    with pytest.raises(ConfigError, match="track_with: 'tensorboard' needs the tensorboard package"):
+        load_config(HERE / "good" / "minimal.yaml", ["track_with=tensorboard"])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 from roll.configs.errors import ConfigError
 from roll.configs.loader import build_dataclass
 from roll.configs.pipeline_config import RLVRConfig
@@ -21,6 +24,7 @@ def validate_config(config: RLVRConfig) -> None:
     _check_batch_sizes(config, plan)
     _check_colocation(config, plan)
     _check_algorithm(config)
+    _check_tracker(config)
 
 
 def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
@@ -177,3 +181,18 @@ def _check_algorithm(config: RLVRConfig) -> None:
                     f"rewards.{name}.tag_included", f"tag {tag!r} is already routed to rewards.{seen[tag]}"
                 )
             seen[tag] = name
+
+
+# track_with -> the package it needs.
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def _check_tracker(config: RLVRConfig) -> None:
+    """The tracker's package is installed: found now, not after every worker has started."""
+    package = TRACKER_PACKAGES.get(config.track_with)
+    if package and package not in sys.modules and importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            "track_with",
+            f"{config.track_with!r} needs the {package} package (pip install {package}), "
+            "or set track_with: none (metrics.jsonl is always written)",
+        )

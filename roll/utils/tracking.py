@@ -89,7 +89,11 @@ def plot_curves(jsonl: Path, out: Path) -> Path | None:
     """Reward (train) and validation score against step, one PNG."""
     if not jsonl.exists():
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (the metrics are in %s)", out, jsonl)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
