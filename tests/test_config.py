@@ -261,6 +261,7 @@ def test_missing_tracker_package_is_a_config_error(monkeypatch):
     from roll.configs import validate
 
     real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "tensorboard", raising=False)  # as if never imported
     monkeypatch.setattr(
         validate.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name)
     )

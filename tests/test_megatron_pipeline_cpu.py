@@ -119,6 +119,9 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
         held = dict(export_hf_weights(strategy.chunks))
         stale = [name for name, tensor in new if not torch.equal(held[name], tensor)]
         assert not stale, f"not updated: {stale}"
+        # What a failed probe's verification pass compares with the trainer's stream.
+        shown = dict(strategy.iter_hf_weights())
+        assert shown.keys() == held.keys() and all(torch.equal(shown[k], held[k]) for k in held)
         # An update that ends with a fused parameter incomplete is an error, not a stale weight.
         strategy.load_weights(iter(new[:cut]))
         with pytest.raises(CheckpointError, match="q_proj"):

@@ -559,3 +559,12 @@ def test_e2e_corruption_is_caught_and_named(e2e):
     metrics = group.sync(version=4)
     assert metrics["model_update/probe_logprob_diff"] < 1e-5
     _assert_engines_hold_trainer_weights(clusters, ["infer_partial"])
+
+
+def test_non_finite_probe_names_the_broken_side():
+    from roll.distributed.model_update.group import non_finite_sides
+
+    good, bad = torch.zeros(2, 3), torch.tensor([[0.0, float("-inf"), 0.0], [0.0, 0.0, 0.0]])
+    assert non_finite_sides("actor_train", good, "actor_infer", [good, bad, None]) == "actor_infer ranks [1]"
+    assert non_finite_sides("actor_train", bad, "actor_infer", [good]) == "actor_train"
+    assert non_finite_sides("t", good, "e", [good]).startswith("neither")

@@ -33,8 +33,11 @@ generation. The sync needs the trainer's parameters on the device, not its optim
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
+
+import torch
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
@@ -121,6 +124,12 @@ class ModelUpdateGroup:
         worst_rank = max(diffs, key=diffs.get)
         diff = diffs[worst_rank]
         tolerance = self.config.model_update_probe_tolerance
+        if not math.isfinite(diff):  # NaN/inf log-probs: broken weights whatever the tolerance
+            raise ModelUpdateError(
+                f"weights of version {version}: probe log-probs are not finite on "
+                f"{non_finite_sides(self.train.role, reference, self.infer.role, engines)}; "
+                f"{self.locate_mismatch(version)}"
+            )
         if tolerance is not None and not diff <= tolerance:
             raise ModelUpdateError(
                 f"weights of version {version}: mean |log-prob difference| {diff:.4g} between {self.train.role} "
@@ -150,6 +159,15 @@ class ModelUpdateGroup:
                     f"({verdict['mismatches']} tensor(s) differ from the trainer's)"
                 )
         return "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
+
+
+def non_finite_sides(train_role: str, trainer, infer_role: str, engines: list) -> str:
+    """Which side's probe log-probs hold NaN/inf: the trainer's, and/or which engine ranks."""
+    sides = [train_role] if not torch.isfinite(trainer).all() else []
+    bad = [rank for rank, out in enumerate(engines) if out is not None and not torch.isfinite(out).all()]
+    if bad:
+        sides.append(f"{infer_role} ranks {bad}")
+    return " and ".join(sides) or "neither side (the difference overflowed)"
 
 
 def plan_links(

@@ -129,6 +129,15 @@ class MegatronInferStrategy:
     def _ensure_loaded(self) -> None:
         self.reload_states()
 
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights this rank's replica holds, by HF name (TP rank 0 of each replica yields them
+        gathered): what a model update's verification pass compares against the trainer's stream.
+        Collective over the engine's TP / expert-TP groups: every rank must iterate."""
+        from roll.models.megatron.hf_io import export_hf_weights
+
+        self._ensure_loaded()
+        yield from export_hf_weights(self.chunks, every_replica=True)
+
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Full HF-named tensors (any subset); each rank keeps its TP / PP / EP shard. A model
         update calls this once per bucket: parts of a fused parameter (q/k/v, gate/up) are held

@@ -258,14 +258,18 @@ def _hf_tensors(
     return tensors
 
 
-def export_hf_weights(model_chunks: list[Any], gather: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model_chunks: list[Any], gather: bool = True, every_replica: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of this rank's share of the model; collective, see the module docstring.
 
+    ``every_replica``: every data-parallel replica exports its own copy (each gathers within its
+    own TP groups), for comparing what each replica holds; by default only replica 0 does.
     Tensors keep the parameters' dtype and device and may share their storage: copy what you keep.
     """
     models = [unwrap(chunk) for chunk in model_chunks]
     info = models[0].roll_hf_info
-    dense_group, expert_group = _exporting_groups()
+    dense_group, expert_group = (True, True) if every_replica else _exporting_groups()
     for model in models:
         bound, params = _bind_chunk(model, info)
         for weight in bound:
