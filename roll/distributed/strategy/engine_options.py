@@ -22,7 +22,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from roll.configs.errors import ConfigError, did_you_mean
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
 
 if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
@@ -49,16 +48,6 @@ def import_engine(module: str, role: str, strategy_name: str) -> ModuleType:
 def dataclass_field_names(cls: type) -> set[str]:
     """Option names of an engine's argument dataclass (``vllm.EngineArgs``, SGLang ``ServerArgs``)."""
     return {f.name for f in dataclasses.fields(cls)}
-
-
-def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
-    """R of the generation Batch: the run's ``response_length`` (``max_new_tokens`` without a run)."""
-    return ctx.pipeline.response_length if ctx.pipeline is not None else params.max_new_tokens
-
-
-def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
-    """A copy of ``params`` generating at most ``max_new_tokens`` tokens."""
-    return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
 
 
 # --------------------------------------------------------------------------- engine options

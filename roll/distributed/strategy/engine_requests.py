@@ -34,6 +34,7 @@ import torch
 
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams
+from roll.models.logprobs import batch_temperature
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -366,6 +367,17 @@ class ScoringRequest:
     token_ids: list[int]
     start: int
     count: int
+
+
+def require_unit_temperature(batch: Batch, role: str, engine: str) -> None:
+    """vLLM and SGLang score prompts with the raw model distribution (temperature 1): refuse a batch
+    sampled at another temperature rather than score it inconsistently with the trainer."""
+    temperature = batch_temperature(batch)
+    if temperature != 1.0:
+        raise ValueError(
+            f"{role}: {engine} scores with temperature 1 but the batch was sampled at {temperature}; "
+            "use hf_infer or megatron_infer for this role"
+        )
 
 
 def scoring_requests(batch: Batch) -> list[ScoringRequest]:

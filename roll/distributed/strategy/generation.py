@@ -12,10 +12,13 @@ helpers turn those lists into the Batch layout of ``roll.distributed.strategy.ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from roll.distributed.scheduler.batch import Batch
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.models.logprobs import TEMPERATURE_KEY
 
 # Fields build_generation_batch writes; a prompt batch's own copies of these are replaced.
@@ -119,3 +122,13 @@ def _pad_responses(
             if length:
                 logp[row, :length] = torch.as_tensor(logprobs[row][:length], dtype=torch.float32)
     return ids, mask, logp
+
+
+def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
+    """R of the generation Batch: the run's ``response_length`` (``max_new_tokens`` without a run)."""
+    return ctx.pipeline.response_length if ctx.pipeline is not None else params.max_new_tokens
+
+
+def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """A copy of ``params`` generating at most ``max_new_tokens`` tokens."""
+    return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))

@@ -15,7 +15,6 @@ min_new_tokens = 0 they equal ``compute_log_probs`` of the same rows (temperatur
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +33,7 @@ from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import HFInferConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
-from roll.distributed.strategy.generation import build_generation_batch
+from roll.distributed.strategy.generation import build_generation_batch, capped, response_width
 from roll.models.loading import load_model, load_tokenizer
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.value_model import ValueModel, response_values
@@ -96,9 +95,8 @@ class HFInferStrategy:
             raise ValueError(
                 f"{self.ctx.role}: a value model cannot generate (model_args.model_type is 'value')"
             )
-        pipeline = self.ctx.pipeline
-        width = pipeline.response_length if pipeline is not None else params.max_new_tokens
-        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, width))
+        width = response_width(self.ctx, params)
+        params = capped(params, width)
         rng = _seeded_rng_state(params.seed, self.ctx.device) if params.seed is not None else self._rng_state
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []

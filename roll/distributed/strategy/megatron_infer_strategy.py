@@ -22,7 +22,12 @@ import torch
 from roll.configs.role import RoleConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
-from roll.distributed.strategy.generation import build_generation_batch, prompt_token_lists
+from roll.distributed.strategy.generation import (
+    build_generation_batch,
+    capped,
+    prompt_token_lists,
+    response_width,
+)
 from roll.models.megatron import parallel
 from roll.models.megatron.forward import shape_sync_group
 from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
@@ -73,9 +78,8 @@ class MegatronInferStrategy:
         """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
         prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
         self._ensure_loaded()
-        pipeline = self.ctx.pipeline
-        width = pipeline.response_length if pipeline is not None else params.max_new_tokens
-        params = SamplingParams(**{**vars(params), "max_new_tokens": min(params.max_new_tokens, width)})
+        width = response_width(self.ctx, params)
+        params = capped(params, width)
         prompts = prompt_token_lists(batch)
         eos_ids = self._eos_ids(params)
         stop = make_stop_check(params.stop or [], self.tokenizer, params.min_new_tokens)

@@ -41,10 +41,8 @@ from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.engine_options import (
-    capped,
     dataclass_field_names,
     import_engine,
-    response_width,
     sglang_engine_options,
 )
 from roll.distributed.strategy.engine_requests import (
@@ -54,15 +52,15 @@ from roll.distributed.strategy.engine_requests import (
     RequestRegistry,
     completion_from_sglang,
     completions_to_batch,
+    require_unit_temperature,
     rows_to_tensor,
     scoring_requests,
     sglang_input_logprobs,
     sglang_sampling_params,
     shareable_bucket,
 )
-from roll.distributed.strategy.generation import prompt_token_lists
+from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
 from roll.models.loading import load_tokenizer
-from roll.models.logprobs import batch_temperature
 
 MEMORY_TAGS = ["kv_cache", "weights"]
 
@@ -137,12 +135,7 @@ class SGLangStrategy:
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs": [B, R]} from SGLang's input log-probs over prompt + response (no entropy);
         batches sampled at a temperature other than 1 are refused, as for ``vllm``."""
-        temperature = batch_temperature(batch)
-        if temperature != 1.0:
-            raise ValueError(
-                f"{self.ctx.role}: sglang scores with temperature 1 but the batch was sampled at {temperature}; "
-                "use hf_infer or megatron_infer for this role"
-            )
+        require_unit_temperature(batch, self.ctx.role, "sglang")
         reqs = scoring_requests(batch)
         self._ensure_ready()
         with self._lock:

@@ -42,10 +42,8 @@ from roll.configs.strategy_configs import VLLMConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.engine_options import (
-    capped,
     dataclass_field_names,
     import_engine,
-    response_width,
     vllm_engine_options,
 )
 from roll.distributed.strategy.engine_requests import (
@@ -56,15 +54,20 @@ from roll.distributed.strategy.engine_requests import (
     aborted_completion,
     completions_from_vllm,
     completions_to_batch,
+    require_unit_temperature,
     rows_to_tensor,
     scoring_requests,
     shareable_bucket,
     vllm_prompt_logprobs,
     vllm_sampling_kwargs,
 )
-from roll.distributed.strategy.generation import prompt_token_lists, sampling_temperature
+from roll.distributed.strategy.generation import (
+    capped,
+    prompt_token_lists,
+    response_width,
+    sampling_temperature,
+)
 from roll.models.loading import load_tokenizer
-from roll.models.logprobs import batch_temperature
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
 _ABORTED = object()
@@ -156,12 +159,7 @@ class VLLMStrategy:
         vLLM scores prompts with the raw model distribution (temperature 1), so batches sampled at
         another temperature are refused rather than scored inconsistently with the trainer.
         """
-        temperature = batch_temperature(batch)
-        if temperature != 1.0:
-            raise ValueError(
-                f"{self.ctx.role}: vllm scores with temperature 1 but the batch was sampled at {temperature}; "
-                "use hf_infer or megatron_infer for this role"
-            )
+        require_unit_temperature(batch, self.ctx.role, "vllm")
         reqs = scoring_requests(batch)
         sampling = self._sampling(
             {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
