@@ -35,35 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.distributed.scheduler.batch import Batch  # noqa: E402
 from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+from roll.models.random_checkpoint import preset_config  # noqa: E402
 
 SEQ, PROMPT = 4096, 512
 MICRO_BATCHES = 8
 
 
 def qwen25_1p5b() -> transformers.PretrainedConfig:
-    return transformers.Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
+    return preset_config("qwen2.5-1.5b")
 
 
 def qwen25_7b(layers: int = 28) -> transformers.PretrainedConfig:
-    return transformers.Qwen2Config(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=layers,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    )
+    return preset_config("qwen2.5-7b", num_hidden_layers=layers)
 
 
 def small_moe() -> transformers.PretrainedConfig:
