@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "output" / "default_example"
@@ -47,3 +48,37 @@ def shimmed_ray(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", path)
     yield
     ray.shutdown()
+
+
+def shrunk_example(
+    name: str, tmp: Path, example: Path, pretrain: Path, micro_batch: int, accumulation: int, **top: object
+) -> dict:
+    """``examples/config/<name>.yaml`` shrunk for a CPU run of 2 steps: fp32 Megatron roles,
+    4 prompts x 4 samples, 1 MB model-update buckets, a tight probe tolerance, the default example's
+    training data; ``top`` overrides top-level keys. Returns the raw dict (write it with
+    ``write_config``) so a test can change more."""
+    raw = yaml.safe_load((REPO / "examples" / "config" / f"{name}.yaml").read_text())
+    raw.update(
+        device="cpu",
+        output_dir=str(tmp / "run"),
+        pretrain=str(pretrain),
+        max_steps=2,
+        rollout_batch_size=4,
+        num_return_sequences_in_group=4,
+        track_with="none",
+        model_update_buffer_size_mb=1,
+        model_update_probe_tolerance=1.0e-4,
+        **top,
+    )
+    raw["actor_train"]["data_args"]["file_name"] = [str(example / "data" / "train.jsonl")]
+    raw["actor_train"]["training_args"].update(
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation
+    )
+    for role in ("actor_train", "actor_infer", "reference"):
+        raw[role]["model_args"]["dtype"] = "fp32"
+    return raw
+
+
+def write_config(raw: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path

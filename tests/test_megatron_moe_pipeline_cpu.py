@@ -14,40 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import shrunk_example, write_config
 
 from roll.configs.loader import load_config
 from roll.models.random_checkpoint import write_random_checkpoint
 from roll.pipeline.rlvr.pipeline import run_pipeline
 from roll.utils.tracking import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def small_config(tmp: Path, example: Path, name: str, model: Path) -> Path:
-    raw = yaml.safe_load((REPO / "examples" / "config" / f"{name}.yaml").read_text())
-    raw.update(
-        device="cpu",
-        output_dir=str(tmp / "run"),
-        pretrain=str(model),
-        max_steps=2,
-        rollout_batch_size=4,
-        num_return_sequences_in_group=4,
-        prompt_length=48,
-        response_length=12,
-        track_with="none",
-        model_update_buffer_size_mb=1,
-        model_update_probe_tolerance=1.0e-4,
-    )
-    raw["actor_train"]["data_args"]["file_name"] = [str(example / "data" / "train.jsonl")]
     # 16 sequences = 2 per micro-batch x 4 micro-batches x DP 2 (both layouts).
-    raw["actor_train"]["training_args"].update(per_device_train_batch_size=2, gradient_accumulation_steps=4)
-    for role in ("actor_train", "actor_infer", "reference"):
-        raw[role]["model_args"]["dtype"] = "fp32"
+    raw = shrunk_example(name, tmp, example, model, 2, 4, prompt_length=48, response_length=12)
     raw["rewards"]["math_rule"]["world_size"] = 1
-    path = tmp / f"{name}_cpu.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_config(raw, tmp / f"{name}_cpu.yaml")
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-import yaml
+from conftest import shrunk_example, write_config
 
 from roll.configs.loader import load_config
 from roll.pipeline.rlvr.pipeline import run_pipeline
@@ -35,29 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def small_config(tmp: Path, example: Path) -> Path:
     """The 2-GPU Megatron example shrunk for CPU: fp32, 4 prompts x 4 samples, 16 tokens."""
-    raw = yaml.safe_load((REPO / "examples" / "config" / "rlvr_megatron_2gpus.yaml").read_text())
-    raw.update(
-        device="cpu",
-        output_dir=str(tmp / "run"),
-        pretrain=str(example / "sft_model"),
-        max_steps=2,
+    raw = shrunk_example(
+        "rlvr_megatron_2gpus",
+        tmp,
+        example,
+        example / "sft_model",
+        4,
+        2,
         eval_steps=0,
         save_steps=0,
-        rollout_batch_size=4,
-        num_return_sequences_in_group=4,
         response_length=16,
-        track_with="none",
-        model_update_buffer_size_mb=1,
-        model_update_probe_tolerance=1.0e-4,
     )
     raw["validation"]["data_args"]["file_name"] = [str(example / "data" / "val.jsonl")]
-    raw["actor_train"]["data_args"]["file_name"] = [str(example / "data" / "train.jsonl")]
-    raw["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    for role in ("actor_train", "actor_infer", "reference"):
-        raw[role]["model_args"]["dtype"] = "fp32"
-    path = tmp / "rlvr_megatron_cpu.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_config(raw, tmp / "rlvr_megatron_cpu.yaml")
 
 
 @pytest.mark.slow
