@@ -11,17 +11,14 @@ log-prob mismatch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from roll.utils.tracking import read_metrics  # noqa: E402
+
 STAGES = ("generate", "reward", "reference", "old_log_probs", "train", "model_update", "step")
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise SystemExit(f"{path}: no such metrics file")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_table(rows: list[dict], bw_gbps: float | None) -> list[str]:
@@ -64,7 +61,9 @@ def main() -> int:
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     parser.add_argument("--bw_gbps", type=float, default=None, help="NCCL broadcast GB/s for the bound")
     args = parser.parse_args()
-    rows = read_rows(args.metrics)
+    if not args.metrics.is_file():
+        raise SystemExit(f"{args.metrics}: no such metrics file")
+    rows = read_metrics(args.metrics)
     print("\n".join(step_table(rows, args.bw_gbps)))
     print()
     print("\n".join(memory_table(rows)))
