@@ -132,3 +132,13 @@ def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
 def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
     """A copy of ``params`` generating at most ``max_new_tokens`` tokens."""
     return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, max_new_tokens))
+
+
+def stop_token_ids(config_eos: int | list[int] | None, tokenizer, params: SamplingParams) -> list[int]:
+    """Token ids that end a response: the model config's EOS id(s), the tokenizer's EOS and the
+    request's ``stop_token_ids``, sorted."""
+    ids = set(config_eos if isinstance(config_eos, list) else [] if config_eos is None else [config_eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    ids.update(params.stop_token_ids or [])
+    return sorted(ids)

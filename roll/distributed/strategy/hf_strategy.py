@@ -33,7 +33,12 @@ from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import HFInferConfig, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
-from roll.distributed.strategy.generation import build_generation_batch, capped, response_width
+from roll.distributed.strategy.generation import (
+    build_generation_batch,
+    capped,
+    response_width,
+    stop_token_ids,
+)
 from roll.models.loading import load_model, load_tokenizer
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.value_model import ValueModel, response_values
@@ -145,12 +150,7 @@ class HFInferStrategy:
         return toks, [row[:n] for row, n in zip(logps.tolist(), lengths)]
 
     def _eos_ids(self, params: SamplingParams) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        ids.update(params.stop_token_ids or [])
-        return sorted(ids)
+        return stop_token_ids(self.model.generation_config.eos_token_id, self.tokenizer, params)
 
     def _generation_config(self, params: SamplingParams, eos_ids: list[int]) -> GenerationConfig:
         # The warpers are ours (see _warpers) so our log-prob recorder sees the final distribution;

@@ -27,6 +27,7 @@ from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
     response_width,
+    stop_token_ids,
 )
 from roll.models.megatron import parallel
 from roll.models.megatron.forward import shape_sync_group
@@ -111,12 +112,7 @@ class MegatronInferStrategy:
         ).to("cpu")
 
     def _eos_ids(self, params: SamplingParams) -> list[int]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        ids.update(params.stop_token_ids or [])
-        return sorted(ids)
+        return stop_token_ids(getattr(self.hf_config, "eos_token_id", None), self.tokenizer, params)
 
     # --------------------------------------------------------------------- offload / model update
     def offload_states(self) -> None:
