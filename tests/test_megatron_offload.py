@@ -45,3 +45,35 @@ def test_offload_frees_and_reload_restores_exactly():
     assert all(torch.equal(a, b) for a, b in zip(module.parameters(), params))
     assert all(torch.equal(a, b) for a, b in zip(moments(optimizer), states))
     assert offloader.offloaded == set()
+
+
+def test_optimizer_views_into_params_stay_with_the_params():
+    """fp32 params + distributed optimizer: the optimizer's "main params" are views into the model's
+    param storage. Offloading the optimizer alone must leave the parameters readable (it used to
+    free their storage, and the weight export after the offload read freed memory)."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 4, bias=False)
+    shard = module.weight.detach().view(-1)[:16]  # what DistributedOptimizer keeps for fp32 params
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(shard)], lr=0.1)
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(16)
+    optimizer.step()
+    offloader = StateOffloader([FakeDDP(module)], SimpleNamespace(optimizer=optimizer))
+    weight = module.weight.detach().clone()
+    offloader.offload(params=False, grads=True, optimizer=True)
+    assert module.weight.untyped_storage().nbytes() == weight.numel() * 4
+    assert torch.equal(module.weight, weight)
+    assert all(m.untyped_storage().nbytes() == 0 for m in moments(optimizer))  # Adam moments left
+    offloader.ensure_params_loaded()
+    assert offloader.offloaded == {"optimizer", "grads"}
+    offloader.reload()
+    assert offloader.offloaded == set() and torch.equal(module.weight, weight)
+
+
+def test_ensure_params_loaded_brings_back_params_only():
+    offloader, module, optimizer = stepped_offloader()
+    params = [p.detach().clone() for p in module.parameters()]
+    offloader.offload(params=True, grads=True, optimizer=True)
+    offloader.ensure_params_loaded()
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), params))
+    assert all(m.untyped_storage().nbytes() == 0 for m in moments(optimizer))
+    assert offloader.offloaded == {"optimizer", "grads"}

@@ -96,7 +96,7 @@ class MegatronTrainStrategy:
     # ----------------------------------------------------------------------------------- forward
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
-        self.offloader.ensure_loaded()
+        self.offloader.ensure_params_loaded()
         size = max(1, self.role_config.infer_batch_size)
         return forward_log_probs(self.model, batch, self.config, self.hf_config.vocab_size, size)
 
@@ -167,7 +167,9 @@ class MegatronTrainStrategy:
         """Full HF-named tensors; every rank must iterate (TP gathers are collective)."""
         from roll.models.megatron.hf_io import export_hf_weights
 
-        self.offloader.ensure_loaded()
+        # Parameters only: a colocated trainer's gradients and optimizer state stay offloaded
+        # through the update and the generation that follows.
+        self.offloader.ensure_params_loaded()
         yield from export_hf_weights([unwrap(c) for c in self.model])
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -64,7 +64,11 @@ class StateOffloader:
         return [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """Main params and optimizer state that own their memory. With fp32 model params the
+        distributed optimizer's "main params" are views into the model's param buffer: those move
+        with the parameters, never as optimizer state."""
         model_params = {id(p) for m in self.model for p in m.parameters()}
+        param_storages = {t.untyped_storage().data_ptr() for t in self._param_tensors()}
         tensors = []
         for inner in _inner_optimizers(self.optimizer):
             for group in inner.param_groups:
@@ -73,7 +77,7 @@ class StateOffloader:
                         tensors.append(param)
                     state = inner.state.get(param, {})
                     tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
-        return tensors
+        return [t for t in tensors if t.untyped_storage().data_ptr() not in param_storages]
 
     # ------------------------------------------------------------------------------ moving
     def _free(self, what: str, tensors: list[torch.Tensor], keep: bool) -> None:
@@ -123,3 +127,11 @@ class StateOffloader:
     def ensure_loaded(self) -> None:
         if self._saved:
             self.reload()
+
+    def ensure_params_loaded(self) -> None:
+        """Bring back the parameters only (forward passes and weight export need nothing else);
+        offloaded gradients and optimizer state stay on the host until ``reload``."""
+        if "params" in self._saved:
+            self._restore("params")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
