@@ -82,10 +82,13 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
     (``always``: now, e.g. after a resume, whatever the step)."""
     if step % run.config.model_update_frequency and not always:
         return {}
-    # The trainer's parameters stay on its devices when it offloads (only optimizer state and
-    # gradients leave), so only a colocated engine has to come back for the sync.
+    # A colocated trainer's gradients and optimizer state stay offloaded: the export brings back
+    # its parameters only (when offload_params moved them), and they leave again after the sync.
     with stages.on_devices(run, "actor_infer"):
-        return run.model_update.sync(version=step)
+        metrics = run.model_update.sync(version=step)
+    if "actor_train" in run.colocated:
+        run.clusters["actor_train"].offload_states()
+    return metrics
 
 
 def resume(run: RLVRRun) -> int:
