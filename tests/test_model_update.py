@@ -552,7 +552,10 @@ def test_e2e_corruption_is_caught_and_named(e2e):
     # In the engine after loading (a bad load): the probe catches it, the verify pass names it.
     ray.get(infer.workers[0].model_update_inject_fault.remote(CORRUPTED, "engine"))
     with pytest.raises(
-        ModelUpdateError, match=rf"tolerance.*first mismatching tensor: '{CORRUPTED}' on infer_partial rank 0"
+        ModelUpdateError,
+        match=rf"tolerance.*first mismatching tensor: '{CORRUPTED}' on infer_partial rank 0 "
+        r"\((\d+) of \1 elements differ, the first at flat index 0, largest \|difference\| 1; "
+        r"the engine's copy holds 0 non-finite",
     ):
         group.sync(version=3)
     # The next clean update repairs it.
@@ -568,3 +571,17 @@ def test_non_finite_probe_names_the_broken_side():
     assert non_finite_sides("actor_train", good, "actor_infer", [good, bad, None]) == "actor_infer ranks [1]"
     assert non_finite_sides("actor_train", bad, "actor_infer", [good]) == "actor_train"
     assert non_finite_sides("t", good, "e", [good]).startswith("neither")
+
+
+def test_describe_difference_says_how_much_and_where():
+    from roll.distributed.model_update.worker_mixin import describe_difference
+
+    want = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    have = want.clone()
+    have[1, 2], have[2, 0] = 100.0, float("nan")
+    text = describe_difference(want, have)
+    assert text == (
+        "2 of 12 elements differ, the first at flat index 6, largest |difference| 94; "
+        "the engine's copy holds 1 non-finite value(s)"
+    )
+    assert describe_difference(want, have[:2]) == "shape (2, 4) instead of (3, 4)"

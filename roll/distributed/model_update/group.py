@@ -156,7 +156,7 @@ class ModelUpdateGroup:
             if verdict["first_mismatch"] is not None:
                 return (
                     f"first mismatching tensor: {verdict['first_mismatch']!r} on {self.infer.role} rank {rank} "
-                    f"({verdict['mismatches']} tensor(s) differ from the trainer's)"
+                    f"({verdict['difference']}; {verdict['mismatches']} tensor(s) differ from the trainer's)"
                 )
         return "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
 

@@ -159,7 +159,7 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         """Receive a repeated update without loading it and compare every tensor with the engine's
         own (cast to the engine's dtype): the first tensor that differs, per link order."""
         engine = _engine_hf_weights(self.strategy)
-        mismatches: list[str] = []
+        mismatches: dict[str, str] = {}
         missing: list[str] = []
         lock = threading.Lock()
 
@@ -168,15 +168,18 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
                 have = engine.get(name) if engine is not None else None
                 if have is None:
                     missing.append(name)
-                elif not torch.equal(received.to(device=have.device, dtype=have.dtype), have):
+                    continue
+                want = received.to(device=have.device, dtype=have.dtype)
+                if not torch.equal(want, have):
                     with lock:
-                        mismatches.append(name)
+                        mismatches[name] = describe_difference(want, have)
 
         results = receive_links(self._receivers(group), compare, version, use_engine=False)
         order = [name for r in results for name in r.names]
         first = min(mismatches, key=order.index) if mismatches else None
         return {
             "first_mismatch": first,
+            "difference": mismatches.get(first, ""),
             "mismatches": len(mismatches),
             "exposes_weights": engine is not None,
             "missing": missing[:5],
@@ -243,6 +246,24 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         if fault[0] not in weights:
             raise KeyError(f"inject_fault: the engine has no tensor {fault[0]!r}")
         self.strategy.load_weights(iter([(fault[0], weights[fault[0]] + 1.0)]))
+
+
+def describe_difference(want: torch.Tensor, have: torch.Tensor) -> str:
+    """How the engine's tensor ``have`` differs from the trainer's ``want`` (same shape and dtype):
+    how many elements, where the first one is, the largest gap, and any NaN/inf the engine holds."""
+    if want.shape != have.shape:
+        return f"shape {tuple(have.shape)} instead of {tuple(want.shape)}"
+    differ = (want != have).reshape(-1)
+    count = int(differ.sum())
+    first = int(differ.nonzero()[0]) if count else -1
+    gap = (want.float() - have.float()).abs().reshape(-1)[differ]
+    finite_gap = gap[torch.isfinite(gap)]
+    largest = f"{float(finite_gap.max()):.3g}" if finite_gap.numel() else "inf"
+    bad = int((~torch.isfinite(have.float())).sum())
+    return (
+        f"{count} of {want.numel()} elements differ, the first at flat index {first}, largest "
+        f"|difference| {largest}; the engine's copy holds {bad} non-finite value(s)"
+    )
 
 
 def _engine_receives(strategy: Any, spec: LinkSpec, rank: int) -> bool:
