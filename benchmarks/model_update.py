@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -297,19 +298,23 @@ def _timed(named_iter, device, times: dict):
         yield item
 
 
-def nccl_bandwidth(group, device, nbytes: int, reps: int = 5) -> float:
-    """GB/s of a broadcast from group rank 0 (median over ``reps`` after a warm-up)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def nccl_bandwidth(group, device, nbytes: int, member: bool, reps: int = 5) -> float | None:
+    """GB/s of a broadcast from group rank 0 (median over ``reps`` after a warm-up), timed on the
+    source from a world barrier to the end of its broadcast. Every rank calls this (the barriers are
+    the world's, over gloo); only ``member`` ranks broadcast. Returns None off the group."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device) if member else None
     times = []
     for i in range(reps + 1):
-        barrier_group(group, device)
-        start = time.perf_counter()
-        dist.broadcast(buf, group_src(group, 0), group=group)
         sync(device)
-        barrier_group(group, device)
+        barrier()
+        start = time.perf_counter()
+        if member:
+            dist.broadcast(buf, group_src(group, 0), group=group)
+            sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    barrier()
+    return nbytes / statistics.median(times) / 1e9 if member else None
 
 
 def group_src(group, rank_in_group: int) -> int:
@@ -342,17 +347,29 @@ def run_member(rank: int, args: argparse.Namespace, ports: dict) -> None:
         torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]))
     dist.init_process_group("gloo", rank=rank, world_size=2 * gpus, timeout=datetime.timedelta(minutes=10))
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=False)  # set-up and bandwidths
     backend = "nccl" if cuda else "gloo"
     layouts = args.layouts.split(",")
     member = Member(rank, gpus, device, backend, args, make_tp_groups(layouts, rank, device, backend))
     nbytes = bandwidth_bytes(args.device)
     bw = measure_bandwidths(bandwidths_for(layouts), member, nbytes)
+    faulthandler.cancel_dump_traceback_later()
+    if rank == 0:
+        print(f"[model_update] bandwidths: {bw}", flush=True)
     rows = []
     for model in args.models.split(","):
         spec = MODELS[model]
         shapes = hf_shapes(spec)
         for layout in layouts:
+            start = time.perf_counter()
+            # A layout that hangs (a collective some member never joins) prints every thread's
+            # stack instead of dying silently at the caller's time limit.
+            faulthandler.dump_traceback_later(args.watchdog_s, exit=False)
             rows.append(run_layout(member, spec, shapes, layout, ports[(model, layout)]))
+            faulthandler.cancel_dump_traceback_later()
+            if rank == 0:
+                took = time.perf_counter() - start
+                print(f"[model_update] {model}/{layout}: done in {took:.1f} s", flush=True)
     gathered = [None] * (2 * gpus)
     dist.all_gather_object(gathered, {"rows": rows, "bw": bw})
     if rank == 0:
@@ -386,11 +403,11 @@ def measure_bandwidths(names: list[str], member: Member, nbytes: int) -> dict[st
         src, dsts = BANDWIDTHS[name]
         members[name] = [src, *(member.gpus + d for d in dsts)]
     groups = {name: dist.new_group(ranks, backend=member.backend) for name, ranks in members.items()}
-    return {
-        name: nccl_bandwidth(groups[name], member.device, nbytes)
+    measured = {
+        name: nccl_bandwidth(groups[name], member.device, nbytes, member.rank in members[name])
         for name in names
-        if member.rank in members[name]
     }
+    return {name: value for name, value in measured.items() if value is not None}
 
 
 def run_layout(member: Member, spec: ModelSpec, shapes: dict, name: str, ports: list[int]) -> dict:
@@ -627,6 +644,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--watchdog_s",
+        type=float,
+        default=300.0,
+        help="dump every process's stacks when one layout runs longer",
+    )
     args = parser.parse_args()
     fits = [name for name, layout in LAYOUTS.items() if layout.gpus_needed <= args.gpus]
     args.layouts = args.layouts or ",".join(fits)
