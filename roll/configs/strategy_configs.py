@@ -102,6 +102,8 @@ class MegatronConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    # The optimizer step leaves other DP ranks' shards to the next forward's all-gather; weight
+    # exports and checkpoints (megatron_train) finish that all-gather first.
     overlap_param_gather: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None

@@ -170,7 +170,23 @@ class MegatronTrainStrategy:
         # Parameters only: a colocated trainer's gradients and optimizer state stay offloaded
         # through the update and the generation that follows.
         self.offloader.ensure_params_loaded()
+        self._finish_param_gather()
         yield from export_hf_weights([unwrap(c) for c in self.model])
+
+    def _finish_param_gather(self) -> None:
+        """All-gather the parameters the last optimizer step left sharded; collective over DP.
+
+        With ``overlap_param_gather`` megatron's distributed optimizer writes only this DP rank's
+        shard after ``step()`` and defers the all-gather of the others to the next forward's
+        pre-hooks, so code reading parameters directly (exports, checkpoints) would see the other
+        ranks' shards from the step before. ``force_sync`` gathers synchronously and marks each
+        bucket group as dispatched with no pending handle, so the next forward's pre-hooks find
+        nothing to wait for; the next ``finish_grad_sync`` re-arms them as usual.
+        """
+        for chunk in self.model:
+            ddp = chunk.ddp_config
+            if ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Full HF-named tensors (any subset), possibly one bucket per call: parts of a fused
@@ -194,6 +210,7 @@ class MegatronTrainStrategy:
         from roll.models.megatron.hf_io import save_hf_checkpoint
 
         self.offloader.ensure_loaded()
+        self._finish_param_gather()
         chunks = [unwrap(c) for c in self.model]
         save_hf_checkpoint(
             chunks, self.hf_config, path, tokenizer_dir=model_path(self.role_config.model_args)
@@ -206,6 +223,7 @@ class MegatronTrainStrategy:
         from megatron.core import dist_checkpointing
 
         self.offloader.ensure_loaded()
+        self._finish_param_gather()  # the model part of the checkpoint is read from the params
         target = os.path.join(path, _CKPT_SUBDIR)
         os.makedirs(target, exist_ok=True)
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), target)
