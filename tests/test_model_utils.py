@@ -166,3 +166,16 @@ def test_optimizer_steps_per_pipeline_step():
     pipeline = type("P", (), {"rollout_batch_size": 8, "num_return_sequences_in_group": 4, "ppo_epochs": 2})()
     args = TrainingArgs(per_device_train_batch_size=2, gradient_accumulation_steps=2)
     assert optimizer_steps_per_pipeline_step(pipeline, args, dp_size=2) == 2 * (32 // 8)
+
+
+def test_copy_into_casts_and_checks_everything_before_copying():
+    from roll.models.weights import copy_into
+
+    targets = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    assert copy_into(targets, [("a", torch.ones(2, 3, dtype=torch.float64)), ("b", torch.arange(4.0))]) == 2
+    assert torch.equal(targets["a"], torch.ones(2, 3)) and targets["b"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="unknown tensor 'c'"):
+        copy_into(targets, [("a", torch.full((2, 3), 7.0)), ("c", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"'b' has shape \(5,\), the model expects \(4,\)"):
+        copy_into(targets, [("a", torch.full((2, 3), 7.0)), ("b", torch.zeros(5))])
+    assert torch.equal(targets["a"], torch.ones(2, 3))  # a bad bucket changes nothing

@@ -15,26 +15,36 @@ def copy_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     """``param.copy_(tensor)`` for each (name, tensor), cast to the parameter's dtype and device.
 
     Names are ``model.state_dict()`` keys (tied weights may come under either name). Raises a
-    KeyError naming an unknown tensor and a ValueError naming a shape mismatch, before copying that
-    tensor. Returns how many tensors were copied.
+    KeyError naming an unknown tensor and a ValueError naming a shape mismatch before anything is
+    copied. Returns how many tensors were copied.
     """
-    targets = model.state_dict(keep_vars=True)
-    count = 0
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                sample = ", ".join(list(targets)[:5])
-                raise KeyError(
-                    f"load_weights: unknown tensor {name!r}; the model has e.g. {sample} ({len(targets)} names)"
-                )
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            count += 1
-    return count
+    return copy_into(model.state_dict(keep_vars=True), named_tensors)
+
+
+def copy_into(targets: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """``copy_named_tensors`` into a name -> tensor table (a model's ``state_dict(keep_vars=True)``,
+    which a caller loading many buckets builds once). The copies go out as one multi-tensor launch
+    per call (``torch._foreach_copy_``) instead of one kernel per tensor: a MoE model's update has
+    thousands of small expert tensors."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for name, tensor in named_tensors:
+        target = targets.get(name)
+        if target is None:
+            sample = ", ".join(list(targets)[:5])
+            raise KeyError(
+                f"load_weights: unknown tensor {name!r}; the model has e.g. {sample} ({len(targets)} names)"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+            )
+        dsts.append(target.detach())
+        srcs.append(tensor.to(device=target.device, dtype=target.dtype))
+    if dsts:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
+    return len(dsts)
 
 
 def tied_duplicate_names(model: nn.Module) -> set[str]:

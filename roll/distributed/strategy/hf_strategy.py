@@ -42,7 +42,7 @@ from roll.distributed.strategy.generation import (
 from roll.models.loading import load_model, load_tokenizer
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.value_model import ValueModel, response_values
-from roll.models.weights import copy_named_tensors
+from roll.models.weights import copy_into
 from roll.utils.rng import device_rng_state, set_device_rng_state
 
 
@@ -56,6 +56,7 @@ class HFInferStrategy:
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._rng_state: dict[str, torch.Tensor] | None = None
+        self._targets: dict[str, torch.Tensor] | None = None  # load_weights' name table
 
     def initialize(self) -> None:
         """Load the model (``model_args.dtype``) in eval mode on ``ctx.device``; seed sampling with
@@ -174,16 +175,22 @@ class HFInferStrategy:
     # --------------------------------------------------------------------- offload / model update
     def offload_states(self) -> None:
         """Weights to CPU (with ``offload_to_cpu``) and the CUDA cache emptied; no-op on CPU."""
+        self._targets = None
         if self.ctx.is_cuda and self.config.offload_to_cpu:
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def reload_states(self) -> None:
+        self._targets = None
         self.model.to(self.ctx.device)
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device)."""
-        copy_named_tensors(self.model, named_tensors)
+        """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device).
+        A model update calls this once per bucket; the name table is built on the first bucket after
+        the model last moved (offload / reload rebuild it)."""
+        if self._targets is None:
+            self._targets = self.model.state_dict(keep_vars=True)
+        copy_into(self._targets, named_tensors)
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
