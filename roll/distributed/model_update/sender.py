@@ -72,6 +72,9 @@ class BucketSender:
         self.shared = bool(link.spec.local_receivers)
         self.slots = [_Slot(), _Slot()]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The last packed bucket's source tensors and the event after their copies: kept alive
+        # until then (one event per bucket instead of a ``record_stream`` per tensor).
+        self._held: tuple[list[torch.Tensor], torch.cuda.Event] | None = None
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SendResult:
         result = SendResult()
@@ -97,6 +100,7 @@ class BucketSender:
             tensors.append(tensor)
             used += size
         sums.append(self._send_bucket(BucketMeta(metas, used, version, index, True), tensors, result))
+        self._release_held()
         for slot in sorted(self.slots, key=lambda s: s.index):
             self._wait_free(slot, result)
         if self.stream is not None:
@@ -118,13 +122,22 @@ class BucketSender:
         else:
             # The tensors come from the generator's stream; pack on the side stream once they exist,
             # and keep their memory from being reused until the copies ran.
+            self._release_held()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 write_tensors(slot.flat, meta.tensors, tensors)
-            for tensor in tensors:
-                if tensor.device.type == "cuda":
-                    tensor.record_stream(self.stream)
+                packed = torch.cuda.Event()
+                packed.record(self.stream)
+            self._held = (tensors, packed)
         return self._flush(slot, meta, result)
+
+    def _release_held(self) -> None:
+        """Drop the previous bucket's source tensors. The generator's stream (whose allocator pool
+        gets their memory back) first waits for the copies out of them, so nothing allocated there
+        later can overwrite a tensor before it was packed."""
+        if self._held is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._held[1])
+            self._held = None
 
     def _flush(self, slot: _Slot, meta: BucketMeta, result: SendResult) -> torch.Tensor:
         """Send one bucket; returns its checksums (still on the device)."""
