@@ -10,7 +10,8 @@ random weights in bf16:
   them to HF names, as ``megatron_train`` does; experts go out from their EP rank. As in production,
   the TP lead (trainer rank 0 of the layout) sends every dense tensor and each EP rank its own
   experts; a rank with nothing to send sends one empty bucket;
-- the engine side holds HF-named parameters and loads each bucket by ``copy_`` (as ``hf_infer``).
+- the engine side holds HF-named parameters and loads each bucket with ``copy_into`` (as ``hf_infer``:
+  one multi-tensor copy per bucket).
 
 Layouts (``LAYOUTS``; a trainer and an engine on one GPU talk by CUDA IPC, the others by NCCL):
 
@@ -23,7 +24,7 @@ Layouts (``LAYOUTS``; a trainer and an engine on one GPU talk by CUDA IPC, the o
 
 Phases, each timed alone with the device synchronized (after one untimed pass): gather+convert
 (the weight generator), pack (copies into bucket buffers), checksum, wire (NCCL broadcast of the
-same buckets), load (unpack + copy into the engine, one ``copy_`` per tensor as ``hf_infer``). ``sync`` is the real pipelined update (median of ``--reps``).
+same buckets), load (unpack + ``copy_into`` the engine, as ``hf_infer``). ``sync`` is the real pipelined update (median of ``--reps``).
 
 Bandwidth (``BANDWIDTHS``, 1 GiB NCCL broadcasts in the same run, median of 5): ``bw`` = GPU 0 ->
 GPU 1; with 4 GPUs also ``bw_1to2`` = GPU 0 -> GPUs 2-3 and ``bw_1to3`` = GPU 0 -> GPUs 1-3. Each
@@ -62,6 +63,7 @@ from roll.distributed.model_update.checksum import bucket_checksums  # noqa: E40
 from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links  # noqa: E402
 from roll.distributed.model_update.sender import BucketSender  # noqa: E402
+from roll.models.weights import copy_into  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -514,16 +516,14 @@ def engine_phases(engine: dict, specs: list[LinkSpec], who: int, device, reps: i
     sync(device)
     start = time.perf_counter()
     for meta in metas:
-        for name, tensor in unpack_bucket(meta, buffer):
-            engine[name].copy_(tensor)
+        copy_into(engine, unpack_bucket(meta, buffer))
     sync(device)
     load_s = time.perf_counter() - start
     barrier()  # 3
     receivers = [BucketReceiver(link, device) for link in links]
 
     def load(named):
-        for name, tensor in named:
-            engine[name].copy_(tensor)
+        copy_into(engine, named)
 
     results = None
     for _ in range(reps + 1):
