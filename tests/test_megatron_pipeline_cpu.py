@@ -71,7 +71,7 @@ def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
 
 def test_fused_parameter_split_across_buckets(example):
     """The pipeline's 1 MB buckets happen to cut between whole fused groups of this model, so cut
-    one by hand: q_proj in one load_weights call, k_proj/v_proj in the next."""
+    one by hand: q_proj in one load_weights call, k_proj/v_proj two calls later."""
     mp.spawn(_split_update_worker, args=(_free_port(), str(example)), nprocs=1, join=True)
 
 
@@ -103,8 +103,16 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
         strategy.initialize()
         new = [(name, tensor + 0.01) for name, tensor in export_hf_weights(strategy.chunks)]
         cut = [name for name, _ in new].index("model.layers.0.self_attn.k_proj.weight")
+        rest = new[cut:]
+        layer0 = [(n, t) for n, t in rest if ".layers.0." in n]
         strategy.load_weights(iter(new[:cut]))
-        strategy.load_weights(iter(new[cut:]))
+        waiting = dict(strategy._loader.source.files)  # q_proj, copied once when it arrived
+        assert "model.layers.0.self_attn.q_proj.weight" in waiting
+        # Another link's bucket in between (a real update loads several links, each on its own
+        # CUDA stream): the held part must not be copied again there, on the other stream.
+        strategy.load_weights(iter([(n, t) for n, t in rest if ".layers.0." not in n]))
+        assert all(strategy._loader.source.files[n] is t for n, t in waiting.items())
+        strategy.load_weights(iter(layer0))
         strategy.finish_model_update(1)
         held = dict(export_hf_weights(strategy.chunks))
         stale = [name for name, tensor in new if not torch.equal(held[name], tensor)]

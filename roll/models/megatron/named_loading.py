@@ -78,14 +78,22 @@ class NamedTensorLoader:
         self.source = _TensorSource()
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write every parameter whose parts have all arrived; returns how many were written."""
+        """Write every parameter whose parts have all arrived; returns how many were written.
+
+        Parts that arrived in this call and still wait for a sibling are copied once, here (the
+        caller reuses the bucket's buffer); parts held from earlier calls are left as they are.
+        Calls may run on different CUDA streams (one per model-update link): a held copy made on
+        one stream and consumed on another is marked in use by the consuming stream before it is
+        dropped, so the allocator cannot hand its memory out before that stream has read it."""
         source, written = self.source, 0
+        arrived: set[str] = set()
         for name, tensor in named_tensors:
             if name not in self.known:
                 raise hf_io.CheckpointError(f"{source.where(name)} is not a {self.info.model_type} weight")
             if name not in self.waiting:
                 continue  # owned by another pipeline stage / expert-parallel rank
             source.files[name] = tensor
+            arrived.add(name)
             for index in sorted(self.waiting[name]):
                 weight, param = self.entries[index]
                 if all(h in source.files for h in weight.hf):
@@ -94,9 +102,9 @@ class NamedTensorLoader:
                     for h in weight.hf:
                         self.waiting[h].discard(index)
             for h in [h for h in source.files if not self.waiting[h]]:
-                del source.files[h]
-        for name, tensor in source.files.items():
-            source.files[name] = tensor.clone()  # held past this call: the buffer will be reused
+                _drop(source.files.pop(h), held=h not in arrived)
+        for name in arrived & set(source.files):
+            source.files[name] = source.files[name].clone()  # held past this call
         return written
 
     def pending(self) -> list[str]:
@@ -112,3 +120,10 @@ class NamedTensorLoader:
                 f"model update ended with {len(pending)} tensor(s) whose fused parameter never got all "
                 f"its parts (first: {pending[0]!r}); that parameter was not written"
             )
+
+
+def _drop(tensor: torch.Tensor, held: bool) -> None:
+    """Forget a part that has been written; a copy held from an earlier call (possibly made on
+    another stream) stays allocated until the current stream's reads of it have run."""
+    if held and tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
