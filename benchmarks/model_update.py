@@ -341,13 +341,13 @@ class Member:
     tp_groups: dict
 
 
-def run_member(rank: int, args: argparse.Namespace, ports: dict) -> None:
+def run_member(rank: int, args: argparse.Namespace, world_port: int) -> None:
     torch.set_num_threads(1)
     cuda, gpus = args.device == "cuda", args.gpus
     device = torch.device("cuda", rank % gpus) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world_port))
     dist.init_process_group("gloo", rank=rank, world_size=2 * gpus, timeout=datetime.timedelta(minutes=10))
     faulthandler.dump_traceback_later(args.watchdog_s, exit=False)  # set-up and bandwidths
     backend = "nccl" if cuda else "gloo"
@@ -367,7 +367,7 @@ def run_member(rank: int, args: argparse.Namespace, ports: dict) -> None:
             # A layout that hangs (a collective some member never joins) prints every thread's
             # stack instead of dying silently at the caller's time limit.
             faulthandler.dump_traceback_later(args.watchdog_s, exit=False)
-            rows.append(run_layout(member, spec, shapes, layout, ports[(model, layout)]))
+            rows.append(run_layout(member, spec, shapes, layout))
             faulthandler.cancel_dump_traceback_later()
             if rank == 0:
                 took = time.perf_counter() - start
@@ -412,9 +412,18 @@ def measure_bandwidths(names: list[str], member: Member, nbytes: int) -> dict[st
     return {name: value for name, value in measured.items() if value is not None}
 
 
-def run_layout(member: Member, spec: ModelSpec, shapes: dict, name: str, ports: list[int]) -> dict:
+def link_ports(trainers: tuple[int, ...], rank: int) -> list[int]:
+    """Each trainer rank's store port for this layout, picked by that rank just before its links
+    start (ports picked at launch were sometimes taken by the time a late layout ran)."""
+    ports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ports, free_ports(1)[0] if rank in trainers else None)
+    return [ports[t] for t in trainers]
+
+
+def run_layout(member: Member, spec: ModelSpec, shapes: dict, name: str) -> dict:
     layout, rank, device = LAYOUTS[name], member.rank, member.device
     trainers, engines = layout.trainer_gpus, layout.engines(member.gpus)
+    ports = link_ports(trainers, rank)
     tp = len(trainers)
     bucket_bytes = align(member.args.bucket_mb << 20)
     receivers = tuple(range(len(engines)))
@@ -622,7 +631,7 @@ def check_bit_identity(senders: list[dict], engines: list[dict], model: str, lay
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (each link's store and the world's get their own)."""
+    """``count`` distinct free ports on this host."""
     ports: list[int] = []
     while len(ports) < count:
         with socket.socket() as sock:
@@ -668,12 +677,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    keys = [(model, name) for model in args.models.split(",") for name in args.layouts.split(",")]
-    pool = iter(free_ports(1 + sum(len(LAYOUTS[name].trainer_gpus) for _, name in keys)))
-    ports: dict = {"world": next(pool)}
-    for model, name in keys:  # one store port per link (trainer rank) of each model x layout
-        ports[(model, name)] = [next(pool) for _ in LAYOUTS[name].trainer_gpus]
-    mp.start_processes(run_member, args=(args, ports), nprocs=2 * args.gpus, start_method="spawn")
+    world_port = free_ports(1)[0]
+    mp.start_processes(run_member, args=(args, world_port), nprocs=2 * args.gpus, start_method="spawn")
 
 
 if __name__ == "__main__":
