@@ -13,13 +13,14 @@ Two ranks (gloo, fp32, the CPU shims), a tiny 4-layer Qwen2 (weight decay on), b
    optimizer state; loading the checkpoint again over that state gives the exact result again.
    This also catches megatron-core 0.16.1 giving every parameter one shared Adam "step" tensor
    on load (torch Adam then counts it once per parameter).
-3. TP=2 and PP=2 (so DP=1) on the same two ranks: ``load_checkpoint`` gives exactly the saved
-   weights, and step 2 (one DP rank with all four micro-batches, split matmuls / stages) matches
-   the uninterrupted run to rounding -- 100x closer than the control, so the Adam state was
-   resharded, not reset.
-   PP=2 x VPP=2 by a round trip (load there, save again, a fresh DP=2 load of that takes step 2
-   bit-identically): interleaved training on the CPU shims diverges from PP / DP in micro-batches
-   >= PP even without a checkpoint (seen here with 0.16.1), so it cannot be the reference.
+3. TP=2, PP=2 and PP=2 x VPP=2 (so DP=1) on the same two ranks: ``load_checkpoint`` gives exactly
+   the saved weights, and step 2 (one DP rank with all four micro-batches, split matmuls / stages)
+   matches the uninterrupted run to rounding -- 100x closer than the control, so the Adam state was
+   resharded, not reset. With four micro-batches the interleaved schedule reaches its steady state,
+   where two stages exchange an activation and a gradient in one call (it trained on swapped
+   tensors with megatron's batched point-to-point ops; ``batch_p2p_comm`` is off for PP=2 x VPP).
+   PP=2 x VPP=2 also by a round trip (load there, save again, a fresh DP=2 load of that takes step 2
+   bit-identically).
 4. 1 and 2 without the distributed optimizer (the default), through the same save / load code.
 5. A tiny Qwen3-MoE at EP=2 x DP=2 (dense + expert optimizers chained): 1 and 2; an EP=1 layout
    refuses that checkpoint with a clear error (megatron's optimizer split depends on EP > 1).
@@ -233,11 +234,8 @@ def _dense_checks(path: str, scratch: str) -> list[str]:
     ckpt = str(Path(scratch, "distopt"))
     ref = _uninterrupted(path, ckpt, batches, DP2)
     control = _resume_same_layout(path, ckpt, batches, ref, DP2, bad)
-    resharded = {
-        n: _resume_resharded(path, ckpt, batches, ref, lay, bad) for n, lay in (("TP=2", TP2), ("PP=2", PP2))
-    }
-    # Interleaved (VPP) training on the CPU shims diverges from PP / DP in micro-batches >= PP
-    # (with or without a checkpoint), so VPP is checked by a round trip instead of a step.
+    layouts = (("TP=2", TP2), ("PP=2", PP2), ("PP=2 x VPP=2", VPP2))
+    resharded = {n: _resume_resharded(path, ckpt, batches, ref, lay, bad) for n, lay in layouts}
     _round_trip(path, ckpt, batches, ref, VPP2, bad)
     plain, plain_bad = str(Path(scratch, "plain")), []
     plain_ref = _uninterrupted(path, plain, batches, PLAIN_DP2)

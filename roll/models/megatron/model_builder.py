@@ -42,6 +42,12 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
         "recompute_num_layers": cfg.recompute_num_layers,
         "account_for_embedding_in_pipeline_split": cfg.account_for_embedding_in_pipeline_split,
         "account_for_loss_in_pipeline_split": cfg.account_for_loss_in_pipeline_split,
+        # With two pipeline stages the previous and the next stage are the same rank, and the
+        # interleaved schedule's steady state sends an activation and a gradient of the same shape
+        # to it in one batched call: batched point-to-point ops pair sends and receives per peer in
+        # issue order, which swaps the two (micro-batches past the first PP ones trained on
+        # gradients as activations). The unbatched path orders them by rank parity.
+        "batch_p2p_comm": not (cfg.pipeline_model_parallel_size == 2 and vpp is not None and vpp > 1),
     }
     if moe:
         kwargs.update(
