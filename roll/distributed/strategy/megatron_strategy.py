@@ -21,7 +21,6 @@ by 1 / len(micro_batches) and DDP averages across DP. Then gradients are clipped
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,7 @@ from roll.configs.role import RoleConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import LossFn, SamplingParams, WorkerContext
 from roll.models.logprobs import batch_temperature
-from roll.models.megatron import parallel
+from roll.models.megatron import dist_checkpoint, parallel
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
@@ -50,24 +49,6 @@ from roll.models.megatron.runtime import (
     megatron_config,
 )
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
-
-_CKPT_SUBDIR = "megatron"
-# How megatron-core (0.16.1) shards a checkpoint; save and load must agree, so it is also stored in
-# the checkpoint. "fully_reshardable": the distributed optimizer's flat DP shards are gathered and
-# saved like a plain optimizer's state, one tensor per parameter, keyed and TP/PP-sharded like the
-# parameter itself, so the checkpoint loads into any TP / PP / VPP / DP layout. Its default,
-# "fully_sharded_model_space", is refused by 0.16.1's dist-checkpointing once DP > 1
-# ("ShardedTensor.flattened_range is not supported"); "dp_reshardable" saves flat buffers that
-# only reload with the same TP / PP layout. "chained_optim_avoid_prefix": the state of a
-# ChainedOptimizer's members (dense + expert optimizers of an MoE) is keyed by parameter alone,
-# not by member index. No key here depends on the layout (a load adds its own "dp_cp_group").
-# Cost of "fully_reshardable": while saving and loading, every DP rank holds its model shard's
-# whole optimizer state (fp32 param + two Adam moments, 12 bytes per parameter) in host memory.
-_CKPT_METADATA = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "chained_optim_avoid_prefix": True,
-    "singleton_local_shards": False,
-}
 
 
 class MegatronTrainStrategy:
@@ -235,114 +216,17 @@ class MegatronTrainStrategy:
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer (+ step) as a megatron dist checkpoint under ``path/megatron``: sharded
-        by global parameter, so it loads into any TP / PP / VPP / DP layout.
-
-        The distributed optimizer's state is saved "fully_reshardable" (see ``_CKPT_METADATA``),
-        and that choice is stored in the checkpoint (megatron's ``content_metadata``)."""
-        from megatron.core import dist_checkpointing
-
+        by global parameter, so it loads into any TP / PP / VPP / DP layout (see
+        ``roll.models.megatron.dist_checkpoint``)."""
         self.offloader.ensure_loaded()
         self._finish_param_gather()  # the model part of the checkpoint is read from the params
-        target = os.path.join(path, _CKPT_SUBDIR)
-        os.makedirs(target, exist_ok=True)
-        state = self._sharded_state_dict(is_loading=False, metadata=dict(_CKPT_METADATA))
-        dist_checkpointing.save(state, target, content_metadata=dict(_CKPT_METADATA))
+        dist_checkpoint.save(self.model, self.optimizer, self.step_count, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote into this strategy's layout (any TP / PP / VPP /
         DP): weights, optimizer state (main params, Adam moments, step) and ``step_count``."""
-        from megatron.core import dist_checkpointing
-
         self.offloader.ensure_loaded()
-        target = os.path.join(path, _CKPT_SUBDIR)
-        if not os.path.isdir(target):
-            raise FileNotFoundError(f"{target}: no megatron checkpoint (save_checkpoint writes one here)")
-        _check_optimizer_count(dist_checkpointing.load_common_state_dict(target)["optimizer"], self.optimizer)
-        _allocate_optimizer_state(self.optimizer)
-        template = self._sharded_state_dict(is_loading=True, metadata=dict(_CKPT_METADATA))
-        state = dist_checkpointing.load(template, target)
-        for i, chunk in enumerate(self.model):
-            chunk.module.load_state_dict(state[f"model{i}"], strict=True)
-        _load_optimizer_state(self.optimizer, state["optimizer"])
-        self.step_count = int(state["step_count"])
-
-    def _sharded_state_dict(self, is_loading: bool, metadata: dict[str, Any]) -> dict[str, Any]:
-        """What is saved and what a load fills in; both must be built with the same ``metadata``
-        (it picks the optimizer's sharding, hence the checkpoint's keys). The model gets it too, as
-        megatron's own checkpointing passes it (its layers read "dp_cp_group", which megatron adds
-        to the dict in place -- hence a fresh copy per call -- and TE layers read
-        "singleton_local_shards"), so the optimizer's tensors mirror the model's keys."""
-        state: dict[str, Any] = {
-            f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(self.model)
-        }
-        state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata=metadata
-        )
-        state["step_count"] = self.step_count
-        return state
-
-
-def _optimizer_members(optimizer: Any) -> list[Any]:
-    """The megatron optimizers a ChainedOptimizer holds (dense, expert), or just ``optimizer``."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _check_optimizer_count(saved: Any, optimizer: Any) -> None:
-    """The checkpoint's optimizers (a ChainedOptimizer saves {0: dense, 1: expert}) must be this
-    layout's: megatron keeps experts in their own optimizer only when expert_model_parallel_size
-    > 1, with param groups told apart by that flag, so EP=1 <-> EP>1 cannot load."""
-    count = len(saved) if saved and all(isinstance(k, int) for k in saved) else 1
-    members = len(_optimizer_members(optimizer))
-    if count != members:
-        raise ValueError(
-            f"the checkpoint holds {count} optimizer(s) (dense / expert), this layout has {members}: "
-            "a checkpoint saved with expert_model_parallel_size > 1 loads only with EP > 1, and one "
-            "saved with EP = 1 only with EP = 1"
-        )
-
-
-def _allocate_optimizer_state(optimizer: Any) -> None:
-    """Give a distributed optimizer that never stepped its Adam state before a checkpoint load.
-
-    With megatron's torch-Adam fallback (no TE / apex) ``DistributedOptimizer.state_dict()``
-    asserts on the missing per-parameter "step", so the loading template cannot be built.
-    Megatron's own helper allocates the state with one zero-gradient step; what that step writes
-    (weight decay on the main params) is overwritten by the load.
-    """
-    for opt in _optimizer_members(optimizer):
-        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
-def _load_optimizer_state(optimizer: Any, state: Any) -> None:
-    """``optimizer.load_state_dict(state)`` for a "fully_reshardable" checkpoint, in two parts.
-
-    Two bugs of megatron-core 0.16.1's distributed optimizer with torch Adam (no TE / apex):
-    ``load_parameter_state_from_fully_reshardable`` copies every key of a parameter's Adam state,
-    "step" included, from checkpoint entries that hold no "step" (it comes from the param groups)
-    -> KeyError; and ``load_state_dict`` gives every parameter the SAME "step" tensor, which torch
-    Adam then increments once per parameter each step (wrong bias correction from the first step
-    after a resume). So the param groups (and step) load first, with the parameter state held
-    back; then the parameter state loads with each "step" set aside, and each parameter gets its
-    own copy back. With TE / apex Adam (no "step" in the state) nothing is set aside; optimizers
-    without a distributed parameter state load whole.
-    """
-    members = _optimizer_members(optimizer)
-    parts = [state] if len(members) == 1 else [state[k] for k in sorted(state)]
-    held = [part.pop("param_state", None) for part in parts]
-    for part in parts:
-        part.pop("param_state_sharding_type", None)
-    optimizer.load_state_dict(state)
-    for opt, param_state in zip(members, held):
-        if param_state is None:
-            continue
-        adam = opt.optimizer.state
-        steps = {p: adam[p].pop("step") for p in list(adam) if "step" in adam[p]}
-        try:
-            opt.load_parameter_state_from_fully_reshardable(param_state)
-        finally:
-            for p, step in steps.items():
-                adam[p]["step"] = step.clone()
+        self.step_count = dist_checkpoint.load(self.model, self.optimizer, path)
 
 
 def _constant(role_config: RoleConfig) -> bool:

@@ -1,0 +1,137 @@
+"""megatron_train's dist checkpoint: model chunks + optimizer (+ step count) under ``path/megatron``.
+
+Sharded by global parameter, so a checkpoint loads into any TP / PP / VPP / DP layout:
+
+>>> save(strategy.model, strategy.optimizer, strategy.step_count, "ckpt/step_10")
+>>> strategy.step_count = load(strategy.model, strategy.optimizer, "ckpt/step_10")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+SUBDIR = "megatron"
+# How megatron-core (0.16.1) shards a checkpoint; save and load must agree, so it is also stored in
+# the checkpoint. "fully_reshardable": the distributed optimizer's flat DP shards are gathered and
+# saved like a plain optimizer's state, one tensor per parameter, keyed and TP/PP-sharded like the
+# parameter itself, so the checkpoint loads into any TP / PP / VPP / DP layout. Its default,
+# "fully_sharded_model_space", is refused by 0.16.1's dist-checkpointing once DP > 1
+# ("ShardedTensor.flattened_range is not supported"); "dp_reshardable" saves flat buffers that
+# only reload with the same TP / PP layout. "chained_optim_avoid_prefix": the state of a
+# ChainedOptimizer's members (dense + expert optimizers of an MoE) is keyed by parameter alone,
+# not by member index. No key here depends on the layout (a load adds its own "dp_cp_group").
+# Cost of "fully_reshardable": while saving and loading, every DP rank holds its model shard's
+# whole optimizer state (fp32 param + two Adam moments, 12 bytes per parameter) in host memory.
+METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+    "singleton_local_shards": False,
+}
+
+
+def save(model: list[Any], optimizer: Any, step_count: int, path: str) -> None:
+    """Write the checkpoint under ``path/megatron``; collective over every rank of the role. The
+    "fully_reshardable" choice is stored in the checkpoint (megatron's ``content_metadata``)."""
+    from megatron.core import dist_checkpointing
+
+    target = os.path.join(path, SUBDIR)
+    os.makedirs(target, exist_ok=True)
+    state = _sharded_state_dict(model, optimizer, step_count, is_loading=False, metadata=dict(METADATA))
+    dist_checkpointing.save(state, target, content_metadata=dict(METADATA))
+
+
+def load(model: list[Any], optimizer: Any, path: str) -> int:
+    """Fill ``model`` and ``optimizer`` from ``path/megatron`` (any layout); returns the step count."""
+    from megatron.core import dist_checkpointing
+
+    target = os.path.join(path, SUBDIR)
+    if not os.path.isdir(target):
+        raise FileNotFoundError(f"{target}: no megatron checkpoint (save_checkpoint writes one here)")
+    _check_optimizer_count(dist_checkpointing.load_common_state_dict(target)["optimizer"], optimizer)
+    _allocate_optimizer_state(optimizer)
+    template = _sharded_state_dict(model, optimizer, 0, is_loading=True, metadata=dict(METADATA))
+    state = dist_checkpointing.load(template, target)
+    for i, chunk in enumerate(model):
+        chunk.module.load_state_dict(state[f"model{i}"], strict=True)
+    _load_optimizer_state(optimizer, state["optimizer"])
+    return int(state["step_count"])
+
+
+def _sharded_state_dict(
+    model: list[Any], optimizer: Any, step_count: int, is_loading: bool, metadata: dict[str, Any]
+) -> dict[str, Any]:
+    """What is saved and what a load fills in; both must be built with the same ``metadata``
+    (it picks the optimizer's sharding, hence the checkpoint's keys). The model gets it too, as
+    megatron's own checkpointing passes it (its layers read "dp_cp_group", which megatron adds
+    to the dict in place -- hence a fresh copy per call -- and TE layers read
+    "singleton_local_shards"), so the optimizer's tensors mirror the model's keys."""
+    state: dict[str, Any] = {
+        f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(model)
+    }
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+    state["step_count"] = step_count
+    return state
+
+
+def _optimizer_members(optimizer: Any) -> list[Any]:
+    """The megatron optimizers a ChainedOptimizer holds (dense, expert), or just ``optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _check_optimizer_count(saved: Any, optimizer: Any) -> None:
+    """The checkpoint's optimizers (a ChainedOptimizer saves {0: dense, 1: expert}) must be this
+    layout's: megatron keeps experts in their own optimizer only when expert_model_parallel_size
+    > 1, with param groups told apart by that flag, so EP=1 <-> EP>1 cannot load."""
+    count = len(saved) if saved and all(isinstance(k, int) for k in saved) else 1
+    members = len(_optimizer_members(optimizer))
+    if count != members:
+        raise ValueError(
+            f"the checkpoint holds {count} optimizer(s) (dense / expert), this layout has {members}: "
+            "a checkpoint saved with expert_model_parallel_size > 1 loads only with EP > 1, and one "
+            "saved with EP = 1 only with EP = 1"
+        )
+
+
+def _allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a distributed optimizer that never stepped its Adam state before a checkpoint load.
+
+    With megatron's torch-Adam fallback (no TE / apex) ``DistributedOptimizer.state_dict()``
+    asserts on the missing per-parameter "step", so the loading template cannot be built.
+    Megatron's own helper allocates the state with one zero-gradient step; what that step writes
+    (weight decay on the main params) is overwritten by the load.
+    """
+    for opt in _optimizer_members(optimizer):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict(state)`` for a "fully_reshardable" checkpoint, in two parts.
+
+    Two bugs of megatron-core 0.16.1's distributed optimizer with torch Adam (no TE / apex):
+    ``load_parameter_state_from_fully_reshardable`` copies every key of a parameter's Adam state,
+    "step" included, from checkpoint entries that hold no "step" (it comes from the param groups)
+    -> KeyError; and ``load_state_dict`` gives every parameter the SAME "step" tensor, which torch
+    Adam then increments once per parameter each step (wrong bias correction from the first step
+    after a resume). So the param groups (and step) load first, with the parameter state held
+    back; then the parameter state loads with each "step" set aside, and each parameter gets its
+    own copy back. With TE / apex Adam (no "step" in the state) nothing is set aside; optimizers
+    without a distributed parameter state load whole.
+    """
+    members = _optimizer_members(optimizer)
+    parts = [state] if len(members) == 1 else [state[k] for k in sorted(state)]
+    held = [part.pop("param_state", None) for part in parts]
+    for part in parts:
+        part.pop("param_state_sharding_type", None)
+    optimizer.load_state_dict(state)
+    for opt, param_state in zip(members, held):
+        if param_state is None:
+            continue
+        adam = opt.optimizer.state
+        steps = {p: adam[p].pop("step") for p in list(adam) if "step" in adam[p]}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                adam[p]["step"] = step.clone()
