@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -38,8 +37,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -50,11 +47,9 @@ pytest.importorskip("megatron.core")
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
+from two_rank_training import pg_batch, pg_loss, raw_params, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
-from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import WorkerContext  # noqa: E402
-from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron.hf_io import export_hf_weights, unwrap  # noqa: E402
 
 DP2 = {"use_distributed_optimizer": True}
@@ -66,73 +61,18 @@ EP2 = {"use_distributed_optimizer": True, "expert_model_parallel_size": 2}
 EP1 = {"use_distributed_optimizer": True}
 
 
-def _save_model(path: Path) -> str:
-    config = transformers.Qwen2Config(
-        vocab_size=272,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,  # PP=2 x VPP=2: one layer per chunk
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
-    model.save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return str(path)
-
-
-def _batch(seed: int, rows: int = 4) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, 259, (rows, 6), generator=gen)
-    batch = Batch.from_dict({"prompts": prompts, "prompt_mask": torch.ones_like(prompts)})
-    responses = [torch.randint(3, 259, (8 - i % 3,), generator=gen).tolist() for i in range(rows)]
-    out = build_generation_batch(batch, responses, None, 1, 0, 8, temperature=1.0)
-    out.tensors["advantages"] = torch.randn(rows, 8, generator=gen)
-    return out
-
-
-def _loss_fn(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-    mask = batch["response_mask"].float()
-    return -(outputs["log_probs"] * batch["advantages"] * mask).sum() / mask.sum(), {}
-
-
 def _strategy(path: str, layout: dict):
-    from roll.distributed.strategy.registry import load_strategy_class
-
-    role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=path, dtype="fp32"),
-        # weight decay: the zero-gradient step that allocates a fresh optimizer's state moves params
-        training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0, weight_decay=0.1),
-        strategy_args=StrategyArgs("megatron_train", dict(layout)),
-        infer_batch_size=2,
-    )
-    rank = dist.get_rank()
-    ctx = WorkerContext("actor", rank, dist.get_world_size(), rank, torch.device("cpu"), seed=7)
-    strategy = load_strategy_class("megatron_train")(role, ctx)
-    strategy.initialize()
-    compat.seed(7)
-    return strategy
+    # weight decay: the zero-gradient step that allocates a fresh optimizer's state moves params
+    return train_strategy(path, layout, weight_decay=0.1)
 
 
 def _step(strategy, batch: Batch) -> float:
     """One optimizer step on this DP rank's rows, one row per micro-batch; the loss over all DP."""
     dp_rank, dp_size, _ = strategy.dp_layout()
     mine = batch.chunk(dp_size)[dp_rank]
-    loss = torch.tensor(strategy.train_step(mine.split(1), _loss_fn)["loss"], dtype=torch.float64)
+    loss = torch.tensor(strategy.train_step(mine.split(1), pg_loss)["loss"], dtype=torch.float64)
     dist.all_reduce(loss)
     return float(loss) / dist.get_world_size()
-
-
-def _raw(strategy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in unwrap(strategy.model[0]).named_parameters()}
 
 
 def _hf(strategy) -> dict[str, torch.Tensor]:
@@ -153,10 +93,10 @@ def _unequal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str
 def _uninterrupted(path: str, ckpt: str, batches: list[Batch], layout: dict) -> dict:
     strategy = _strategy(path, layout)
     _step(strategy, batches[0])
-    saved = {"hf": _hf(strategy), "raw": _raw(strategy)}
+    saved = {"hf": _hf(strategy), "raw": raw_params(strategy)}
     strategy.save_checkpoint(ckpt)
     loss = _step(strategy, batches[1])
-    return {"saved": saved, "loss2": loss, "raw2": _raw(strategy), "hf2": _hf(strategy)}
+    return {"saved": saved, "loss2": loss, "raw2": raw_params(strategy), "hf2": _hf(strategy)}
 
 
 def _resume_same_layout(
@@ -167,20 +107,20 @@ def _resume_same_layout(
     strategy.load_checkpoint(ckpt)
     if strategy.step_count != 1:
         bad.append(f"step_count after load: {strategy.step_count}")
-    bad += [f"loaded weight: {n}" for n in _unequal(_raw(strategy), ref["saved"]["raw"])]
+    bad += [f"loaded weight: {n}" for n in _unequal(raw_params(strategy), ref["saved"]["raw"])]
     loss = _step(strategy, batches[1])
     if loss != ref["loss2"]:
         bad.append(f"resumed loss {loss!r} != uninterrupted {ref['loss2']!r}")
-    bad += [f"resumed step 2: {n}" for n in _unequal(_raw(strategy), ref["raw2"])]
+    bad += [f"resumed step 2: {n}" for n in _unequal(raw_params(strategy), ref["raw2"])]
     # Control: the step-1 weights alone, with this strategy's (two-step) Adam state.
     strategy.load_weights(iter(ref["saved"]["hf"].items()))
     strategy.finish_model_update(1)
     _step(strategy, batches[1])
-    control = _max_diff(_raw(strategy), ref["raw2"])
+    control = _max_diff(raw_params(strategy), ref["raw2"])
     # Loading over an existing optimizer state replaces it.
     strategy.load_checkpoint(ckpt)
     _step(strategy, batches[1])
-    bad += [f"reloaded step 2: {n}" for n in _unequal(_raw(strategy), ref["raw2"])]
+    bad += [f"reloaded step 2: {n}" for n in _unequal(raw_params(strategy), ref["raw2"])]
     return control
 
 
@@ -226,11 +166,11 @@ def _round_trip(path: str, ckpt: str, batches: list[Batch], ref: dict, layout: d
     loss = _step(strategy, batches[1])
     if loss != ref["loss2"]:
         bad.append(f"via {name}: resumed loss {loss!r} != uninterrupted {ref['loss2']!r}")
-    bad += [f"via {name}: resumed step 2: {n}" for n in _unequal(_raw(strategy), ref["raw2"])]
+    bad += [f"via {name}: resumed step 2: {n}" for n in _unequal(raw_params(strategy), ref["raw2"])]
 
 
 def _dense_checks(path: str, scratch: str) -> list[str]:
-    batches, bad = [_batch(0), _batch(1)], []
+    batches, bad = [pg_batch(0), pg_batch(1)], []
     ckpt = str(Path(scratch, "distopt"))
     ref = _uninterrupted(path, ckpt, batches, DP2)
     control = _resume_same_layout(path, ckpt, batches, ref, DP2, bad)
@@ -256,7 +196,7 @@ def _moe_checks(path: str, scratch: str) -> list[str]:
     """EP=2 x DP=2: experts get their own distributed optimizer (a ChainedOptimizer of two, the
     expert one over an expert-DP group of 1). Resume exactly; an EP=1 layout (one optimizer)
     refuses the checkpoint with a clear error instead of failing inside megatron."""
-    batches, bad = [_batch(0), _batch(1)], []
+    batches, bad = [pg_batch(0), pg_batch(1)], []
     ckpt = str(Path(scratch, "moe"))
     ref = _uninterrupted(path, ckpt, batches, EP2)
     control = _resume_same_layout(path, ckpt, batches, ref, EP2, bad)
@@ -288,23 +228,14 @@ def _worker(rank: int, port: int, checks: str, path: str, scratch: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(checks: str, path: str, scratch: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), checks, path, str(scratch)), nprocs=2, join=True)
-    bad = [
-        f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
-    ]
+    bad = run_two_ranks(_worker, (checks, path, str(scratch)), scratch)
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_distributed_optimizer_checkpoint_resumes_and_reshards(tmp_path: Path) -> None:
-    _run("dense", _save_model(tmp_path / "model"), tmp_path)
+    _run("dense", save_tiny_qwen2(tmp_path / "model", layers=4), tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")

@@ -1,0 +1,103 @@
+"""What the two-rank megatron_train CPU tests share: a tiny untied Qwen2 checkpoint, a fixed
+policy-gradient batch and loss, a strategy built for a layout, and a two-process gloo run whose
+ranks report problems as lines of text (empty = none).
+
+>>> path = save_tiny_qwen2(tmp_path / "model", layers=4)
+>>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, port, *args)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import compat  # noqa: E402
+from tiny_models import build_tiny_tokenizer  # noqa: E402
+
+from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
+from roll.distributed.model_update.process_group import free_port  # noqa: E402
+from roll.distributed.scheduler.batch import Batch  # noqa: E402
+from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
+from roll.models.megatron.hf_io import unwrap  # noqa: E402
+
+
+def save_tiny_qwen2(path: Path, layers: int) -> str:
+    """An untied fp32 Qwen2 (hidden 32, vocab 272) with spread-out weights, plus a tokenizer."""
+    config = transformers.Qwen2Config(
+        vocab_size=272,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def pg_batch(seed: int, rows: int = 4) -> Batch:
+    """``rows`` random prompts and responses (8 columns, ragged) with random advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 259, (rows, 6), generator=gen)
+    batch = Batch.from_dict({"prompts": prompts, "prompt_mask": torch.ones_like(prompts)})
+    responses = [torch.randint(3, 259, (8 - i % 3,), generator=gen).tolist() for i in range(rows)]
+    out = build_generation_batch(batch, responses, None, 1, 0, 8, temperature=1.0)
+    out.tensors["advantages"] = torch.randn(rows, 8, generator=gen)
+    return out
+
+
+def pg_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    mask = batch["response_mask"].float()
+    return -(outputs["log_probs"] * batch["advantages"] * mask).sum() / mask.sum(), {}
+
+
+def train_strategy(path: str, layout: dict, weight_decay: float = 0.0):
+    """megatron_train (fp32, lr 1e-2, clip 1.0) on this process's rank of the default group."""
+    from roll.distributed.strategy.registry import load_strategy_class
+
+    role = RoleConfig(
+        model_args=ModelArgs(model_name_or_path=path, dtype="fp32"),
+        training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0, weight_decay=weight_decay),
+        strategy_args=StrategyArgs("megatron_train", dict(layout)),
+        infer_batch_size=2,
+    )
+    rank = dist.get_rank()
+    ctx = WorkerContext("actor", rank, dist.get_world_size(), rank, torch.device("cpu"), seed=7)
+    strategy = load_strategy_class("megatron_train")(role, ctx)
+    strategy.initialize()
+    compat.seed(7)
+    return strategy
+
+
+def raw_params(strategy) -> dict[str, torch.Tensor]:
+    """This rank's megatron parameters of the first chunk, copied."""
+    return {n: p.detach().clone() for n, p in unwrap(strategy.model[0]).named_parameters()}
+
+
+def run_two_ranks(worker: Callable, args: tuple, scratch: Path) -> list[str]:
+    """Spawn ``worker(rank, port, *args)`` on two processes; each writes its problems, one per line,
+    to ``scratch/rank{r}.txt``. Returns them prefixed with the rank."""
+    mp.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
+    return [
+        f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
+    ]
