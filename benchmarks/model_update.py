@@ -323,9 +323,10 @@ def group_src(group, rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group)
 
 
-def barrier_group(group, device) -> None:
+def synced_barrier(device) -> None:
+    """The device's queued work done, then a world (gloo) barrier."""
     sync(device)
-    dist.barrier(group=group)
+    barrier()
 
 
 # ---------------------------------------------------------------------------------- members
@@ -476,7 +477,7 @@ def trainer_phases(trainer: ShardedTrainer, spec: LinkSpec, bucket_bytes: int, d
     if link.data is not None and sizes:
         flat = torch.empty(max(sizes), dtype=torch.uint8, device=device)
         link.data.send(flat[: sizes[0]]).wait()  # warm-up: the NCCL communicator starts here
-        barrier_group(None, device)  # 2
+        synced_barrier(device)  # 2
         start = time.perf_counter()
         for n in sizes:
             link.data.send(flat[:n]).wait()
@@ -488,10 +489,10 @@ def trainer_phases(trainer: ShardedTrainer, spec: LinkSpec, bucket_bytes: int, d
     sender = BucketSender(link, device, bucket_bytes)
     times, sent = [], None
     for _ in range(reps + 1):  # the first opens IPC handles and NCCL communicators
-        barrier_group(None, device)
+        synced_barrier(device)
         start = time.perf_counter()
         sent = sender.send(trainer.iter_hf_weights(), version=1)
-        barrier_group(None, device)
+        synced_barrier(device)
         times.append(time.perf_counter() - start)
     return out | {
         "wire_s": wire_s,
@@ -518,7 +519,7 @@ def engine_phases(engine: dict, specs: list[LinkSpec], who: int, device, reps: i
     remote = [(link, m) for link, m in zip(links, per_link) if link.data is not None and m]
     for link, link_metas in remote:
         link.data.recv(buffer[: link_metas[0].nbytes]).wait()  # warm-up
-    barrier_group(None, device)  # 2
+    synced_barrier(device)  # 2
     for link, link_metas in remote:  # the wire phase (timed on the sender)
         for meta in link_metas:
             link.data.recv(buffer[: meta.nbytes]).wait()
@@ -536,9 +537,9 @@ def engine_phases(engine: dict, specs: list[LinkSpec], who: int, device, reps: i
 
     results = None
     for _ in range(reps + 1):
-        barrier_group(None, device)
+        synced_barrier(device)
         results = receive_links(receivers, load, version=1)
-        barrier_group(None, device)
+        synced_barrier(device)
     return {
         "load_s": load_s,
         "links": [(r.names, r.checksums) for r in results],

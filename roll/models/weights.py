@@ -1,6 +1,6 @@
 """Copy full, HF-named tensors into a model's parameters in place (the receiving end of a model update).
 
->>> copy_named_tensors(model, trainer.iter_hf_weights())     # any subset, any dtype or device
+>>> copy_into(model.state_dict(keep_vars=True), trainer.iter_hf_weights())   # any subset, dtype, device
 """
 
 from __future__ import annotations
@@ -11,21 +11,13 @@ import torch
 from torch import nn
 
 
-def copy_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """``param.copy_(tensor)`` for each (name, tensor), cast to the parameter's dtype and device.
-
-    Names are ``model.state_dict()`` keys (tied weights may come under either name). Raises a
-    KeyError naming an unknown tensor and a ValueError naming a shape mismatch before anything is
-    copied. Returns how many tensors were copied.
-    """
-    return copy_into(model.state_dict(keep_vars=True), named_tensors)
-
-
 def copy_into(targets: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """``copy_named_tensors`` into a name -> tensor table (a model's ``state_dict(keep_vars=True)``,
-    which a caller loading many buckets builds once). The copies go out as one multi-tensor launch
-    per call (``torch._foreach_copy_``) instead of one kernel per tensor: a MoE model's update has
-    thousands of small expert tensors."""
+    """``target.copy_(tensor)`` for each (name, tensor) of a name -> tensor table (a model's
+    ``state_dict(keep_vars=True)``, which a caller loading many buckets builds once; tied weights may
+    come under either name), cast to the target's dtype and device. A KeyError names an unknown
+    tensor and a ValueError a shape mismatch before anything is copied. Returns how many were
+    copied. The copies go out as one multi-tensor launch per call (``torch._foreach_copy_``), not
+    one kernel per tensor: a MoE model's update has thousands of small expert tensors."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     for name, tensor in named_tensors:
