@@ -29,6 +29,9 @@ class StrategySpec:
     extra: str | None = None
     # Python modules the strategy needs; a missing one becomes a ConfigError naming ``extra``.
     requires: tuple[str, ...] = ()
+    # Whether the role's workers join one torch.distributed default group. Engines that build their
+    # own in the worker process (vLLM's in-process executor) must find none there.
+    role_process_group: bool = True
 
 
 _S = "roll.distributed.strategy"
@@ -54,7 +57,13 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("megatron.core",),
         ),
         StrategySpec(
-            "vllm", f"{_S}.vllm_strategy:VLLMStrategy", VLLMConfig, "infer", extra="vllm", requires=("vllm",)
+            "vllm",
+            f"{_S}.vllm_strategy:VLLMStrategy",
+            VLLMConfig,
+            "infer",
+            extra="vllm",
+            requires=("vllm",),
+            role_process_group=False,
         ),
         StrategySpec(
             "sglang",
@@ -63,6 +72,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "infer",
             extra="sglang",
             requires=("sglang",),
+            role_process_group=False,
         ),
     )
 }
