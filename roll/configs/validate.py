@@ -148,7 +148,14 @@ def _check_colocation(config: RLVRConfig, plan) -> None:
                 raise ConfigError(
                     f"{name}.strategy_args.strategy_config.sleep_level",
                     f"is 0 but {name} shares devices {list(devices)[:8]} with {trains[0]}; "
-                    "set 1 or 2 so the engine frees its memory while training runs",
+                    "set 1 so the engine frees its memory while training runs",
+                )
+            if strategy == "vllm" and typed.sleep_level == 2 and name == "actor_infer":
+                raise ConfigError(
+                    f"{name}.strategy_args.strategy_config.sleep_level",
+                    f"is 2 but {name} shares devices with {trains[0]}: level 2 drops the weights at every "
+                    "offload, and the pipeline offloads the engine after each model update (before it "
+                    "generates again); set 1 (weights wait in CPU memory)",
                 )
             if strategy == "sglang" and not typed.enable_memory_saver:
                 raise ConfigError(
