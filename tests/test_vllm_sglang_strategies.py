@@ -854,3 +854,37 @@ def test_example_vllm_config_dry_runs_in_a_subprocess():
     )
     assert proc.returncode == 0, proc.stderr
     assert "vllm" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "installed, ok", [("0.24.0", True), ("0.24.3.post1", True), ("0.23.1", False), ("0.25.0", False)]
+)
+def test_wrong_vllm_version_is_a_config_error_before_launch(monkeypatch, installed, ok):
+    import importlib.metadata
+
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: installed if name == "vllm" else real(name)
+    )
+    spec = get_strategy_spec("vllm")
+    if ok:
+        check_engine_version(spec, "actor_infer.strategy_args.strategy_name")
+    else:
+        with pytest.raises(
+            ConfigError, match=rf"actor_infer.strategy_args.strategy_name.*{installed} is installed"
+        ):
+            check_engine_version(spec, "actor_infer.strategy_args.strategy_name")
+
+
+def test_engine_not_installed_where_launched_is_left_to_the_workers(monkeypatch):
+    import importlib.metadata
+
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    check_engine_version(get_strategy_spec("vllm"), "actor_infer.strategy_args.strategy_name")

@@ -28,7 +28,7 @@ def validate_config(config: RLVRConfig) -> None:
 
 
 def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
-    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
 
     is_reward = isinstance(role, RewardConfig)
     if is_reward:
@@ -42,6 +42,7 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     if role.device_mapping is None:
         raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
     spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
+    check_engine_version(spec, f"{name}.strategy_args.strategy_name")
     if name in TRAIN_ROLES and spec.side != "train":
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
