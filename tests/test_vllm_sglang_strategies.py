@@ -825,7 +825,7 @@ def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg,
     assert "actor_infer.strategy_args.strategy_config.block_sise" in capsys.readouterr().err
 
 
-def test_colocated_vllm_sleep_level_2_is_refused_before_launch(tmp_path, capsys):
+def test_colocated_vllm_sleep_level_2_and_full_memory_are_refused_before_launch(tmp_path, capsys):
     """Level 2 drops the weights at every offload, and the pipeline offloads a colocated engine
     after each model update: the next rollout would find no weights."""
     from roll.pipeline.rlvr.launcher import main
@@ -836,6 +836,12 @@ def test_colocated_vllm_sleep_level_2_is_refused_before_launch(tmp_path, capsys)
     assert main(["--config_name", "lvl2", "--config_path", str(tmp_path), "--dry_run"]) == 2
     err = capsys.readouterr().err
     assert "actor_infer.strategy_args.strategy_config.sleep_level" in err and "set 1" in err
+    cfg = "{sleep_level: 1, gpu_memory_utilization: 0.95}"
+    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
+    (tmp_path / "mem.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
+    assert main(["--config_name", "mem", "--config_path", str(tmp_path), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert "actor_infer.strategy_args.strategy_config.gpu_memory_utilization" in err and "at most 0.9" in err
 
 
 def test_example_vllm_config_dry_runs_in_a_subprocess():

@@ -11,6 +11,8 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
 
 TRAIN_ROLES = ("actor_train", "critic")
+# Largest share of a device a vLLM engine may claim next to a training role (see _check_colocation).
+COLOCATED_ENGINE_MEMORY = 0.9
 
 
 def validate_config(config: RLVRConfig) -> None:
@@ -150,6 +152,13 @@ def _check_colocation(config: RLVRConfig, plan) -> None:
                     f"{name}.strategy_args.strategy_config.sleep_level",
                     f"is 0 but {name} shares devices {list(devices)[:8]} with {trains[0]}; "
                     "set 1 so the engine frees its memory while training runs",
+                )
+            if strategy == "vllm" and typed.gpu_memory_utilization > COLOCATED_ENGINE_MEMORY:
+                raise ConfigError(
+                    f"{name}.strategy_args.strategy_config.gpu_memory_utilization",
+                    f"is {typed.gpu_memory_utilization} but {name} shares devices with {trains[0]}, whose "
+                    "CUDA context and parameters stay on the device while the engine is awake (model "
+                    f"update, probe); use at most {COLOCATED_ENGINE_MEMORY}",
                 )
             if strategy == "vllm" and typed.sleep_level == 2 and name == "actor_infer":
                 raise ConfigError(
