@@ -93,7 +93,10 @@ def link_spec(layout: str, port: int) -> LinkSpec:
 
 
 def member(rank: int, args: argparse.Namespace, config_dirs: dict[str, str], ports: dict[str, int], out: str):
-    device = torch.device("cuda", 1 if rank == DISAGG else 0)
+    # One visible GPU per process, as Ray gives each worker: vLLM's in-process executor always takes
+    # the first visible device (the first run of this script let the "disagg" engine land on GPU 0).
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1" if rank == DISAGG else "0"
+    device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     store, ctrl = coordinator(rank, ports["ctrl"])
     bw = measure_bandwidth(rank, store, device) if rank in (TRAINER, DISAGG) else None
@@ -110,6 +113,7 @@ def member(rank: int, args: argparse.Namespace, config_dirs: dict[str, str], por
 
 def measure_bandwidth(rank: int, store, device: torch.device) -> float:
     """GB/s of a 1 GiB NCCL broadcast GPU 0 -> GPU 1 (median of 5, after a warm-up)."""
+    # Each process sees its one GPU as cuda:0 (see ``member``).
     group = new_group("nccl", store, "bench/bw", 0 if rank == TRAINER else 1, 2, TIMEOUT)
     buf = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     times = []
