@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
 
 ADV_ESTIMATORS = ("grpo", "reinforce", "reinforce_plus_plus", "gae")
@@ -93,6 +94,10 @@ class RLVRConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_loss_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
+    # DAPO sampling and train/inference mismatch correction (roll/configs/rl_options.py).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
 
     # Model update (trainer -> inference engines).
     model_update_frequency: int = 1

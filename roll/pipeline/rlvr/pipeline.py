@@ -12,14 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.strategy.base import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.data.sampler import to_batch
 from roll.pipeline.rlvr.perf import memory_metrics, throughput_metrics
+from roll.pipeline.rlvr.rollouts import collect_rollouts
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -37,18 +35,16 @@ def run_pipeline(config: RLVRConfig) -> Path:
             run.tracker.log(stages.run_validation(run, step=0), step=0)
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
-            prompts = sample_prompts(run, step)
             params = SamplingParams.from_generating_args(
                 config.actor_infer.generating_args, seed=config.seed + step
             )
-            with timer("generate"):
-                batch = stages.generate_rollouts(run, prompts, params)
-            with timer("reward"):
-                batch = stages.compute_rewards(run, batch)
+            # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
+            batch, sampling_metrics = collect_rollouts(run, step, params, timer)
             with timer("reference"):
                 batch = stages.compute_reference_log_probs(run, batch)
             with timer("old_log_probs"):
                 batch = stages.compute_old_log_probs(run, batch)
+            batch, off_policy_metrics = stages.compute_off_policy_weights(run, batch)
             with timer("values"):
                 batch = stages.compute_values(run, batch)
             with timer("advantages"):
@@ -57,7 +53,8 @@ def run_pipeline(config: RLVRConfig) -> Path:
                 train_metrics = stages.train_models(run, batch, step)
             with timer("model_update"):
                 update_metrics = update_inference_weights(run, step)
-            metrics = stages.rollout_metrics(run, batch) | adv_metrics | train_metrics | update_metrics
+            metrics = stages.rollout_metrics(run, batch) | sampling_metrics | off_policy_metrics
+            metrics |= adv_metrics | train_metrics | update_metrics
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
@@ -69,12 +66,6 @@ def run_pipeline(config: RLVRConfig) -> Path:
         return run.run_dir
     finally:
         shutdown(run)
-
-
-def sample_prompts(run: RLVRRun, step: int):
-    prompts = to_batch(run.sampler.next_batch(), run.tokenizer.pad_token_id, run.config.prompt_length)
-    prompts.non_tensors["group_id"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
-    return prompts
 
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
@@ -155,7 +146,8 @@ class StageTimer:
         try:
             yield
         finally:
-            self.times[f"time/{name}"] = time.perf_counter() - start
+            key = f"time/{name}"  # a stage timed more than once in a step (sampling rounds) adds up
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         return self.times | {"time/step": sum(self.times.values())}
