@@ -98,6 +98,9 @@ class RLVRConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
+    # 1: generate step k+1 while step k trains (staleness bound 1; disaggregated actor_infer only).
+    # 0: synchronous. See roll/pipeline/rlvr/rollout_source.py.
+    async_generation_ratio: int = 0
 
     # Model update (trainer -> inference engines).
     model_update_frequency: int = 1
@@ -118,6 +121,10 @@ class RLVRConfig:
         for key, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"{key}: expected one of {list(allowed)}, got {value!r}")
+        if self.async_generation_ratio not in (0, 1):
+            raise ValueError(
+                f"async_generation_ratio: 0 (synchronous) or 1 (one step ahead), got {self.async_generation_ratio}"
+            )
         for key in ("rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs", "num_gpus_per_node"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")

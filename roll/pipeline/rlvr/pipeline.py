@@ -7,17 +7,13 @@ run_pipeline(config)
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from roll.configs.pipeline_config import RLVRConfig
-from roll.distributed.strategy.base import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.perf import memory_metrics, throughput_metrics
-from roll.pipeline.rlvr.rollouts import collect_rollouts
+from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, throughput_metrics
+from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -26,20 +22,18 @@ logger = logging.getLogger("roll")
 
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
-    run = None
+    run = rollouts = None
     try:
         run = build_run(config)
         start = resume(run)
         run.tracker = _tracker(run, start)
         if start == 0 and config.eval_steps:
             run.tracker.log(stages.run_validation(run, step=0), step=0)
+        rollouts = RolloutSource(run)  # async_generation_ratio 1: generates one step ahead
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
-            params = SamplingParams.from_generating_args(
-                config.actor_infer.generating_args, seed=config.seed + step
-            )
             # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
-            batch, sampling_metrics = collect_rollouts(run, step, params, timer)
+            batch, sampling_metrics = rollouts.take(step, timer)
             with timer("reference"):
                 batch = stages.compute_reference_log_probs(run, batch)
             with timer("old_log_probs"):
@@ -51,6 +45,8 @@ def run_pipeline(config: RLVRConfig) -> Path:
                 batch, adv_metrics = stages.compute_advantages_stage(run, batch)
             with timer("train"):
                 train_metrics = stages.train_models(run, batch, step)
+            with timer("wait_rollouts"):
+                rollouts.settle()  # async: step + 1 finishes generating before the weights change
             with timer("model_update"):
                 update_metrics = update_inference_weights(run, step)
             metrics = stages.rollout_metrics(run, batch) | sampling_metrics | off_policy_metrics
@@ -61,10 +57,12 @@ def run_pipeline(config: RLVRConfig) -> Path:
             metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
             run.tracker.log(metrics | timer.metrics(), step)
             if config.save_steps and step % config.save_steps == 0:
-                save_step(run, step)
+                save_step(run, step, rollouts.sampler_state())
         finish(run)
         return run.run_dir
     finally:
+        if rollouts is not None:
+            rollouts.close()
         shutdown(run)
 
 
@@ -77,6 +75,7 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
     # its parameters only (when offload_params moved them), and they leave again after the sync.
     with stages.on_devices(run, "actor_infer"):
         metrics = run.model_update.sync(version=step)
+    run.weight_version = step
     if "actor_train" in run.colocated:
         run.clusters["actor_train"].offload_states()
     return metrics
@@ -104,14 +103,17 @@ def resume(run: RLVRRun) -> int:
     return state["step"]
 
 
-def save_step(run: RLVRRun, step: int) -> Path:
+def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Path:
+    """Checkpoint the trainers, ``sampler_state`` (default: the sampler's position now) and the RNG."""
+
     def save_roles(tmp: Path) -> None:
         for role in ("actor_train", "critic"):
             if role in run.clusters:
                 with stages.on_devices(run, role):
                     run.clusters[role].save_checkpoint(str(tmp))
 
-    state = {"step": step, "sampler": run.sampler.state_dict(), "rng": rng_state()}
+    sampler = run.sampler.state_dict() if sampler_state is None else sampler_state
+    state = {"step": step, "sampler": sampler, "rng": rng_state()}
     root = checkpoint_root(run.config)
     path = save_checkpoint(root, step, state, save_roles, run.config.checkpoint_config.max_to_keep)
     logger.info("checkpoint: %s", path)
@@ -132,22 +134,3 @@ def _tracker(run: RLVRRun, start: int):
     from roll.utils.tracking import Tracker
 
     return Tracker(run.config, run.run_dir, resume_step=start)
-
-
-class StageTimer:
-    """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"time/{name}"  # a stage timed more than once in a step (sampling rounds) adds up
-            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return self.times | {"time/step": sum(self.times.values())}

@@ -6,7 +6,9 @@ rounds when ``dynamic_sampling.enabled``, then shaped by the overlong penalty.
 Without dynamic sampling this is one round: sample, generate, reward. With it, every round draws
 ``rollout_batch_size`` new prompts, keeps the groups whose scores differ and stops once
 ``rollout_batch_size`` groups are kept or after ``max_rounds``; a short step is filled with dropped
-groups. Metrics: ``dynamic_sampling/{rounds,groups_drawn,groups_dropped,groups_filled}``,
+groups. Every row records the weight version it was generated with (``weight_version`` [B]).
+Metrics: ``rollout/weight_version``, ``rollout/staleness`` (versions behind step - 1, the synchronous
+case), ``dynamic_sampling/{rounds,groups_drawn,groups_dropped,groups_filled}``,
 ``overlong/{truncated_frac,penalty_mean}``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams
@@ -36,6 +39,7 @@ def collect_rollouts(
 ) -> tuple[Batch, dict[str, float]]:
     """Generate and score ``rollout_batch_size`` prompt groups for ``step`` (see the module doc)."""
     config = run.config
+    version = run.weight_version  # fixed while this runs: weights change only between steps
     sampling = config.dynamic_sampling
     rounds = sampling.max_rounds if sampling.enabled else 1
     n = params.n
@@ -51,8 +55,9 @@ def collect_rollouts(
             batch = stages.generate_rollouts(run, prompts, round_params)
         with timer("reward"):
             batch = stages.compute_rewards(run, batch)
+        batch.tensors["weight_version"] = torch.full((len(batch),), version, dtype=torch.long)
         if not sampling.enabled:
-            return shape_overlong(run, batch, metrics={})
+            return shape_overlong(run, batch, metrics=_version_metrics(step, version))
         keep, drop = informative_groups(batch["scores"], batch["group_id"].tolist())
         kept.append(batch.index(keep))
         dropped.append(batch.index(drop))
@@ -63,7 +68,12 @@ def collect_rollouts(
     metrics["dynamic_sampling/rounds"] = float(round_ + 1)
     batch, filled = _assemble(kept, dropped, config.rollout_batch_size * n)
     metrics["dynamic_sampling/groups_filled"] = filled / n
+    metrics |= _version_metrics(step, version)
     return shape_overlong(run, batch, metrics)
+
+
+def _version_metrics(step: int, version: int) -> dict[str, float]:
+    return {"rollout/weight_version": float(version), "rollout/staleness": float(step - 1 - version)}
 
 
 def _assemble(kept: list[Batch], dropped: list[Batch], rows: int) -> tuple[Batch, int]:
