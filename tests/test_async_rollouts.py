@@ -11,10 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_e2e import config_dict, load, setup, write_data  # noqa: E402, F401
+from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
+from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.validate import validate_config  # noqa: E402
@@ -22,6 +24,17 @@ from roll.distributed.scheduler.batch import Batch  # noqa: E402
 from roll.pipeline.rlvr import rollout_source  # noqa: E402
 from roll.pipeline.rlvr.perf import StageTimer  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("async")
+    model = build_tiny_model_dir(tmp / "model", seed=0)
+    write_data(tmp / "train.jsonl", 8)
+    write_data(tmp / "val.jsonl", 3, offset=50)
+    yield tmp, model
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 class FakeSampler:
@@ -82,7 +95,9 @@ def test_synchronous_source_generates_in_take(monkeypatch):
     run = fake_run(0)
     calls = []
     monkeypatch.setattr(
-        rollout_source, "collect_rollouts", lambda r, s, p, t: calls.append((s, p.seed)) or (Batch.from_dict({}), {})
+        rollout_source,
+        "collect_rollouts",
+        lambda r, s, p, t: calls.append((s, p.seed)) or (Batch.from_dict({}), {}),
     )
     source = rollout_source.RolloutSource(run)
     source.take(1, StageTimer())
@@ -138,5 +153,7 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
             assert key in row and math.isfinite(row[key]), key
         assert row["dynamic_sampling/groups_drawn"] >= 2
     # Step 2's samples come from the weights before step 1's update: the trainer's ratio moved.
-    assert abs(steps[2]["off_policy/ratio_max"] - 1) > 1e-4 or abs(steps[2]["off_policy/ratio_min"] - 1) > 1e-4
+    assert (
+        abs(steps[2]["off_policy/ratio_max"] - 1) > 1e-4 or abs(steps[2]["off_policy/ratio_min"] - 1) > 1e-4
+    )
     assert abs(steps[1]["off_policy/ratio_max"] - 1) < 1e-3  # step 1 is on policy (same weights)
