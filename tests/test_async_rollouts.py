@@ -157,3 +157,14 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
         abs(steps[2]["off_policy/ratio_max"] - 1) > 1e-4 or abs(steps[2]["off_policy/ratio_min"] - 1) > 1e-4
     )
     assert abs(steps[1]["off_policy/ratio_max"] - 1) < 1e-3  # step 1 is on policy (same weights)
+
+
+@pytest.mark.parametrize(
+    "name", ["rlvr_config_async", "rlvr_megatron_2gpus_async", "rlvr_megatron_vllm_2gpus_async"]
+)
+def test_shipped_async_configs_dry_run(name, capsys):
+    from roll.pipeline.rlvr.launcher import main
+
+    repo = Path(__file__).resolve().parents[1]
+    assert main(["--config_name", name, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
+    assert "actor_infer" in capsys.readouterr().out
