@@ -21,6 +21,10 @@ def test_roll_format_file_loads_with_roll_meanings():
     assert cfg.actor_infer.model_args.model_name_or_path == "/models/policy"
     assert cfg.rewards["math_rule"].reward_fn == "math_rule"
     assert cfg.rewards["llm_judge"].reward_fn == "llm_judge"
+    assert cfg.rewards["code_sandbox"].reward_fn == "code_sandbox"
+    assert cfg.rewards["code_sandbox"].reward_kwargs == {"reward_type": "hard"}
+    assert cfg.rewards["crossthinkqa"].reward_fn == "multiple_choice"
+    assert cfg.rewards["ifeval"].reward_kwargs == {"reward_type": "soft"}
     assert cfg.actor_infer.strategy_args.config.tensor_parallel_size == 2  # num_gpus_per_worker
     assert cfg.actor_train.data_args.template == "qwen2_5"  # global_template
     megatron = cfg.actor_train.strategy_args.config
@@ -49,8 +53,7 @@ def test_every_unsupported_key_is_named_in_one_line(capsys):
         "actor_train.pg_variant='topr'",
         "actor_train.use_dynamic_batching_in_train=True",
         "actor_train.strategy_args.strategy_config.fsdp_size=2",
-        "rewards.code_sandbox.use_local=True",
-        "rewards.code_sandbox.worker_cls=CodeSandboxRewardWorker",
+        "rewards.code_sandbox.use_local=False",
     ):
         assert key in err[0], key
     assert "docs/migrating_from_roll.md" in err[0]

@@ -73,8 +73,12 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "rewards.*.judge_model_type": Unsupported(
         "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
     ),
-    "rewards.*.reward_type": Unsupported("remove it; roll's rule rewards have one scoring mode", ()),
-    "rewards.*.use_local": Unsupported("remove it; roll has no code sandbox reward", ()),
+    "rewards.*.reward_type": Unsupported(
+        "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
+    ),
+    "rewards.*.use_local": Unsupported(
+        "remove it or write true; code runs in roll's local sandbox (no remote sandbox service)", (None, True)
+    ),
     "is_num_return_sequences_expand": Unsupported(
         "remove it",
         (None, False, True),  # both spellings sample the group's n responses per prompt
@@ -85,12 +89,15 @@ UNSUPPORTED: dict[str, Unsupported] = {
 }
 
 # ROLL reward worker class name -> roll reward_fn. Classes not listed are refused.
-REWARD_WORKERS = {"MathRuleRewardWorker": "math_rule", "LLMJudgeRewardWorker": "llm_judge"}
-MISSING_REWARD_WORKERS = {
-    "CodeSandboxRewardWorker": "code sandbox",
-    "GeneralRuleRewardWorker": "IFEval",
-    "CrossThinkQARuleRewardWorker": "CrossThinkQA multiple-choice",
+REWARD_WORKERS = {
+    "MathRuleRewardWorker": "math_rule",
+    "LLMJudgeRewardWorker": "llm_judge",
+    "CodeSandboxRewardWorker": "code_sandbox",
+    "GeneralRuleRewardWorker": "ifeval",
+    "CrossThinkQARuleRewardWorker": "multiple_choice",
 }
+# ROLL role keys that become reward_kwargs of the mapped reward function.
+REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
 ACTOR_WORKERS = ("ActorWorker",)
 
 
@@ -110,10 +117,10 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     notes: list[str] = []
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
-    _walk(raw, "", problems, notes)
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
+    _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
             _map_role(raw[role], role, problems, notes)
@@ -137,7 +144,7 @@ def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]
             value = node.pop(key)
             if _accepted(value, rule.accepted):
                 if value is not None:
-                    notes.append(f"{at}: {value!r} is ROLL's default behaviour and roll's; key dropped")
+                    notes.append(f"{at}: {value!r} asks for what roll does anyway; key dropped")
             else:
                 problems.add(f"{at}={value!r}", rule.advice)
         elif isinstance(node[key], dict):
@@ -167,19 +174,18 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
     cls = _class_name(reward.pop("worker_cls"))
     name = REWARD_WORKERS.get(cls)
     if name is None:
-        what = MISSING_REWARD_WORKERS.get(cls)
-        advice = (
-            f"roll has no {what} reward; remove this reward role and its tag's data"
-            if what
-            else f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
+        problems.add(
+            f"{path}.worker_cls={cls}", f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
         )
-        problems.add(f"{path}.worker_cls={cls}", advice)
         return
     if reward.setdefault("reward_fn", name) != name:
         problems.add(
             f"{path}.worker_cls={cls}", f"maps to reward_fn {name} but reward_fn is {reward['reward_fn']}"
         )
     notes.append(f"{path}.worker_cls {cls} -> reward_fn: {name}")
+    for key, rewards in REWARD_KWARGS.items():
+        if key in reward and name in rewards:
+            reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
 
 
 def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
