@@ -45,9 +45,8 @@ def test_every_unsupported_key_is_named_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     for key in (
-        "norm_mean_type='group'",
-        "difficulty_mask=True",
-        "difficulty_low_threshold=0.1",
+        "difficulty_loss_weight=True",
+        "reward_norm='batch'",
         "async_generation_ratio=1",
         "actor_train.worker_cls=ActorPGWorker",
         "actor_train.pg_variant='topr'",
@@ -115,9 +114,9 @@ def test_conflicting_roll_keys_are_refused(raw, words):
 
 def test_roll_keys_at_their_off_value_are_dropped():
     raw = {
-        "max_len_mask": False,
-        "norm_std_type": None,
-        "difficulty_high_threshold": 1.0,
+        "difficulty_loss_weight": False,
+        "reward_norm": None,
+        "async_generation_ratio": 0,
         "pg_variant": "ppo",
     }
     assert translate_roll_keys(raw) == {}

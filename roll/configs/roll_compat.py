@@ -37,23 +37,12 @@ _OFF0 = (None, False, 0, 0.0)
 _NO_PACKING = "remove it; roll pads each micro-batch (no sequence packing or token-budget batching)"
 # Key path patterns ('*' is one role or reward name) -> what a user must do to run without them.
 UNSUPPORTED: dict[str, Unsupported] = {
-    "norm_mean_type": Unsupported("remove it; grpo subtracts the group mean, reinforce uses raw rewards"),
-    "norm_std_type": Unsupported("remove it; use norm_adv_by_std_in_grpo (group std) or whiten_advantages"),
-    "difficulty_mask": Unsupported("remove it (with its thresholds); no prompt filtering by group accuracy"),
-    "difficulty_low_threshold": Unsupported(
-        "remove it; it only applies with difficulty_mask", (None, 0, 0.0)
+    "difficulty_loss_weight": Unsupported(
+        "remove it; roll's data rows carry no per-sample difficulty (length_loss_weight is supported)"
     ),
-    "difficulty_high_threshold": Unsupported(
-        "remove it; it only applies with difficulty_mask", (None, 1, 1.0)
-    ),
-    "max_len_mask": Unsupported("remove it; truncated responses keep their loss"),
-    "error_max_len_clip": Unsupported("remove it; truncated responses keep their reward"),
-    "error_max_len_threshold": Unsupported("remove it; it only applies with error_max_len_clip", (None,)),
-    "length_loss_weight": Unsupported("remove it; samples are weighted by loss_agg_mode only"),
-    "difficulty_loss_weight": Unsupported("remove it; samples are weighted by loss_agg_mode only"),
-    "reward_norm": Unsupported("remove it; use whiten_rewards"),
-    "reward_scale": Unsupported("remove it; roll does not scale rewards"),
-    "reward_shift": Unsupported("remove it; roll does not shift rewards"),
+    "reward_norm": Unsupported("remove it; use norm_mean_type/norm_std_type or whiten_rewards"),
+    "reward_scale": Unsupported("remove it; use norm_std_type or whiten_rewards"),
+    "reward_shift": Unsupported("remove it; use norm_mean_type or whiten_rewards"),
     "async_generation_ratio": Unsupported("remove it (or 0); roll generates synchronously", _OFF0),
     "pg_variant": Unsupported(
         "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
