@@ -117,22 +117,22 @@ class FakeLLMEngine:
         self.added: list[tuple[str, list[int], FakeSamplingParams]] = []
         self.aborted: list[str] = []
         self.stall = False  # never finish anything (to test abort)
-        self.rename = False  # return engine-side ids different from ours (newer vLLM may)
+        self.rename = False  # keep requests under internal ids, like vLLM 0.24 (``<id>-<8 random>``)
 
     def add_request(self, request_id, prompt, params):
+        """vLLM 0.24 returns an internal id, but outputs and aborts use the caller's id."""
         assert isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}
         assert params.output_kind is RequestOutputKind.FINAL_ONLY
-        engine_id = request_id + "#x" if self.rename else request_id
-        self.requests[engine_id] = (list(prompt["prompt_token_ids"]), params)
+        self.requests[request_id] = (list(prompt["prompt_token_ids"]), params)
         self.added.append((request_id, list(prompt["prompt_token_ids"]), params))
-        return engine_id
+        return request_id + "-1a2b3c4d" if self.rename else request_id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def abort_request(self, request_ids):
         for rid in request_ids:
-            self.requests.pop(rid + "#x" if self.rename else rid, None)
+            self.requests.pop(rid, None)
         self.aborted += list(request_ids)
 
     def step(self):
@@ -796,7 +796,7 @@ rewards:
     [
         (
             "vllm",
-            "{tensor_parallel_size: 2, sleep_level: 2, load_format: dummy, max_model_len: 96}",
+            "{tensor_parallel_size: 2, sleep_level: 1, load_format: dummy, max_model_len: 96}",
             "sglang",
             "{tensor_parallel_size: 2}",
         ),
@@ -825,6 +825,25 @@ def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg,
     assert "actor_infer.strategy_args.strategy_config.block_sise" in capsys.readouterr().err
 
 
+def test_colocated_vllm_sleep_level_2_and_full_memory_are_refused_before_launch(tmp_path, capsys):
+    """Level 2 drops the weights at every offload, and the pipeline offloads a colocated engine
+    after each model update: the next rollout would find no weights."""
+    from roll.pipeline.rlvr.launcher import main
+
+    cfg = "{tensor_parallel_size: 2, sleep_level: 2, load_format: dummy}"
+    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
+    (tmp_path / "lvl2.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
+    assert main(["--config_name", "lvl2", "--config_path", str(tmp_path), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert "actor_infer.strategy_args.strategy_config.sleep_level" in err and "set 1" in err
+    cfg = "{sleep_level: 1, gpu_memory_utilization: 0.95}"
+    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
+    (tmp_path / "mem.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
+    assert main(["--config_name", "mem", "--config_path", str(tmp_path), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert "actor_infer.strategy_args.strategy_config.gpu_memory_utilization" in err and "at most 0.9" in err
+
+
 def test_example_vllm_config_dry_runs_in_a_subprocess():
     proc = subprocess.run(
         [
@@ -841,3 +860,37 @@ def test_example_vllm_config_dry_runs_in_a_subprocess():
     )
     assert proc.returncode == 0, proc.stderr
     assert "vllm" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "installed, ok", [("0.24.0", True), ("0.24.3.post1", True), ("0.23.1", False), ("0.25.0", False)]
+)
+def test_wrong_vllm_version_is_a_config_error_before_launch(monkeypatch, installed, ok):
+    import importlib.metadata
+
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: installed if name == "vllm" else real(name)
+    )
+    spec = get_strategy_spec("vllm")
+    if ok:
+        check_engine_version(spec, "actor_infer.strategy_args.strategy_name")
+    else:
+        with pytest.raises(
+            ConfigError, match=rf"actor_infer.strategy_args.strategy_name.*{installed} is installed"
+        ):
+            check_engine_version(spec, "actor_infer.strategy_args.strategy_name")
+
+
+def test_engine_not_installed_where_launched_is_left_to_the_workers(monkeypatch):
+    import importlib.metadata
+
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    check_engine_version(get_strategy_spec("vllm"), "actor_infer.strategy_args.strategy_name")

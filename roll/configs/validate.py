@@ -11,6 +11,8 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
 
 TRAIN_ROLES = ("actor_train", "critic")
+# Largest share of a device a vLLM engine may claim next to a training role (see _check_colocation).
+COLOCATED_ENGINE_MEMORY = 0.9
 
 
 def validate_config(config: RLVRConfig) -> None:
@@ -28,7 +30,7 @@ def validate_config(config: RLVRConfig) -> None:
 
 
 def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
-    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
 
     is_reward = isinstance(role, RewardConfig)
     if is_reward:
@@ -42,6 +44,7 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     if role.device_mapping is None:
         raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
     spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
+    check_engine_version(spec, f"{name}.strategy_args.strategy_name")
     if name in TRAIN_ROLES and spec.side != "train":
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
@@ -148,7 +151,21 @@ def _check_colocation(config: RLVRConfig, plan) -> None:
                 raise ConfigError(
                     f"{name}.strategy_args.strategy_config.sleep_level",
                     f"is 0 but {name} shares devices {list(devices)[:8]} with {trains[0]}; "
-                    "set 1 or 2 so the engine frees its memory while training runs",
+                    "set 1 so the engine frees its memory while training runs",
+                )
+            if strategy == "vllm" and typed.gpu_memory_utilization > COLOCATED_ENGINE_MEMORY:
+                raise ConfigError(
+                    f"{name}.strategy_args.strategy_config.gpu_memory_utilization",
+                    f"is {typed.gpu_memory_utilization} but {name} shares devices with {trains[0]}, whose "
+                    "CUDA context and parameters stay on the device while the engine is awake (model "
+                    f"update, probe); use at most {COLOCATED_ENGINE_MEMORY}",
+                )
+            if strategy == "vllm" and typed.sleep_level == 2 and name == "actor_infer":
+                raise ConfigError(
+                    f"{name}.strategy_args.strategy_config.sleep_level",
+                    f"is 2 but {name} shares devices with {trains[0]}: level 2 drops the weights at every "
+                    "offload, and the pipeline offloads the engine after each model update (before it "
+                    "generates again); set 1 (weights wait in CPU memory)",
                 )
             if strategy == "sglang" and not typed.enable_memory_saver:
                 raise ConfigError(

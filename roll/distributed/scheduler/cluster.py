@@ -36,6 +36,7 @@ from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
+from roll.distributed.strategy.registry import get_strategy_spec
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -107,7 +108,8 @@ class Cluster:
             args = (role, role_config, pipeline_config, rank, self.world_size, env)
             self.workers.append(remote_cls.options(**options).remote(*args))
         self.master_addr, self.master_port = self.execute_rank_zero("get_master_address")
-        self.execute_all("init_process_group", self.master_addr, self.master_port)
+        if _joins_process_group(role_config):
+            self.execute_all("init_process_group", self.master_addr, self.master_port)
         self.dp_layouts: list[DPRank] = []
         self.refresh_dp_layout()
 
@@ -230,3 +232,9 @@ _SUBMIT: dict[Dispatch, Callable[..., AsyncResult]] = {
     Dispatch.RANK_ZERO: Cluster.async_execute_rank_zero,
     Dispatch.DP_COMPUTE: Cluster.async_dp_compute,
 }
+
+
+def _joins_process_group(role_config: RoleConfig) -> bool:
+    """Whether the role's workers share a torch.distributed default group (see ``StrategySpec``)."""
+    args = role_config.strategy_args
+    return args is None or get_strategy_spec(args.strategy_name).role_process_group

@@ -83,6 +83,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: bool = True
     seed: int | None = None
+    # Generate past EOS (benchmarks that need every response at full length); stop ids still apply.
+    ignore_eos: bool = False
 
     @classmethod
     def from_generating_args(cls, args: GeneratingArgs, **overrides: Any) -> SamplingParams:

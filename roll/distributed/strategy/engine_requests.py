@@ -81,6 +81,8 @@ def vllm_sampling_kwargs(
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         kwargs["seed"] = params.seed + seed_offset
+    if params.ignore_eos:
+        kwargs["ignore_eos"] = True
     return kwargs
 
 
@@ -105,6 +107,8 @@ def sglang_sampling_params(params: SamplingParams, seed_offset: int = 0) -> dict
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         out["sampling_seed"] = params.seed + seed_offset
+    if params.ignore_eos:
+        out["ignore_eos"] = True
     return out
 
 

@@ -135,10 +135,12 @@ def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
 
 
 def stop_token_ids(config_eos: int | list[int] | None, tokenizer, params: SamplingParams) -> list[int]:
-    """Token ids that end a response: the model config's EOS id(s), the tokenizer's EOS and the
-    request's ``stop_token_ids``, sorted."""
-    ids = set(config_eos if isinstance(config_eos, list) else [] if config_eos is None else [config_eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    """Token ids that end a response: the model config's EOS id(s), the tokenizer's EOS (both left
+    out with ``params.ignore_eos``) and the request's ``stop_token_ids``, sorted."""
+    ids: set[int] = set()
+    if not params.ignore_eos:
+        ids.update(config_eos if isinstance(config_eos, list) else [] if config_eos is None else [config_eos])
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
     ids.update(params.stop_token_ids or [])
     return sorted(ids)

@@ -167,7 +167,7 @@ class HFInferStrategy:
             repetition_penalty=params.repetition_penalty,
             num_return_sequences=1,
             num_beams=1,
-            eos_token_id=eos_ids,
+            eos_token_id=eos_ids or None,
             pad_token_id=self.tokenizer.pad_token_id,
             use_cache=True,
         )

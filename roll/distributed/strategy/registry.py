@@ -29,6 +29,12 @@ class StrategySpec:
     extra: str | None = None
     # Python modules the strategy needs; a missing one becomes a ConfigError naming ``extra``.
     requires: tuple[str, ...] = ()
+    # Whether the role's workers join one torch.distributed default group. Engines that build their
+    # own in the worker process (vLLM's in-process executor) must find none there.
+    role_process_group: bool = True
+    # Releases of the engine package this strategy ran on, as (lowest, first refused) versions;
+    # another installed version is a ConfigError before launch (see ``check_engine_version``).
+    engine_versions: tuple[str, str] | None = None
 
 
 _S = "roll.distributed.strategy"
@@ -54,7 +60,14 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("megatron.core",),
         ),
         StrategySpec(
-            "vllm", f"{_S}.vllm_strategy:VLLMStrategy", VLLMConfig, "infer", extra="vllm", requires=("vllm",)
+            "vllm",
+            f"{_S}.vllm_strategy:VLLMStrategy",
+            VLLMConfig,
+            "infer",
+            extra="vllm",
+            requires=("vllm",),
+            role_process_group=False,
+            engine_versions=("0.24", "0.25"),
         ),
         StrategySpec(
             "sglang",
@@ -63,6 +76,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "infer",
             extra="sglang",
             requires=("sglang",),
+            role_process_group=False,
         ),
     )
 }
@@ -92,3 +106,37 @@ def load_strategy_class(name: str, path: str = "strategy_args.strategy_name") ->
             ) from exc
     module_name, class_name = spec.target.split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def check_engine_version(spec: StrategySpec, path: str) -> None:
+    """Refuse an installed engine outside ``spec.engine_versions`` (one ConfigError naming ``path``).
+
+    Checked where the run is launched; an engine that is not installed there is not an error here
+    (workers on other nodes may have it; the worker's import names the extra if they do not).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    if spec.engine_versions is None or not spec.requires:
+        return
+    package = spec.requires[0].split(".")[0]
+    try:
+        installed = version(package)
+    except PackageNotFoundError:
+        return
+    low, high = spec.engine_versions
+    if not _version_key(low) <= _version_key(installed) < _version_key(high):
+        raise ConfigError(
+            path,
+            f"strategy {spec.name!r} runs on {package} >={low},<{high} but {installed} is installed; "
+            f"install a tested release with: pip install -e .[{spec.extra}]",
+        )
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)

@@ -1,15 +1,17 @@
 """``vllm``: generation on vLLM's V1 engine, one engine per worker (``actor_infer`` or an LLM judge).
 
-Written against the V1-only vLLM releases (0.11 and later); the engine calls have not been run on
-this project's machines (see docs/strategies.md for the vLLM names used and what is unverified).
-Everything that does not need vLLM lives in ``engine_requests``/``engine_options`` and is tested
-on CPU.
+Run against vLLM 0.24.0 on H100/H200 (docs/strategies.md says what ran); everything that does not
+need vLLM lives in ``engine_requests``/``engine_options`` and is tested on CPU.
 
-The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them: in-process for
-TP=1, vLLM's own worker processes for TP>1. ``vllm.LLM`` is used rather than ``AsyncLLM`` because
-Ray calls a worker's methods on one thread, so a synchronous engine needs no event loop in the
-actor, and ``LLM`` offers ``sleep``/``wake_up``/``collective_rpc``/``reset_prefix_cache`` directly.
-Requests go through ``llm.llm_engine`` (``add_request``/``step``/``abort_request``): one loop
+The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them. The engine core
+runs inside the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): for TP=1 the model too
+("uni" executor), for TP>1 vLLM's own worker processes ("mp"). In-process, the model-update calls
+(``collective_rpc`` with bucket metadata and CUDA IPC handles) reach the model directly or through
+vLLM's pickled worker queue, with no third process and no msgpack restrictions in between.
+``vllm.LLM`` is used rather than ``AsyncLLM`` because Ray calls a worker's methods on one thread,
+so a synchronous engine needs no event loop in the actor, and ``LLM`` offers
+``sleep``/``wake_up``/``collective_rpc``/``reset_prefix_cache`` directly. Requests go through
+``llm.llm_engine`` (``add_request``/``step``/``abort_request``, all by our request ids): one loop
 serves batch ``generate``, per-request ``generate_one`` and ``abort`` from another thread alike.
 
     strategy = VLLMStrategy(role_config, ctx)
@@ -30,6 +32,7 @@ Model update (the receiver on this worker calls these; each is one ``collective_
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -87,7 +90,6 @@ class VLLMStrategy:
         self._vllm: Any = None
         self._lock = threading.Lock()  # one thread adds to / steps the engine at a time
         self._finished: dict[str, Any] = {}  # request id -> RequestOutput (or _ABORTED)
-        self._aliases: dict[str, str] = {}  # engine's request id -> ours, if vLLM renames them
         self._calls = itertools.count()
         self._asleep: set[str] = set()  # memory tags released by sleep: "weights", "kv_cache"
         self._weights_stale = False  # dummy or level-2-discarded weights: a model update must come first
@@ -97,6 +99,10 @@ class VLLMStrategy:
         """Start ``vllm.LLM`` after checking every option against the installed ``vllm.EngineArgs``."""
         role = self.ctx.role
         check_role_fits(self.config, role, self.ctx)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
+        # TP>1 worker processes must not be forked from a process that has touched CUDA (a TP=2 test
+        # on 2 x H200 failed so: "WorkerProc initialization failed").
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self._vllm = import_engine("vllm", role, "vllm")
         options = vllm_engine_options(
             self.config, self.role_config, role, self.ctx.seed + self.ctx.rank, EXTENSION
@@ -195,10 +201,9 @@ class VLLMStrategy:
         results: dict[str, Any] = {}
         try:
             with self._lock:
+                # vLLM keeps our id as the request's external id: outputs and aborts use it.
                 for rid, prompt, sampling in requests:
-                    engine_id = engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
-                    if isinstance(engine_id, str) and engine_id != rid:
-                        self._aliases[engine_id] = rid
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
             pending = set(ids)
             while pending:
                 busy = self._step(engine)
@@ -225,7 +230,7 @@ class VLLMStrategy:
             if not engine.has_unfinished_requests():
                 return False
             for output in engine.step():
-                rid = self._aliases.pop(output.request_id, output.request_id)
+                rid = output.request_id
                 if output.finished and rid in self.registry:
                     self._finished[rid] = output
                     self.registry.finish(rid)
@@ -308,7 +313,9 @@ class VLLMStrategy:
         process owns), CPU tensors by value. Counts as a complete model update."""
         self._wake_weights()
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if named and named[0][1].is_cuda:
+        if self.config.tensor_parallel_size == 1:  # the model lives in this process: no copy, no IPC
+            self._rpc("roll_load_tensors", named)
+        elif named and named[0][1].is_cuda:
             meta, flat, handle = shareable_bucket(named)
             self._rpc("roll_load_shared_bucket", meta, handle, flat.device.index, False)
         else:

@@ -92,9 +92,14 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
 
 
 def resume(run: RLVRRun) -> int:
-    """Restore trainer states, data position and RNG from a checkpoint; returns its step (0: fresh)."""
+    """Restore trainer states, data position and RNG from a checkpoint; returns its step (0: fresh).
+
+    Either way the engines then hold the trainer's weights: a fresh run syncs version 0 before its
+    first rollout (engines started with ``load_format: dummy`` have none, and a broken model-update
+    path fails here, before any training)."""
     path = resolve_resume(run.config)
     if path is None:
+        update_inference_weights(run, 0, always=True)
         return 0
     state = read_state(path)
     for role in ("actor_train", "critic"):

@@ -1,0 +1,239 @@
+"""Model update into vLLM: trainer -> roll's ``vllm`` strategy, timed against the NCCL bound.
+
+Three processes on two GPUs, running the production pieces (``Link``, ``BucketSender``,
+``BucketReceiver`` with the engine attached, vLLM's own ``load_weights`` inside the engine):
+
+- a trainer on GPU 0 holding random bf16 weights with the HF names and shapes of ``--presets``;
+- ``colocated``: a vLLM engine on GPU 0 (the trainer's device): buckets by CUDA IPC;
+- ``disagg``: a vLLM engine on GPU 1: buckets by NCCL broadcast into the engine's own buffer.
+
+The engines start with ``load_format=dummy`` from a config-only directory, so no checkpoint is
+written. ``sync`` is one whole update (all buckets, checksums on both ends, loads), median of
+``--reps`` after one untimed update. ``bw`` is a 1 GiB NCCL broadcast GPU 0 -> GPU 1 between the
+trainer and the disagg engine process in the same run (median of 5); ``bound`` = bytes / bw and
+``ratio`` = sync / bound. Process coordination uses store-based groups, never the default group,
+which vLLM's in-process engine takes for itself.
+
+    python benchmarks/model_update_vllm.py --presets qwen2.5-1.5b,qwen2.5-7b --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
+from roll.distributed.model_update.process_group import (  # noqa: E402
+    broadcast_options,
+    free_port,
+    new_group,
+    open_store,
+)
+from roll.distributed.model_update.receiver import BucketReceiver  # noqa: E402
+from roll.distributed.model_update.sender import BucketSender  # noqa: E402
+
+TIMEOUT = datetime.timedelta(minutes=10)
+TRAINER, COLOCATED, DISAGG = 0, 1, 2
+LAYOUTS = {"colocated": COLOCATED, "disagg": DISAGG}
+
+
+def write_config_dir(preset: str, root: Path, tokenizer: str) -> Path:
+    """config.json + tokenizer of the preset, no weights (the engines use load_format=dummy)."""
+    from roll.models.loading import load_tokenizer
+    from roll.models.random_checkpoint import preset_config
+
+    out = root / preset
+    tok = load_tokenizer(tokenizer)
+    config = preset_config(
+        preset,
+        None,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config.torch_dtype = torch.bfloat16
+    config.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def hf_shapes(config_dir: Path) -> list[tuple[str, tuple[int, ...]]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+
+
+def coordinator(rank: int, port: int):
+    store = open_store("127.0.0.1", port, 3, rank == 0, TIMEOUT)
+    return store, new_group("gloo", store, "bench/ctrl", rank, 3, TIMEOUT)
+
+
+def barrier(group) -> None:
+    group.barrier().wait()
+
+
+def link_spec(layout: str, port: int) -> LinkSpec:
+    local = layout == "colocated"
+    return LinkSpec(f"bench/{layout}", 0, "127.0.0.1", port, (LAYOUTS[layout],), (local,), "nccl", 0)
+
+
+def member(rank: int, args: argparse.Namespace, config_dirs: dict[str, str], ports: dict[str, int], out: str):
+    # One visible GPU per process, as Ray gives each worker: vLLM's in-process executor always takes
+    # the first visible device (the first run of this script let the "disagg" engine land on GPU 0).
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1" if rank == DISAGG else "0"
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store, ctrl = coordinator(rank, ports["ctrl"])
+    bw = measure_bandwidth(rank, store, device) if rank in (TRAINER, DISAGG) else None
+    barrier(ctrl)
+    results = []
+    for preset, config_dir in config_dirs.items():
+        if rank == TRAINER:
+            results += trainer_rounds(args, preset, config_dir, ports, ctrl, device)
+        else:
+            engine_rounds(args, rank, config_dir, preset, ports, ctrl, device)
+    if rank == TRAINER:
+        Path(out).write_text(json.dumps({"bw": bw, "rows": results}))
+
+
+def measure_bandwidth(rank: int, store, device: torch.device) -> float:
+    """GB/s of a 1 GiB NCCL broadcast GPU 0 -> GPU 1 (median of 5, after a warm-up)."""
+    # Each process sees its one GPU as cuda:0 (see ``member``).
+    group = new_group("nccl", store, "bench/bw", 0 if rank == TRAINER else 1, 2, TIMEOUT)
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    times = []
+    for i in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        group.broadcast([buf], broadcast_options(0)).wait()
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return buf.numel() / statistics.median(times) / 1e9
+
+
+def trainer_rounds(args, preset, config_dir, ports, ctrl, device) -> list[dict]:
+    shapes = hf_shapes(Path(config_dir))
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [
+        (n, torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) * 0.02) for n, s in shapes
+    ]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    barrier(ctrl)  # engines are up
+    rows = []
+    for layout in LAYOUTS:
+        link = Link.connect(link_spec(layout, ports[f"{preset}/{layout}"]), "sender", device, TIMEOUT)
+        sender = BucketSender(link, device, args.bucket_mb << 20)
+        times = []
+        for version in range(args.reps + 1):
+            barrier(ctrl)
+            t0 = time.perf_counter()
+            sender.send(iter(weights), version)
+            barrier(ctrl)  # the engine has loaded everything
+            if version:
+                times.append(time.perf_counter() - t0)
+        rows.append({"preset": preset, "layout": layout, "bytes": nbytes, "sync_s": statistics.median(times)})
+    del weights
+    torch.cuda.empty_cache()
+    barrier(ctrl)  # engines may stop
+    return rows
+
+
+def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
+    from roll.distributed.model_update.worker_mixin import _engine_join
+
+    strategy = start_engine(config_dir, device, rank)
+    barrier(ctrl)
+    for layout, owner in LAYOUTS.items():
+        if owner != rank:
+            for _ in range(args.reps + 1):
+                barrier(ctrl)
+                barrier(ctrl)
+            continue
+        spec = link_spec(layout, ports[f"{preset}/{layout}"])
+        join = _engine_join(strategy, spec, rank)
+        link = Link.connect(spec, rank, device, TIMEOUT, join_data=join)
+        receiver = BucketReceiver(link, device, engine=strategy)
+        for version in range(args.reps + 1):
+            barrier(ctrl)
+            receiver.receive(strategy.load_weights, version)
+            strategy.finish_model_update(version)
+            barrier(ctrl)
+    barrier(ctrl)
+    if rank == DISAGG:
+        strategy.leave_model_update_group()
+    del strategy.llm
+    torch.cuda.empty_cache()
+
+
+def start_engine(config_dir: str, device: torch.device, rank: int):
+    from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
+    from roll.configs.strategy_configs import VLLMConfig
+    from roll.distributed.strategy.base import WorkerContext
+    from roll.distributed.strategy.vllm_strategy import VLLMStrategy
+
+    args = StrategyArgs("vllm")
+    args.config = VLLMConfig(
+        gpu_memory_utilization=0.3, enforce_eager=True, load_format="dummy", sleep_level=0
+    )
+    role = RoleConfig(model_args=ModelArgs(model_name_or_path=config_dir, dtype="bf16"), strategy_args=args)
+    ctx = WorkerContext("actor_infer", rank - 1, 2, 0, device, seed=0)
+    strategy = VLLMStrategy(role, ctx)
+    strategy.initialize()
+    return strategy
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-7b")
+    parser.add_argument("--tokenizer", default="output/default_example/sft_model")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bucket_mb", type=int, default=1024)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here too")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(
+            "needs 2 GPUs (trainer and colocated engine on GPU 0, disaggregated engine on GPU 1)"
+        )
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {p: str(write_config_dir(p, Path(tmp), args.tokenizer)) for p in args.presets.split(",")}
+        ports = {"ctrl": free_port()} | {f"{p}/{lay}": free_port() for p in dirs for lay in LAYOUTS}
+        result = Path(tmp) / "result.json"
+        mp.start_processes(member, args=(args, dirs, ports, str(result)), nprocs=3, start_method="spawn")
+        data = json.loads(result.read_text())
+    print_table(data)
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+def print_table(data: dict) -> None:
+    bw = data["bw"]
+    print(f"\nmodel update into vLLM 0.24 (roll vllm strategy), NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s")
+    print(f"{'preset':<14}{'layout':<11}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}")
+    for r in data["rows"]:
+        bound = r["bytes"] / (bw * 1e9)
+        print(
+            f"{r['preset']:<14}{r['layout']:<11}{r['bytes'] / 1e9:>7.2f}{r['sync_s'] * 1e3:>10.1f}"
+            f"{bound * 1e3:>10.1f}{r['sync_s'] / bound:>8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Rollout throughput: the same prompts and model through roll's inference strategies and raw vLLM.
+
+Each row runs in its own process (so GPU memory and peaks do not mix), generating ``--new_tokens``
+tokens past EOS (``ignore_eos``) for every one of ``--prompts`` random prompts of ``--prompt_len``
+tokens at temperature 1, with the sampled tokens' log-probs, on one GPU in bf16:
+
+- ``raw_vllm``: ``vllm.LLM(...).generate`` as vLLM users call it (engine core in its own process);
+- ``vllm``: roll's ``vllm`` strategy (engine core in the worker process, our request loop);
+- ``hf_infer``: roll's transformers ``generate`` strategy, ``--hf_batch`` prompts at a time;
+- ``megatron_infer``: roll's megatron-core KV-cached generation, ``--hf_batch`` prompts at a time.
+
+The vLLM rows share their engine options (``roll.distributed.strategy.engine_options``), so their
+difference is the strategy's own overhead. Peak memory is the device's used memory (all
+processes), sampled every 50 ms.
+
+    python examples/make_random_checkpoint.py --preset qwen2.5-1.5b --out output/qwen2.5-1.5b-random
+    python benchmarks/rollout.py --model output/qwen2.5-1.5b-random --rows raw_vllm,vllm,hf_infer,megatron_infer
+    python benchmarks/rollout.py --model output/default_example/sft_model --prompts 64 --new_tokens 32 --rows vllm  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS = ("raw_vllm", "vllm", "hf_infer", "megatron_infer")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--new_tokens", type=int, default=512)
+    parser.add_argument(
+        "--hf_batch", type=int, default=128, help="prompts per call for hf_infer/megatron_infer"
+    )
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.85)
+    parser.add_argument("--enforce_eager", action="store_true", help="vLLM rows without CUDA graphs/compile")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row, write JSON
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------- one row
+
+
+def prompt_ids(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    return torch.randint(3, min(vocab, 30000), (args.prompts, args.prompt_len), generator=gen).tolist()
+
+
+def role_config(args: argparse.Namespace, strategy: str, **strategy_config):
+    from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
+    from roll.distributed.strategy.registry import get_strategy_spec
+
+    sargs = StrategyArgs(strategy, strategy_config=strategy_config)
+    sargs.config = get_strategy_spec(strategy).config_cls(**strategy_config)
+    return RoleConfig(
+        model_args=ModelArgs(model_name_or_path=args.model, dtype="bf16"),
+        strategy_args=sargs,
+        infer_batch_size=args.hf_batch,
+    )
+
+
+def vllm_config(args: argparse.Namespace) -> dict:
+    return dict(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        sleep_level=0,
+        max_model_len=args.prompt_len + args.new_tokens + 16,
+    )
+
+
+def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
+    """vLLM as its users call it, with the options roll's strategy would pass."""
+    import vllm
+
+    from roll.configs.strategy_configs import VLLMConfig
+    from roll.distributed.strategy.engine_options import vllm_engine_options
+
+    cfg = VLLMConfig(**vllm_config(args))
+    options = vllm_engine_options(cfg, role_config(args, "vllm", **vllm_config(args)), "raw", args.seed, "")
+    kwargs = {
+        k: v
+        for k, v in options.kwargs.items()
+        if k not in ("worker_extension_cls", "distributed_executor_backend")
+    }
+    llm = vllm.LLM(**kwargs)
+    params = vllm.SamplingParams(
+        n=1,
+        temperature=1.0,
+        max_tokens=args.new_tokens,
+        ignore_eos=True,
+        logprobs=0,
+        detokenize=False,
+        seed=args.seed,
+    )
+    warm = [{"prompt_token_ids": p} for p in prompts[:8]]
+    llm.generate(warm, params, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+
+
+def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) -> tuple[int, float]:
+    import torch
+
+    from roll.distributed.scheduler.batch import Batch
+    from roll.distributed.strategy.base import SamplingParams, WorkerContext
+    from roll.distributed.strategy.registry import load_strategy_class
+
+    extra = vllm_config(args) if name == "vllm" else {}
+    ctx = WorkerContext(
+        role="actor_infer", rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), seed=args.seed
+    )
+    strategy = load_strategy_class(name)(role_config(args, name, **extra), ctx)
+    strategy.initialize()
+    params = SamplingParams(
+        n=1, max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=args.seed
+    )
+
+    def batch(rows: list[list[int]]) -> Batch:
+        t = torch.tensor(rows, dtype=torch.long)
+        return Batch.from_dict(
+            {"prompts": t, "prompt_mask": torch.ones_like(t)}, {"uid": [str(i) for i in range(len(rows))]}
+        )
+
+    strategy.generate(batch(prompts[:8]), params)  # warm-up: compile, graphs, allocator
+    step = len(prompts) if name == "vllm" else args.hf_batch
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), step):
+        out = strategy.generate(batch(prompts[i : i + step]), params)
+        tokens += int(out["response_mask"].sum())
+    torch.cuda.synchronize()
+    return tokens, time.perf_counter() - start
+
+
+def run_one(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    from roll.utils.memory import DeviceMemoryMonitor
+
+    monitor = DeviceMemoryMonitor(torch.device("cuda", 0))
+    prompts = prompt_ids(args, AutoConfig.from_pretrained(args.model).vocab_size)
+    if args.one == "raw_vllm":
+        tokens, elapsed = run_raw_vllm(args, prompts)
+    else:
+        tokens, elapsed = run_strategy(args, args.one, prompts)
+    peak = monitor.take_peak() / 2**30
+    monitor.stop()
+    Path(args.result).write_text(
+        json.dumps({"row": args.one, "tokens": tokens, "seconds": elapsed, "peak_gib": peak})
+    )
+
+
+# ---------------------------------------------------------------------------------- the table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.one:
+        run_one(args)
+        return 0
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
+    results = []
+    for row in rows:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            given = sys.argv[1:] if argv is None else argv
+            cmd = [sys.executable, __file__, *given, "--one", row, "--result", out.name]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=os.environ.copy())
+            if proc.returncode != 0:
+                print(f"{row}: failed with exit code {proc.returncode}", flush=True)
+                continue
+            result = json.loads(Path(out.name).read_text())
+            result["wall_s"] = time.perf_counter() - t0
+            results.append(result)
+            print(f"{row}: {result['tokens'] / result['seconds']:.0f} tokens/s", flush=True)
+    print_table(args, results)
+    return 0
+
+
+def print_table(args: argparse.Namespace, results: list[dict]) -> None:
+    raw = next((r for r in results if r["row"] == "raw_vllm"), None)
+    print(
+        f"\n{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, bf16, {Path(args.model).name}"
+    )
+    print(
+        f"{'row':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs raw vLLM':>13}{'peak GiB':>10}{'process s':>11}"
+    )
+    for r in results:
+        rate = r["tokens"] / r["seconds"]
+        rel = f"{rate / (raw['tokens'] / raw['seconds']):.2f}x" if raw else "-"
+        print(
+            f"{r['row']:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{rate:>12.0f}{rel:>13}{r['peak_gib']:>10.1f}{r['wall_s']:>11.1f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
