@@ -47,7 +47,6 @@ def test_every_unsupported_key_is_named_in_one_line(capsys):
     for key in (
         "difficulty_loss_weight=True",
         "reward_norm='batch'",
-        "async_generation_ratio=1",
         "actor_train.worker_cls=ActorPGWorker",
         "actor_train.pg_variant='topr'",
         "actor_train.use_dynamic_batching_in_train=True",
@@ -116,7 +115,8 @@ def test_roll_keys_at_their_off_value_are_dropped():
     raw = {
         "difficulty_loss_weight": False,
         "reward_norm": None,
-        "async_generation_ratio": 0,
         "pg_variant": "ppo",
     }
     assert translate_roll_keys(raw) == {}
+    # roll has async_generation_ratio itself (same meaning): it passes through untouched.
+    assert translate_roll_keys({"async_generation_ratio": 1}) == {"async_generation_ratio": 1}

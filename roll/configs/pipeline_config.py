@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
 
 ADV_ESTIMATORS = ("grpo", "reinforce", "reinforce_plus_plus", "gae")
@@ -104,6 +105,13 @@ class RLVRConfig:
     error_max_len_clip: bool = False
     error_max_len_threshold: int = 9999999999
     length_loss_weight: bool = False
+    # DAPO sampling and train/inference mismatch correction (roll/configs/rl_options.py).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
+    # 1: generate step k+1 while step k trains (staleness bound 1; disaggregated actor_infer only).
+    # 0: synchronous. See roll/pipeline/rlvr/rollout_source.py.
+    async_generation_ratio: int = 0
 
     # Model update (trainer -> inference engines).
     model_update_frequency: int = 1
@@ -134,6 +142,10 @@ class RLVRConfig:
             raise ValueError(
                 f"difficulty_low_threshold: must be below difficulty_high_threshold "
                 f"({self.difficulty_low_threshold} >= {self.difficulty_high_threshold})"
+            )
+        if self.async_generation_ratio not in (0, 1):
+            raise ValueError(
+                f"async_generation_ratio: 0 (synchronous) or 1 (one step ahead), got {self.async_generation_ratio}"
             )
         for key in ("rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs", "num_gpus_per_node"):
             if getattr(self, key) < 1:

@@ -43,7 +43,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "reward_norm": Unsupported("remove it; use norm_mean_type/norm_std_type or whiten_rewards"),
     "reward_scale": Unsupported("remove it; use norm_std_type or whiten_rewards"),
     "reward_shift": Unsupported("remove it; use norm_mean_type or whiten_rewards"),
-    "async_generation_ratio": Unsupported("remove it (or 0); roll generates synchronously", _OFF0),
     "pg_variant": Unsupported(
         "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
     ),

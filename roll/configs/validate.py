@@ -26,6 +26,7 @@ def validate_config(config: RLVRConfig) -> None:
     _check_batch_sizes(config, plan)
     _check_colocation(config, plan)
     _check_algorithm(config)
+    _check_async(config, plan)
     _check_tracker(config)
 
 
@@ -212,4 +213,24 @@ def _check_tracker(config: RLVRConfig) -> None:
             "track_with",
             f"{config.track_with!r} needs the {package} package (pip install {package}), "
             "or set track_with: none (metrics.jsonl is always written)",
+        )
+
+
+def _check_async(config: RLVRConfig, plan) -> None:
+    """Asynchronous generation needs actor_infer on devices of its own (it keeps generating while
+    the other roles run) and trains on samples one weight version old, so it needs the correction."""
+    if not config.async_generation_ratio:
+        return
+    for owners, devices in plan.shared:
+        others = [name for name in owners if name != "actor_infer" and not name.startswith("rewards.")]
+        if "actor_infer" in owners and others:
+            raise ConfigError(
+                "async_generation_ratio",
+                f"needs a disaggregated actor_infer, but it shares devices {list(devices)} with {others}; "
+                "give actor_infer devices of its own or set async_generation_ratio: 0",
+            )
+    if config.off_policy_correction.mode == "none":
+        raise ConfigError(
+            "off_policy_correction.mode",
+            "async_generation_ratio: 1 trains on samples from the previous weight version; set tis or mis",
         )

@@ -12,6 +12,10 @@ allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from roll.distributed.scheduler.batch import Batch
 from roll.pipeline.rlvr.run import RLVRRun
 
@@ -61,3 +65,24 @@ def memory_metrics(run: RLVRRun) -> dict[str, float]:
     if device_peaks:
         out["memory/peak_used_gib_max"] = max(device_peaks)
     return out
+
+
+class StageTimer:
+    """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        # Stages that ran in the background (asynchronous generation): reported, not in time/step.
+        self.background: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}"  # a stage timed more than once in a step (sampling rounds) adds up
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return self.background | self.times | {"time/step": sum(self.times.values())}

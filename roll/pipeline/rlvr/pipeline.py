@@ -7,19 +7,13 @@ run_pipeline(config)
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from roll.configs.pipeline_config import RLVRConfig
-from roll.distributed.strategy.base import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.data.sampler import to_batch
-from roll.pipeline.rlvr.perf import memory_metrics, throughput_metrics
+from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, throughput_metrics
+from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -28,53 +22,48 @@ logger = logging.getLogger("roll")
 
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
-    run = None
+    run = rollouts = None
     try:
         run = build_run(config)
         start = resume(run)
         run.tracker = _tracker(run, start)
         if start == 0 and config.eval_steps:
             run.tracker.log(stages.run_validation(run, step=0), step=0)
+        rollouts = RolloutSource(run)  # async_generation_ratio 1: generates one step ahead
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
-            prompts = sample_prompts(run, step)
-            params = SamplingParams.from_generating_args(
-                config.actor_infer.generating_args, seed=config.seed + step
-            )
-            with timer("generate"):
-                batch = stages.generate_rollouts(run, prompts, params)
-            with timer("reward"):
-                batch = stages.compute_rewards(run, batch)
+            # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
+            batch, sampling_metrics = rollouts.take(step, timer)
             with timer("reference"):
                 batch = stages.compute_reference_log_probs(run, batch)
             with timer("old_log_probs"):
                 batch = stages.compute_old_log_probs(run, batch)
+            batch, off_policy_metrics = stages.compute_off_policy_weights(run, batch)
             with timer("values"):
                 batch = stages.compute_values(run, batch)
             with timer("advantages"):
                 batch, adv_metrics = stages.compute_advantages_stage(run, batch)
             with timer("train"):
                 train_metrics = stages.train_models(run, batch, step)
+            with timer("wait_rollouts"):
+                rollouts.settle()  # async: step + 1 finishes generating before the weights change
             with timer("model_update"):
                 update_metrics = update_inference_weights(run, step)
-            metrics = stages.rollout_metrics(run, batch) | adv_metrics | train_metrics | update_metrics
+            metrics = stages.rollout_metrics(run, batch) | sampling_metrics | off_policy_metrics
+            metrics |= adv_metrics | train_metrics | update_metrics
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
             metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
             run.tracker.log(metrics | timer.metrics(), step)
             if config.save_steps and step % config.save_steps == 0:
-                save_step(run, step)
+                save_step(run, step, rollouts.sampler_state())
         finish(run)
         return run.run_dir
     finally:
+        if rollouts is not None:
+            rollouts.close()
         shutdown(run)
-
-
-def sample_prompts(run: RLVRRun, step: int):
-    prompts = to_batch(run.sampler.next_batch(), run.tokenizer.pad_token_id, run.config.prompt_length)
-    prompts.non_tensors["group_id"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
-    return prompts
 
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
@@ -86,6 +75,7 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
     # its parameters only (when offload_params moved them), and they leave again after the sync.
     with stages.on_devices(run, "actor_infer"):
         metrics = run.model_update.sync(version=step)
+    run.weight_version = step
     if "actor_train" in run.colocated:
         run.clusters["actor_train"].offload_states()
     return metrics
@@ -113,14 +103,17 @@ def resume(run: RLVRRun) -> int:
     return state["step"]
 
 
-def save_step(run: RLVRRun, step: int) -> Path:
+def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Path:
+    """Checkpoint the trainers, ``sampler_state`` (default: the sampler's position now) and the RNG."""
+
     def save_roles(tmp: Path) -> None:
         for role in ("actor_train", "critic"):
             if role in run.clusters:
                 with stages.on_devices(run, role):
                     run.clusters[role].save_checkpoint(str(tmp))
 
-    state = {"step": step, "sampler": run.sampler.state_dict(), "rng": rng_state()}
+    sampler = run.sampler.state_dict() if sampler_state is None else sampler_state
+    state = {"step": step, "sampler": sampler, "rng": rng_state()}
     root = checkpoint_root(run.config)
     path = save_checkpoint(root, step, state, save_roles, run.config.checkpoint_config.max_to_keep)
     logger.info("checkpoint: %s", path)
@@ -141,21 +134,3 @@ def _tracker(run: RLVRRun, start: int):
     from roll.utils.tracking import Tracker
 
     return Tracker(run.config, run.run_dir, resume_step=start)
-
-
-class StageTimer:
-    """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[f"time/{name}"] = time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return self.times | {"time/step": sum(self.times.values())}

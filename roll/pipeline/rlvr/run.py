@@ -45,6 +45,8 @@ class RLVRRun:
     tag_routes: dict[str, str] = field(default_factory=dict)
     default_reward: str | None = None
     show_progress: bool = True
+    # The version actor_infer holds (the step whose weights were synced last; 0: the initial ones).
+    weight_version: int = 0
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""

@@ -24,6 +24,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
     response_length_stats,
     score_stats_by_domain,
 )
+from roll.pipeline.rlvr.algorithms.off_policy import importance_weights
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
 from roll.pipeline.rlvr.run import RLVRRun
 
@@ -98,6 +99,26 @@ def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     return batch.union(out)
 
 
+def compute_off_policy_weights(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """``is_weights`` [B, R] from ``off_policy_correction`` (TIS / MIS of old_log_probs over the
+    engine's infer_logprobs); nothing when the mode is ``none``."""
+    correction = run.config.off_policy_correction
+    if correction.mode == "none":
+        return batch, {}
+    if "infer_logprobs" not in batch:
+        strategy = run.config.actor_infer.strategy_args.strategy_name
+        raise RuntimeError(
+            f"off_policy_correction.mode={correction.mode!r} needs the engine's log-probs, and actor_infer "
+            f"({strategy}) returned none; set off_policy_correction.mode: none"
+        )
+    weights, metrics = importance_weights(
+        batch["old_log_probs"], batch["infer_logprobs"], batch["response_mask"],
+        correction.mode, correction.level, correction.cap,
+    )  # fmt: skip
+    batch.tensors["is_weights"] = weights
+    return batch, metrics
+
+
 def compute_values(run: RLVRRun, batch: Batch) -> Batch:
     if "critic" not in run.clusters:
         return batch
@@ -132,6 +153,11 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> dict[str, float]:
     config = run.config
     metrics: dict[str, float] = {}
     train_fields = [k for k in _TRAIN_FIELDS if k in batch]
+    if config.overlong.filter and "truncated" in batch:
+        # DAPO overlong filtering: truncated responses leave the loss (and its token count).
+        keep = (~batch["truncated"]).unsqueeze(-1).to(batch["response_mask"].dtype)
+        batch = batch.select(train_fields)
+        batch.tensors["response_mask"] = batch["response_mask"] * keep
     if "critic" in run.clusters:
         with on_devices(run, "critic"):
             out = run.clusters["critic"].train_step(
@@ -180,7 +206,7 @@ def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
 
 _TRAIN_FIELDS = (
     "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "prompts", "prompt_mask",
-    "old_log_probs", "ref_log_probs", "advantages", "returns", "values",
+    "old_log_probs", "ref_log_probs", "advantages", "returns", "values", "is_weights",
 )  # fmt: skip
 
 

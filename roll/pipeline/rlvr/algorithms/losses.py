@@ -44,13 +44,15 @@ def policy_loss(
     clip_high: float,
     dual_clip_c: float | None = None,
     loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss, aggregated by ``loss_agg_mode``. With ``r = exp(logp - old_logp)``::
 
         L_t = max(-A_t * r, -A_t * clamp(r, 1 - clip_low, 1 + clip_high))
         dual clip (A_t < 0 only): L_t = min(L_t, -A_t * dual_clip_c)
 
-    Metrics: ``pg_loss``; ``clipfrac`` = fraction of valid tokens where the clipped term is the
+    ``is_weights`` (off-policy correction, see algorithms/off_policy.py) multiply ``L_t`` after the
+    clipping, as constants. Metrics: ``pg_loss``; ``clipfrac`` = fraction of valid tokens where the clipped term is the
     active one (its gradient is zero), split into ``clipfrac_high`` (r > 1 + clip_high, A > 0) and
     ``clipfrac_low`` (r < 1 - clip_low, A < 0); ``dual_clip_frac`` = fraction where the dual-clip
     bound is active; ``approx_kl`` = mean of ``(r - 1) - log r`` (k3 estimate of KL(old || new));
@@ -76,6 +78,8 @@ def policy_loss(
         dual_active = (advantages < 0) & (losses > bound)
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
         metrics["dual_clip_frac"] = _masked_frac(dual_active, mask)
+    if is_weights is not None:
+        losses = losses * is_weights.detach().to(losses.dtype)
     loss = agg_loss(losses, mask, loss_agg_mode)
     with torch.no_grad():
         valid_ratio = ratio[mask > 0]
@@ -156,8 +160,17 @@ def actor_loss(
     log_probs = outputs["log_probs"]
     mask = batch["response_mask"]
     old_log_probs = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
+    weights = batch["is_weights"] if "is_weights" in batch else None
     loss, pg_metrics = policy_loss(
-        log_probs, old_log_probs, batch["advantages"], mask, clip_low, clip_high, dual_clip_c, loss_agg_mode
+        log_probs,
+        old_log_probs,
+        batch["advantages"],
+        mask,
+        clip_low,
+        clip_high,
+        dual_clip_c,
+        loss_agg_mode,
+        weights,
     )
     metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
     if entropy_coef != 0.0 or "entropy" in outputs:
