@@ -67,7 +67,7 @@ BAD_CASES = {
     "gae_without_critic": ("critic", "needs a critic"),
     "kl_without_reference": ("reference", "need a reference"),
     "bad_reward_fn": ("rewards.math.reward_fn", "did you mean 'math_rule'"),
-    "roll_worker_cls": ("rewards.math.worker_cls", "use reward_fn"),
+    "roll_worker_cls": ("rewards.math.worker_cls", "unknown ROLL reward worker"),
     "invalid_yaml": ("invalid_yaml.yaml", "invalid YAML at line"),
     "engine_on_train_role": ("actor_train.strategy_args.strategy_name", "cannot train"),
     "num_return_mismatch": (

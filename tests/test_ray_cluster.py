@@ -31,7 +31,7 @@ from roll.distributed.executor.dispatch import (
 )
 from roll.distributed.executor.worker import Worker
 from roll.distributed.scheduler.batch import Batch
-from roll.distributed.scheduler.cluster import Cluster, get_all
+from roll.distributed.scheduler.cluster import Cluster
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.placement import plan_placement, plan_role
 from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
@@ -179,7 +179,8 @@ def test_each_worker_gets_its_rank_env_and_device_slot(runtime, role):
         env = report["env"]
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(len(reports))
         assert env["LOCAL_RANK"] == str(local_rank) and report["local_rank"] == local_rank
-        assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(cluster.master_port)
+        if role != "actor_infer":  # vllm workers join no role group: vLLM makes its own
+            assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(cluster.master_port)
         assert env["ROLL_DEVICE"] == "cpu" and report["device"] == "cpu"
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["ROLL_DEVICE_IDS"] == ",".join(map(str, devices))
@@ -217,10 +218,15 @@ def test_gpu_env_lists_the_physical_ids_of_all_worker_devices(runtime, monkeypat
 def test_gloo_all_reduce_within_each_role(runtime):
     _, clusters, _ = runtime
     assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4
-    infer, ref = get_all(
-        clusters["actor_infer"].async_all_reduce_rank(), clusters["reference"].async_all_reduce_rank()
-    )
-    assert infer == [1.0, 1.0] and ref == [1.0, 1.0]
+    assert clusters["reference"].all_reduce_rank() == [1.0, 1.0]
+
+
+def test_engine_role_workers_join_no_default_group(runtime):
+    """vLLM's in-process executor builds its own default group and would adopt a role group as its
+    world, so a vllm role's workers have none (``StrategySpec.role_process_group``)."""
+    _, clusters, _ = runtime
+    with pytest.raises(WorkerError, match="actor_infer rank .*Default process group has not been initialized"):
+        clusters["actor_infer"].all_reduce_rank()
 
 
 def test_dp_compute_splits_and_gathers_in_dp_order(runtime):

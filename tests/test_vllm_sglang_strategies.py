@@ -825,23 +825,25 @@ def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg,
     assert "actor_infer.strategy_args.strategy_config.block_sise" in capsys.readouterr().err
 
 
-def test_colocated_vllm_sleep_level_2_and_full_memory_are_refused_before_launch(tmp_path, capsys):
-    """Level 2 drops the weights at every offload, and the pipeline offloads a colocated engine
-    after each model update: the next rollout would find no weights."""
+@pytest.mark.parametrize(
+    "infer_cfg, key, hint",
+    [
+        # Level 2 drops the weights at every offload, and the pipeline offloads a colocated engine
+        # after each model update: the next rollout would find no weights.
+        ("{tensor_parallel_size: 2, sleep_level: 2, load_format: dummy}", "sleep_level", "set 1"),
+        ("{sleep_level: 1, gpu_memory_utilization: 0.95}", "gpu_memory_utilization", "at most 0.9"),
+    ],
+)
+def test_colocated_vllm_settings_that_cannot_time_share_are_refused_before_launch(
+    tmp_path, capsys, infer_cfg, key, hint
+):
     from roll.pipeline.rlvr.launcher import main
 
-    cfg = "{tensor_parallel_size: 2, sleep_level: 2, load_format: dummy}"
-    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
-    (tmp_path / "lvl2.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
-    assert main(["--config_name", "lvl2", "--config_path", str(tmp_path), "--dry_run"]) == 2
+    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=infer_cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
+    (tmp_path / "bad.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
+    assert main(["--config_name", "bad", "--config_path", str(tmp_path), "--dry_run"]) == 2
     err = capsys.readouterr().err
-    assert "actor_infer.strategy_args.strategy_config.sleep_level" in err and "set 1" in err
-    cfg = "{sleep_level: 1, gpu_memory_utilization: 0.95}"
-    text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
-    (tmp_path / "mem.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
-    assert main(["--config_name", "mem", "--config_path", str(tmp_path), "--dry_run"]) == 2
-    err = capsys.readouterr().err
-    assert "actor_infer.strategy_args.strategy_config.gpu_memory_utilization" in err and "at most 0.9" in err
+    assert f"actor_infer.strategy_args.strategy_config.{key}" in err and hint in err
 
 
 def test_example_vllm_config_dry_runs_in_a_subprocess():

@@ -22,6 +22,7 @@ import yaml
 
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError, did_you_mean, join_path
+from roll.configs.roll_compat import translate_roll_keys
 
 T = TypeVar("T")
 
@@ -157,7 +158,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, config_cls
             print(
                 f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
             )
-    raw = interpolate(apply_overrides(raw, overrides or []))
+    raw = translate_roll_keys(interpolate(apply_overrides(raw, overrides or [])), str(path))
     config = build_dataclass(config_cls or RLVRConfig, raw)
     validate_config(config)
     return config

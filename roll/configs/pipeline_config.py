@@ -94,6 +94,17 @@ class RLVRConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_loss_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
+    # alibaba/ROLL's per-sample options, same names and meanings (docs/migrating_from_roll.md;
+    # roll.pipeline.rlvr.algorithms.sample_options).
+    norm_mean_type: str | None = None
+    norm_std_type: str | None = None
+    max_len_mask: bool = False
+    difficulty_mask: bool = False
+    difficulty_low_threshold: float = 0.0
+    difficulty_high_threshold: float = 1.0
+    error_max_len_clip: bool = False
+    error_max_len_threshold: int = 9999999999
+    length_loss_weight: bool = False
     # DAPO sampling and train/inference mismatch correction (roll/configs/rl_options.py).
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -121,6 +132,17 @@ class RLVRConfig:
         for key, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"{key}: expected one of {list(allowed)}, got {value!r}")
+        for key in ("norm_mean_type", "norm_std_type"):
+            if getattr(self, key) not in (None, "batch", "group"):
+                raise ValueError(
+                    f"{key}: expected null, 'batch' or 'group' (ROLL's 'running' is not supported), "
+                    f"got {getattr(self, key)!r}"
+                )
+        if self.difficulty_mask and not self.difficulty_low_threshold < self.difficulty_high_threshold:
+            raise ValueError(
+                f"difficulty_low_threshold: must be below difficulty_high_threshold "
+                f"({self.difficulty_low_threshold} >= {self.difficulty_high_threshold})"
+            )
         if self.async_generation_ratio not in (0, 1):
             raise ValueError(
                 f"async_generation_ratio: 0 (synchronous) or 1 (one step ahead), got {self.async_generation_ratio}"

@@ -211,6 +211,10 @@ class MegatronConfig:
                 f"expected one of {list(RECOMPUTE_METHODS)}, got {self.recompute_method!r}",
             )
         if self.recompute_granularity == "full":
+            if self.recompute_method is None and self.recompute_num_layers is None:
+                # megatron-core asserts without both; ROLL (mcore_adapter) defaults to recomputing
+                # every layer, i.e. uniform chunks of one layer.
+                self.recompute_method, self.recompute_num_layers = "uniform", 1
             if self.recompute_method is None:
                 raise ConfigError(
                     f"{path}.recompute_method",

@@ -25,6 +25,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
     score_stats_by_domain,
 )
 from roll.pipeline.rlvr.algorithms.off_policy import importance_weights
+from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
 from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -128,14 +129,21 @@ def compute_values(run: RLVRRun, batch: Batch) -> Batch:
 
 def compute_advantages_stage(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[str, float]]:
     config = run.config
-    mask = batch["response_mask"]
+    mask, groups = batch["response_mask"], batch["group_id"].tolist()
+    scores = batch["scores"]
+    if config.norm_mean_type or config.norm_std_type:
+        scores = normalize_scores(scores, groups, config.norm_mean_type, config.norm_std_type)
     rewards, metrics = token_level_rewards_from_config(
-        config, batch["scores"], mask, batch.tensors.get("old_log_probs"), batch.tensors.get("ref_log_probs")
+        config, scores, mask, batch.tensors.get("old_log_probs"), batch.tensors.get("ref_log_probs")
     )
-    advantages, returns = compute_advantages(
-        config, rewards, mask, batch["group_id"].tolist(), batch.tensors.get("values")
+    advantages, returns = compute_advantages(config, rewards, mask, groups, batch.tensors.get("values"))
+    train_mask, advantages, sample_metrics = apply_sample_options(
+        config, batch["scores"], mask, groups, advantages
     )
-    batch.tensors.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    metrics |= sample_metrics
+    batch.tensors.update(
+        token_level_rewards=rewards, advantages=advantages, returns=returns, response_mask=train_mask
+    )
     metrics |= masked_stats("critic/advantages", advantages, mask)
     metrics |= masked_stats("critic/returns", returns, mask)
     return batch, metrics

@@ -32,6 +32,9 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
         RewardSpec("math_rule", f"{_R}.math_rule:math_rule_reward"),
         RewardSpec("format", f"{_R}.format_reward:format_reward"),
         RewardSpec("llm_judge", f"{_R}.llm_judge:llm_judge_reward", "model"),
+        RewardSpec("code_sandbox", f"{_R}.code_sandbox:code_sandbox_reward"),
+        RewardSpec("ifeval", f"{_R}.ifeval:ifeval_reward"),
+        RewardSpec("multiple_choice", f"{_R}.multiple_choice:multiple_choice_reward"),
     )
 }
 

@@ -1,0 +1,315 @@
+"""Read alibaba/ROLL RLVR files: map the keys roll has under another name, accept the ROLL keys whose
+value asks for nothing roll lacks, and refuse the rest in ONE error that lists every such key.
+
+>>> raw = translate_roll_keys({"rewards": {"math": {"worker_cls": "x.MathRuleRewardWorker"}}})
+>>> raw["rewards"]["math"]["reward_fn"]
+'math_rule'
+
+Runs on the interpolated plain data, before the strict dataclass build, so that ``${pg_variant}``
+style references still resolve and the strict loader only ever sees roll's own keys. The tables
+below are the reference that docs/migrating_from_roll.md describes key by key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from roll.configs.device_mapping import parse_device_mapping
+from roll.configs.errors import ConfigError
+
+ROLES = ("actor_train", "actor_infer", "reference", "critic")
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A ROLL key roll does not implement. Values in ``accepted`` ask for ROLL's default behaviour,
+    which is also roll's, so the key is dropped; any other value is refused with ``advice``."""
+
+    advice: str
+    accepted: tuple[Any, ...] = (None, False)
+
+
+_OFF0 = (None, False, 0, 0.0)
+_NO_PACKING = "remove it; roll pads each micro-batch (no sequence packing or token-budget batching)"
+# Key path patterns ('*' is one role or reward name) -> what a user must do to run without them.
+UNSUPPORTED: dict[str, Unsupported] = {
+    "difficulty_loss_weight": Unsupported(
+        "remove it; roll's data rows carry no per-sample difficulty (length_loss_weight is supported)"
+    ),
+    "reward_norm": Unsupported("remove it; use norm_mean_type/norm_std_type or whiten_rewards"),
+    "reward_scale": Unsupported("remove it; use norm_std_type or whiten_rewards"),
+    "reward_shift": Unsupported("remove it; use norm_mean_type or whiten_rewards"),
+    "pg_variant": Unsupported(
+        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
+    ),
+    "*.pg_variant": Unsupported(
+        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
+    ),
+    "*.use_dynamic_batching_in_train": Unsupported(_NO_PACKING),
+    "*.use_dynamic_batching_in_infer": Unsupported(_NO_PACKING),
+    "*.max_tokens_per_microbatch_in_train": Unsupported(_NO_PACKING, ()),
+    "*.max_tokens_per_microbatch_in_infer": Unsupported(_NO_PACKING, ()),
+    "*.sequence_length_round_in_train": Unsupported(_NO_PACKING, ()),
+    "*.sequence_length_round_in_infer": Unsupported(_NO_PACKING, ()),
+    "*.use_sequence_packing": Unsupported(_NO_PACKING),
+    "*.sequence_packing_args": Unsupported(_NO_PACKING, ()),
+    "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
+    "rewards.*.judge_model_type": Unsupported(
+        "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
+    ),
+    "rewards.*.reward_type": Unsupported(
+        "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
+    ),
+    "rewards.*.use_local": Unsupported(
+        "remove it or write true; code runs in roll's local sandbox (no remote sandbox service)", (None, True)
+    ),
+    "is_num_return_sequences_expand": Unsupported(
+        "remove it",
+        (None, False, True),  # both spellings sample the group's n responses per prompt
+    ),
+    "*.strategy_args.strategy_config.use_batched_model_update": Unsupported(
+        "remove it; roll sends weights in model_update_buffer_size_mb buckets"
+    ),
+}
+
+# ROLL reward worker class name -> roll reward_fn. Classes not listed are refused.
+REWARD_WORKERS = {
+    "MathRuleRewardWorker": "math_rule",
+    "LLMJudgeRewardWorker": "llm_judge",
+    "CodeSandboxRewardWorker": "code_sandbox",
+    "GeneralRuleRewardWorker": "ifeval",
+    "CrossThinkQARuleRewardWorker": "multiple_choice",
+}
+# ROLL role keys that become reward_kwargs of the mapped reward function.
+REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
+ACTOR_WORKERS = ("ActorWorker",)
+
+
+class _Problems:
+    """Collects the refused keys of one file so they are reported together."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, path: str, advice: str) -> None:
+        self.items.append(f"{path} ({advice})")
+
+
+def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]:
+    """Return ``raw`` with ROLL keys mapped or dropped; raise one ConfigError naming every refused key."""
+    problems = _Problems()
+    notes: list[str] = []
+    _apply_global_template(raw, notes)
+    _fill_model_paths(raw, notes)
+    for name, reward in (raw.get("rewards") or {}).items():
+        if isinstance(reward, dict):
+            _map_reward_worker(reward, f"rewards.{name}", problems, notes)
+    _walk(raw, "", problems, notes)
+    for role in ROLES:
+        if isinstance(raw.get(role), dict):
+            _map_role(raw[role], role, problems, notes)
+    if problems.items:
+        where = f"{source}: " if source else ""
+        raise ConfigError(
+            "",
+            f"{where}alibaba/ROLL keys roll does not support: {'; '.join(problems.items)}"
+            " (see docs/migrating_from_roll.md)",
+        )
+    for note in notes:
+        print(f"roll: {note}", file=sys.stderr)
+    return raw
+
+
+def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    for key in list(node):
+        at = f"{path}.{key}" if path else str(key)
+        rule = _match(at)
+        if rule is not None:
+            value = node.pop(key)
+            if _accepted(value, rule.accepted):
+                if value is not None:
+                    notes.append(f"{at}: {value!r} asks for what roll does anyway; key dropped")
+            else:
+                problems.add(f"{at}={value!r}", rule.advice)
+        elif isinstance(node[key], dict):
+            _walk(node[key], at, problems, notes)
+
+
+def _accepted(value: Any, accepted: tuple[Any, ...]) -> bool:
+    """``value in accepted`` where booleans only equal booleans (``True == 1`` in Python)."""
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted)
+
+
+def _match(path: str) -> Unsupported | None:
+    for pattern, rule in UNSUPPORTED.items():
+        if path == pattern or ("*" in pattern and fnmatch.fnmatchcase(path, pattern)):
+            if pattern.count(".") == path.count("."):
+                return rule
+    return None
+
+
+def _class_name(dotted: Any) -> str:
+    return str(dotted).rsplit(".", 1)[-1]
+
+
+def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    if "worker_cls" not in reward:
+        return
+    cls = _class_name(reward.pop("worker_cls"))
+    name = REWARD_WORKERS.get(cls)
+    if name is None:
+        problems.add(
+            f"{path}.worker_cls={cls}", f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
+        )
+        return
+    if reward.setdefault("reward_fn", name) != name:
+        problems.add(
+            f"{path}.worker_cls={cls}", f"maps to reward_fn {name} but reward_fn is {reward['reward_fn']}"
+        )
+    notes.append(f"{path}.worker_cls {cls} -> reward_fn: {name}")
+    for key, rewards in REWARD_KWARGS.items():
+        if key in reward and name in rewards:
+            reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
+
+
+def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    if "worker_cls" in role:
+        cls = _class_name(role.pop("worker_cls"))
+        if cls not in ACTOR_WORKERS:
+            problems.add(f"{path}.worker_cls={cls}", "remove it; roll's roles use one worker class each")
+    for key, mapper in ROLE_MAPPERS.items():
+        if key in role:
+            mapper(role, f"{path}.{key}", problems, notes)
+
+
+def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """ROLL's devices per inference worker is roll's engine ``tensor_parallel_size``."""
+    value = role.pop("num_gpus_per_worker")
+    args = role.get("strategy_args") or {}
+    if args.get("strategy_name") not in ("vllm", "sglang"):
+        if value not in (None, 1):
+            problems.add(f"{path}={value!r}", "only vllm/sglang workers span devices (tensor_parallel_size)")
+        return
+    config = args.setdefault("strategy_config", {}) or {}
+    args["strategy_config"] = config
+    tp = config.setdefault("tensor_parallel_size", value)
+    if tp != value:
+        problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
+    else:
+        notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
+
+
+_FP32 = ("float32", "fp32")
+
+
+def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
+    precision as the model dtype for parameters with fp32 gradient reduction, CPU offload."""
+    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
+    size = config.pop("fsdp_size", None)
+    if size is not None and size not in (_num_devices(role, path), -1):
+        problems.add(
+            f"{at}.fsdp_size={size!r}", "remove it; roll shards over all the role's devices (no HSDP)"
+        )
+    if "offload_policy" in config:
+        config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
+    param, reduce = config.pop("param_dtype", None), config.pop("reduce_dtype", None)
+    dtype = (role.get("model_args") or {}).get("dtype", "bf16")
+    if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
+        problems.add(
+            f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
+        )
+    if reduce is not None and reduce not in _FP32:
+        problems.add(f"{at}.reduce_dtype={reduce!r}", "remove it; roll reduces gradients in float32")
+    if param is not None or reduce is not None:
+        config.setdefault("mixed_precision", True)
+        notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
+
+
+def _num_devices(role: dict[str, Any], path: str) -> int | None:
+    mapping = role.get("device_mapping")
+    return None if mapping is None else len(parse_device_mapping(mapping, f"{path}.device_mapping"))
+
+
+# megatron-core TransformerConfig kernel switches ROLL passes through; roll's spelling is transformer_config_kwargs.
+MEGATRON_PASSTHROUGH = (
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+)
+
+
+def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """ROLL's megatron extras: kernel switches pass through, ``bf16`` is the model dtype, and
+    sequence_parallel without TP is switched off (ROLL's mcore_adapter warns and does the same)."""
+    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
+    for key in MEGATRON_PASSTHROUGH:
+        if key in config:
+            config.setdefault("transformer_config_kwargs", {})[key] = config.pop(key)
+            notes.append(f"{at}.{key} -> {at}.transformer_config_kwargs.{key}")
+    if "bf16" in config:
+        dtype = (role.get("model_args") or {}).get("dtype", "bf16")
+        if bool(config.pop("bf16")) != (dtype == "bf16"):
+            problems.add(f"{at}.bf16", f"remove it; model_args.dtype ({dtype}) sets the precision")
+    if config.get("sequence_parallel") and config.get("tensor_model_parallel_size", 1) == 1:
+        config["sequence_parallel"] = False
+        notes.append(f"{at}.sequence_parallel: true needs TP > 1; set to false as ROLL does")
+
+
+STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
+    "fsdp2_train": _map_fsdp2,
+    "fsdp2_infer": _map_fsdp2,
+    "megatron_train": _map_megatron,
+    "megatron_infer": _map_megatron,
+}
+
+
+def _map_strategy(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    args = role["strategy_args"]
+    if not isinstance(args, dict) or not isinstance(args.get("strategy_config"), dict):
+        return
+    mapper = STRATEGY_MAPPERS.get(str(args.get("strategy_name")))
+    if mapper is not None:
+        mapper(role, path, problems, notes)
+
+
+def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL's default: roles without model_name_or_path use ``pretrain`` (the critic
+    ``reward_pretrain``)."""
+    for role in ROLES:
+        source = "reward_pretrain" if role == "critic" else "pretrain"
+        section = raw.get(role)
+        if not isinstance(section, dict) or raw.get(source) is None:
+            continue
+        model_args = section.setdefault("model_args", {}) or {}
+        section["model_args"] = model_args
+        if model_args.get("model_name_or_path") is None:
+            model_args["model_name_or_path"] = raw[source]
+            notes.append(f"{role}.model_args.model_name_or_path <- {source}")
+
+
+ROLE_MAPPERS: dict[str, Callable[..., None]] = {
+    "num_gpus_per_worker": _map_num_gpus_per_worker,
+    "strategy_args": _map_strategy,
+}
+
+
+def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL's ``global_template`` is every role's (and validation's) default chat template."""
+    template = raw.pop("global_template", None)
+    if template is None:
+        return
+    for section in (*ROLES, "validation", *(f"rewards.{n}" for n in raw.get("rewards") or {})):
+        node = raw
+        for key in section.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            data_args = node.setdefault("data_args", {}) or {}
+            node["data_args"] = data_args
+            data_args.setdefault("template", template)
+    notes.append(f"global_template: {template!r} -> data_args.template of every role without one")
