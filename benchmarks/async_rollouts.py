@@ -1,7 +1,8 @@
 """Synchronous vs asynchronous generation on one config: runs it twice (``async_generation_ratio``
 0 and 1, everything else equal) and prints step time and validation accuracy side by side.
 
-    python benchmarks/async_rollouts.py --config_name rlvr_megatron_vllm_2gpus_async
+    python benchmarks/async_rollouts.py --config_name rlvr_megatron_vllm_2gpus_disagg max_steps=30 \
+        save_steps=0 'off_policy_correction={mode: tis, level: token, cap: 2.0}'
     python benchmarks/async_rollouts.py --config_name rlvr_config_async max_steps=20   # CPU
     python benchmarks/async_rollouts.py --report output/<sync>/metrics.jsonl output/<async>/metrics.jsonl
 

@@ -160,7 +160,7 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
 
 
 @pytest.mark.parametrize(
-    "name", ["rlvr_config_async", "rlvr_megatron_2gpus_async", "rlvr_megatron_vllm_2gpus_async"]
+    "name", ["rlvr_config_async"]
 )
 def test_shipped_async_configs_dry_run(name, capsys):
     from roll.pipeline.rlvr.launcher import main
