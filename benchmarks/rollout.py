@@ -6,10 +6,12 @@ tokens at temperature 1, with the sampled tokens' log-probs, on one GPU in bf16:
 
 - ``raw_vllm``: ``vllm.LLM(...).generate`` as vLLM users call it (engine core in its own process);
 - ``vllm``: roll's ``vllm`` strategy (engine core in the worker process, our request loop);
+- ``raw_sglang``: ``sglang.Engine(...).generate`` with roll's engine options, one batched call;
+- ``sglang``: roll's ``sglang`` strategy (one request per sample, our request ids);
 - ``hf_infer``: roll's transformers ``generate`` strategy, ``--hf_batch`` prompts at a time;
 - ``megatron_infer``: roll's megatron-core KV-cached generation, ``--hf_batch`` prompts at a time.
 
-The vLLM rows share their engine options (``roll.distributed.strategy.engine_options``), so their
+The engine rows share their engine options (``roll.distributed.strategy.engine_options``), so their
 difference is the strategy's own overhead. Peak memory is the device's used memory (all
 processes), sampled every 50 ms.
 
@@ -31,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS = ("raw_vllm", "vllm", "hf_infer", "megatron_infer")
+ROWS = ("raw_vllm", "vllm", "raw_sglang", "sglang", "hf_infer", "megatron_infer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,8 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--hf_batch", type=int, default=128, help="prompts per call for hf_infer/megatron_infer"
     )
-    parser.add_argument("--gpu_memory_utilization", type=float, default=0.85)
-    parser.add_argument("--enforce_eager", action="store_true", help="vLLM rows without CUDA graphs/compile")
+    parser.add_argument(
+        "--gpu_memory_utilization", type=float, default=0.85, help="vLLM's; SGLang's mem_fraction_static"
+    )
+    parser.add_argument(
+        "--enforce_eager", action="store_true", help="engine rows without CUDA graphs (and vLLM's compile)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row, write JSON
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -82,6 +88,33 @@ def vllm_config(args: argparse.Namespace) -> dict:
         sleep_level=0,
         max_model_len=args.prompt_len + args.new_tokens + 16,
     )
+
+
+def sglang_config(args: argparse.Namespace) -> dict:
+    return dict(
+        mem_fraction_static=args.gpu_memory_utilization,
+        disable_cuda_graph=args.enforce_eager,
+        context_length=args.prompt_len + args.new_tokens + 16,
+    )
+
+
+def run_raw_sglang(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
+    """SGLang's offline engine as its users call it, with the options roll's strategy would pass."""
+    import sglang
+
+    from roll.configs.strategy_configs import SGLangConfig
+    from roll.distributed.strategy.engine_options import sglang_engine_options
+
+    cfg = SGLangConfig(**sglang_config(args))
+    options = sglang_engine_options(cfg, role_config(args, "sglang", **sglang_config(args)), "raw", args.seed)
+    engine = sglang.Engine(**options.kwargs)
+    params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:8], sampling_params=params, return_logprob=True)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return sum(o["meta_info"]["completion_tokens"] for o in outs), elapsed
 
 
 def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
@@ -123,7 +156,7 @@ def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) 
     from roll.distributed.strategy.base import SamplingParams, WorkerContext
     from roll.distributed.strategy.registry import load_strategy_class
 
-    extra = vllm_config(args) if name == "vllm" else {}
+    extra = {"vllm": vllm_config, "sglang": sglang_config}.get(name, lambda _: {})(args)
     ctx = WorkerContext(
         role="actor_infer", rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), seed=args.seed
     )
@@ -140,7 +173,7 @@ def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) 
         )
 
     strategy.generate(batch(prompts[:8]), params)  # warm-up: compile, graphs, allocator
-    step = len(prompts) if name == "vllm" else args.hf_batch
+    step = len(prompts) if name in ("vllm", "sglang") else args.hf_batch
     torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = 0
@@ -148,7 +181,10 @@ def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) 
         out = strategy.generate(batch(prompts[i : i + step]), params)
         tokens += int(out["response_mask"].sum())
     torch.cuda.synchronize()
-    return tokens, time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
+    return tokens, elapsed
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -161,6 +197,8 @@ def run_one(args: argparse.Namespace) -> None:
     prompts = prompt_ids(args, AutoConfig.from_pretrained(args.model).vocab_size)
     if args.one == "raw_vllm":
         tokens, elapsed = run_raw_vllm(args, prompts)
+    elif args.one == "raw_sglang":
+        tokens, elapsed = run_raw_sglang(args, prompts)
     else:
         tokens, elapsed = run_strategy(args, args.one, prompts)
     peak = monitor.take_peak() / 2**30
@@ -201,18 +239,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(args: argparse.Namespace, results: list[dict]) -> None:
-    raw = next((r for r in results if r["row"] == "raw_vllm"), None)
+    """tokens/s per row, relative to raw vLLM and to the raw run of the row's own engine."""
+    rate = {r["row"]: r["tokens"] / r["seconds"] for r in results}
+
+    def rel(row: str, base: str) -> str:
+        return f"{rate[row] / rate[base]:.2f}x" if base in rate else "-"
+
     print(
         f"\n{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, bf16, {Path(args.model).name}"
     )
     print(
-        f"{'row':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs raw vLLM':>13}{'peak GiB':>10}{'process s':>11}"
+        f"{'row':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs raw vLLM':>13}{'vs raw same':>13}"
+        f"{'peak GiB':>10}{'process s':>11}"
     )
     for r in results:
-        rate = r["tokens"] / r["seconds"]
-        rel = f"{rate / (raw['tokens'] / raw['seconds']):.2f}x" if raw else "-"
+        row = r["row"]
+        own = "raw_sglang" if "sglang" in row else "raw_vllm"
         print(
-            f"{r['row']:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{rate:>12.0f}{rel:>13}{r['peak_gib']:>10.1f}{r['wall_s']:>11.1f}"
+            f"{row:<16}{r['tokens']:>10}{r['seconds']:>10.2f}{rate[row]:>12.0f}{rel(row, 'raw_vllm'):>13}"
+            f"{rel(row, own) if own != row else '-':>13}{r['peak_gib']:>10.1f}{r['wall_s']:>11.1f}"
         )
 
 

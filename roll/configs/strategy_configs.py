@@ -290,6 +290,11 @@ class SGLangConfig(_EngineTensorParallel):
     load_format: str = "auto"
     max_running_requests: int | None = None
     disable_radix_cache: bool = False
+    # Kernels: triton attention and the pytorch sampler run from a plain SGLang wheel; "fa3" and
+    # "flashinfer" need SGLang's FlashAttention-3 build / FlashInfer installed (docs/strategies.md).
+    attention_backend: str = "triton"
+    sampling_backend: str = "pytorch"
+    disable_cuda_graph: bool = False
     # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

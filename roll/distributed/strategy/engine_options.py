@@ -143,6 +143,9 @@ SGLANG_CONFIG_KEYS = {
     "load_format": "load_format",
     "max_running_requests": "max_running_requests",
     "disable_radix_cache": "disable_radix_cache",
+    "attention_backend": "attention_backend",
+    "sampling_backend": "sampling_backend",
+    "disable_cuda_graph": "disable_cuda_graph",
 }
 
 

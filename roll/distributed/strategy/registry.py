@@ -77,6 +77,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             extra="sglang",
             requires=("sglang",),
             role_process_group=False,
+            engine_versions=("0.5.16", "0.6"),
         ),
     )
 }

@@ -98,6 +98,12 @@ class SGLangStrategy:
         self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
         self._weights_stale = self.config.load_format == "dummy"
 
+    def shutdown(self) -> None:
+        """Stop the engine's scheduler and detokenizer processes (the worker may then exit)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
     def dp_layout(self) -> tuple[int, int, bool]:
         """Every worker is one data-parallel replica (TP lives inside the engine)."""
         return self.ctx.rank, self.ctx.world_size, True
