@@ -159,9 +159,7 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
     assert abs(steps[1]["off_policy/ratio_max"] - 1) < 1e-3  # step 1 is on policy (same weights)
 
 
-@pytest.mark.parametrize(
-    "name", ["rlvr_config_async"]
-)
+@pytest.mark.parametrize("name", ["rlvr_config_async"])
 def test_shipped_async_configs_dry_run(name, capsys):
     from roll.pipeline.rlvr.launcher import main
 

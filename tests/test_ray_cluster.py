@@ -180,7 +180,9 @@ def test_each_worker_gets_its_rank_env_and_device_slot(runtime, role):
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(len(reports))
         assert env["LOCAL_RANK"] == str(local_rank) and report["local_rank"] == local_rank
         if role != "actor_infer":  # vllm workers join no role group: vLLM makes its own
-            assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(cluster.master_port)
+            assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(
+                cluster.master_port
+            )
         assert env["ROLL_DEVICE"] == "cpu" and report["device"] == "cpu"
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["ROLL_DEVICE_IDS"] == ",".join(map(str, devices))
@@ -225,7 +227,9 @@ def test_engine_role_workers_join_no_default_group(runtime):
     """vLLM's in-process executor builds its own default group and would adopt a role group as its
     world, so a vllm role's workers have none (``StrategySpec.role_process_group``)."""
     _, clusters, _ = runtime
-    with pytest.raises(WorkerError, match="actor_infer rank .*Default process group has not been initialized"):
+    with pytest.raises(
+        WorkerError, match="actor_infer rank .*Default process group has not been initialized"
+    ):
         clusters["actor_infer"].all_reduce_rank()
 
 

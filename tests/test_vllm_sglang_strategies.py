@@ -217,6 +217,9 @@ class FakeServerArgs:
     load_format: str = "auto"
     max_running_requests: int | None = None
     disable_radix_cache: bool = False
+    attention_backend: str | None = None
+    sampling_backend: str | None = None
+    disable_cuda_graph: bool = False
     log_level: str = "error"
 
 
@@ -588,11 +591,13 @@ def test_vllm_broadcast_bucket_over_gloo(fake_engines, tokenizer_dir):
     thread = threading.Thread(target=sender)
     thread.start()
     assert strategy.join_model_update_group("127.0.0.1", port, "link0/data", 1, 3, backend="gloo") == [1, 2]
-    sums = [strategy.receive_bucket(meta, verify=True) for meta, _ in buckets]
+    for meta, _ in buckets:
+        assert strategy.receive_bucket(meta, verify=True) is None  # queued; checksums at the end
+    sums = strategy.take_checksums()
     thread.join(timeout=30)
     assert not errors and not thread.is_alive()
     assert_workers_hold(llm, first)
-    assert sums == [[tuple(s) for s in bucket_checksums(meta, flat).tolist()] for meta, flat in buckets]
+    assert sums == [tuple(s) for meta, flat in buckets for s in bucket_checksums(meta, flat).tolist()]
     strategy.finish_model_update(1)
     strategy.leave_model_update_group()
 
@@ -615,6 +620,7 @@ def test_sglang_engine_start_options(fake_engines, tokenizer_dir):
     assert kw["model_path"] == tokenizer_dir and kw["tp_size"] == 2 and kw["mem_fraction_static"] == 0.6
     assert kw["context_length"] == 256 and kw["enable_memory_saver"] is True and kw["random_seed"] == 100
     assert kw["dtype"] == "bfloat16" and strategy.pad_token_id == PAD
+    assert kw["attention_backend"] == "triton" and kw["sampling_backend"] == "pytorch"
 
 
 def test_sglang_generate_one_request_per_sample(fake_engines, tokenizer_dir):

@@ -11,7 +11,8 @@ checksums are computed (on the device, read back once at the end) and ``load`` g
 
 With ``engine`` given (a strategy whose engine takes buckets in its own processes, e.g. vLLM's TP
 workers), a colocated bucket goes to ``engine.load_shared_bucket(meta, handle, verify=True)`` and a
-broadcast one to ``engine.receive_bucket(meta, verify=True)``; both return the bucket's checksums.
+broadcast one to ``engine.receive_bucket(meta, verify=True)`` (queued without waiting; the
+checksums of every broadcast bucket come from ``engine.take_checksums()`` after the last one).
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class BucketReceiver:
             self.work_stream.synchronize()
         if self.link.is_local:
             self.link.control.finish_acks()
+        if self.engine is not None and use_engine and not self.link.is_local:
+            t0 = time.perf_counter()
+            sums = [self.engine.take_checksums()]
+            result.load_s += time.perf_counter() - t0
         result.checksums = _rows(sums)
         result.total_s = time.perf_counter() - start
         return result
@@ -140,7 +145,8 @@ class BucketReceiver:
             if self.link.is_local:
                 sums = self.engine.load_shared_bucket(meta, handle, verify=True)
             else:
-                sums = self.engine.receive_bucket(meta, verify=True)
+                self.engine.receive_bucket(meta, verify=True)
+                sums = []  # all of them from take_checksums() after the last bucket
         result.load_s += time.perf_counter() - t0
         if self.link.is_local:
             self.link.control.ack()

@@ -20,8 +20,9 @@ serve requests from other threads.
 Engines that receive buckets in their own processes (vLLM's TP workers) offer, besides
 ``load_weights``: ``model_update_ranks()`` (ranks they add to a broadcast group),
 ``join_model_update_group(host, port, prefix, rank_offset, world_size, backend)``,
-``receive_bucket(meta, verify)`` and ``load_shared_bucket(meta, handle, verify)`` (both return the
-bucket's checksums when ``verify``). The receiver uses them when present.
+``receive_bucket(meta, verify)`` (queued without waiting) with ``take_checksums()`` after the last
+bucket, and ``load_shared_bucket(meta, handle, verify)`` (returns the bucket's checksums when
+``verify``). The receiver uses them when present.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ Model update (the receiver on this worker calls these; each is one ``collective_
 
     strategy.join_model_update_group(host, port, prefix, rank_offset, world_size)
     strategy.receive_bucket(meta)                 # broadcast link: every TP worker receives + loads
+    strategy.take_checksums()                     # after the last bucket: wait, checksums in order
     strategy.load_shared_bucket(meta, handle)     # colocated link: map the sender's buffer instead
     strategy.finish_model_update(version)         # reset prefix cache, wake the KV cache, record it
 """
@@ -282,11 +283,15 @@ class VLLMStrategy:
     def leave_model_update_group(self) -> None:
         self._rpc("roll_destroy_update_group")
 
-    def receive_bucket(self, meta: Any, verify: bool = False) -> list[tuple[int, int]] | None:
-        """Every TP worker receives the sender's next broadcast into its buffer and loads it;
-        returns the bucket's per-tensor checksums when ``verify``."""
+    def receive_bucket(self, meta: Any, verify: bool = False) -> None:
+        """Every TP worker receives the sender's next broadcast into its buffer and loads it,
+        queued on its device without waiting; the checksums come from ``take_checksums``."""
         self._wake_weights()
-        return _agreed(self._rpc("roll_receive_bucket", meta, verify))
+        self._rpc("roll_receive_bucket", meta, verify)
+
+    def take_checksums(self) -> list[tuple[int, int]]:
+        """Wait for the received buckets to load; their per-tensor checksums, in order."""
+        return _agreed(self._rpc("roll_take_checksums"))
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, verify: bool = False

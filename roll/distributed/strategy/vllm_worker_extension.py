@@ -10,7 +10,10 @@ uint8 buffers) and arrive one of two ways, both built from the model-update pack
 so the two ends of a link are constructed alike:
 
 * broadcast: each worker joins the sender's group (``open_store`` + ``new_group``, rank
-  ``rank_offset + worker rank``) and receives every bucket into a buffer it keeps between buckets;
+  ``rank_offset + worker rank``) and receives every bucket into one of two buffers it keeps
+  between buckets. Nothing waits on the host: the receive is posted on a side stream (behind the
+  last load that read that buffer), the checksums and the load are queued behind the receive, so
+  bucket k+1 arrives while bucket k loads; ``roll_take_checksums`` waits once at the end;
 * shared memory (colocated): each worker maps the sender's buffer from its handle (``IpcCache``).
 
 Either way the tensors are views into the flat buffer, loaded with the model's own
@@ -39,26 +42,36 @@ class RollWorkerExtension:
         group = new_group(backend, store, prefix, rank, world_size)
         self._roll_transport = BroadcastTransport(group, rank)
         self._roll_group = group
-        self._roll_buffer: torch.Tensor | None = None
+        self._roll_pipe = _ReceivePipeline(torch.device(self.device))
         return rank
 
     def roll_destroy_update_group(self) -> None:
         self._roll_transport = None
         self._roll_group = None
-        self._roll_buffer = None
+        self._roll_pipe = None
 
-    def roll_receive_bucket(self, meta: Any, verify: bool = False) -> list[tuple[int, int]] | None:
-        """Receive one broadcast bucket and load it; returns per-tensor checksums when ``verify``."""
+    def roll_receive_bucket(self, meta: Any, verify: bool = False) -> None:
+        """Receive one broadcast bucket and load it, queued on the device without waiting; its
+        per-tensor checksums (when ``verify``) come back from ``roll_take_checksums``."""
         transport = getattr(self, "_roll_transport", None)
         if transport is None:
             raise RuntimeError("roll_receive_bucket before roll_init_update_group")
-        buffer = self._roll_buffer
-        if buffer is None or buffer.numel() < meta.nbytes:
-            buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
-            self._roll_buffer = buffer
-        flat = buffer[: meta.nbytes]
-        transport.recv(flat).wait()
-        return self._roll_load_flat(meta, flat, verify)
+        pipe = self._roll_pipe
+        flat, work = pipe.post_recv(meta.index, meta.nbytes, transport)
+        with pipe.work():
+            work.wait()
+            if verify:
+                pipe.sums.append(_bucket_sums(meta, flat))
+            self._roll_model().load_weights(weights=_views(meta, flat, self.device))
+            pipe.release(meta.index)
+
+    def roll_take_checksums(self) -> list[tuple[int, int]]:
+        """Wait for every queued bucket; their checksums in order (then forgotten)."""
+        pipe = getattr(self, "_roll_pipe", None)
+        if pipe is None:
+            return []
+        self._roll_sync()
+        return pipe.take_sums()
 
     def roll_load_shared_bucket(
         self, meta: Any, handle: Any, device_index: int | None = None, verify: bool = False
@@ -96,12 +109,10 @@ class RollWorkerExtension:
 
     # ------------------------------------------------------------------------------ helpers
     def _roll_load_flat(self, meta: Any, flat: torch.Tensor, verify: bool) -> list[tuple[int, int]] | None:
-        from roll.distributed.model_update.bucket import unpack_bucket
         from roll.distributed.model_update.checksum import bucket_checksums
 
         sums = [tuple(s) for s in bucket_checksums(meta, flat).tolist()] if verify else None
-        weights = [(name, t.to(self.device)) for name, t in unpack_bucket(meta, flat)]
-        self._roll_model().load_weights(weights=weights)
+        self._roll_model().load_weights(weights=_views(meta, flat, self.device))
         self._roll_sync()
         return sums
 
@@ -110,4 +121,62 @@ class RollWorkerExtension:
 
     def _roll_sync(self) -> None:
         if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # every stream, the pipeline's included
+
+
+def _views(meta: Any, flat: torch.Tensor, device: Any) -> list[tuple[str, torch.Tensor]]:
+    from roll.distributed.model_update.bucket import unpack_bucket
+
+    return [(name, t.to(device)) for name, t in unpack_bucket(meta, flat)]
+
+
+def _bucket_sums(meta: Any, flat: torch.Tensor) -> torch.Tensor:
+    from roll.distributed.model_update.checksum import bucket_checksums
+
+    return bucket_checksums(meta, flat)
+
+
+class _ReceivePipeline:
+    """Two receive buffers on ``device`` and the streams that let bucket k+1 arrive while k loads.
+
+    A buffer is reused only after the load that read it (its ``free`` event); on CPU everything
+    runs in order on the calling thread.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.flats: list[torch.Tensor | None] = [None, None]
+        self.free = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.work_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.sums: list[torch.Tensor] = []
+
+    def post_recv(self, index: int, nbytes: int, transport: Any) -> tuple[torch.Tensor, Any]:
+        slot = index % 2
+        flat = self.flats[slot]
+        if flat is None or flat.numel() < nbytes:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)  # the old buffer may still be read by a load
+            flat = self.flats[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if not self.cuda:
+            return flat[:nbytes], transport.recv(flat[:nbytes])
+        with torch.cuda.stream(self.recv_stream):
+            self.recv_stream.wait_event(self.free[slot])
+            return flat[:nbytes], transport.recv(flat[:nbytes])
+
+    def work(self):
+        import contextlib
+
+        return torch.cuda.stream(self.work_stream) if self.cuda else contextlib.nullcontext()
+
+    def release(self, index: int) -> None:
+        if self.cuda:
+            self.free[index % 2].record(self.work_stream)
+
+    def take_sums(self) -> list[tuple[int, int]]:
+        if not self.sums:
+            return []
+        rows = [tuple(row) for row in torch.cat(self.sums).cpu().tolist()]
+        self.sums = []
+        return rows
