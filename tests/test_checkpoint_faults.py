@@ -47,7 +47,11 @@ def config(root: Path, resume) -> SimpleNamespace:
 def test_save_writes_a_manifest_that_verifies(tmp_path):
     path = save(tmp_path, 2)
     manifest = json.loads((path / MANIFEST).read_text())
-    assert set(manifest["files"]) == {"pipeline_state.json", "actor_train/__0_0.distcp", "actor_train/rng_rank0.json"}
+    assert set(manifest["files"]) == {
+        "pipeline_state.json",
+        "actor_train/__0_0.distcp",
+        "actor_train/rng_rank0.json",
+    }
     verify_checkpoint(path, ["actor_train"])
     assert latest_checkpoint(tmp_path) == path
     assert not list(tmp_path.glob(".tmp-*"))
@@ -89,7 +93,9 @@ def test_missing_state_file_or_role_or_manifest(tmp_path):
     with pytest.raises(CheckpointError, match=rf"^{path / 'pipeline_state.json'}: missing"):
         verify_checkpoint(path)
     write_manifest(path)
-    with pytest.raises(CheckpointError, match=rf"^{path / 'pipeline_state.json'}: missing from the checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=rf"^{path / 'pipeline_state.json'}: missing from the checkpoint"
+    ):
         verify_checkpoint(path)
     path = save(tmp_path, 3)
     with pytest.raises(CheckpointError, match=rf"^{path / 'critic'}: missing from the checkpoint"):
@@ -200,3 +206,24 @@ def test_real_dcp_metadata_passes_the_pickle_check(tmp_path):
     dcp.save({"w": torch.ones(3), "n": 4, "s": {"a": [1.0]}}, checkpoint_id=str(tmp_path), no_dist=True)
     check_metadata_pickle(tmp_path / ".metadata")
     assert set(checkpoint.__all__) >= {"read_state", "resolve_resume"}
+
+
+@pytest.mark.parametrize("error, code", [(CheckpointError, 3), ("reward", 4)])
+def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, error, code):
+    from roll.configs.errors import RewardError
+    from roll.pipeline.rlvr import pipeline
+    from roll.pipeline.rlvr.launcher import main
+
+    exc = (
+        CheckpointError("ckpt/step_2/manifest.json: missing")
+        if error is CheckpointError
+        else RewardError("x")
+    )
+
+    def fail(config):
+        raise exc
+
+    monkeypatch.setattr(pipeline, "run_pipeline", fail)
+    good = Path(__file__).parent / "configs" / "good"
+    assert main(["--config_name", "minimal", "--config_path", str(good)]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [f"{type(exc).__name__}: {exc}"]

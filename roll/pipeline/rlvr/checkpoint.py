@@ -79,7 +79,9 @@ def save_checkpoint(
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``step_N`` directory under ``root``, newest first."""
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    ]
     return sorted(found, reverse=True)
 
 
@@ -97,7 +99,9 @@ def latest_checkpoint(root: Path, roles: list[str] = ("actor_train",)) -> Path |
             skipped.append(str(exc))
             continue
         if skipped:
-            logger.warning("resume: %d newer checkpoint(s) were invalid; resuming from %s", len(skipped), path)
+            logger.warning(
+                "resume: %d newer checkpoint(s) were invalid; resuming from %s", len(skipped), path
+            )
         return path
     if skipped:
         raise CheckpointError(f"{root}: no valid checkpoint ({len(skipped)} invalid; newest: {skipped[0]})")
@@ -114,7 +118,9 @@ def resolve_resume(config: RLVRConfig) -> Path | None:
     if value is True or value in ("true", "True", "latest"):
         found = latest_checkpoint(checkpoint_root(config), roles)
         if found is None:
-            raise ConfigError("resume_from_checkpoint", f"no checkpoint found under {checkpoint_root(config)}")
+            raise ConfigError(
+                "resume_from_checkpoint", f"no checkpoint found under {checkpoint_root(config)}"
+            )
         return found
     path = Path(str(value))
     if not path.is_dir():

@@ -87,7 +87,11 @@ def read_manifest(root: Path) -> dict[str, dict[str, Any]]:
 def _valid_entry(rel: Any, entry: Any) -> bool:
     if not isinstance(rel, str) or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
         return False
-    return isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("size"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def verify_checkpoint(root: Path, roles: Iterable[str] = ()) -> None:
@@ -103,7 +107,9 @@ def verify_checkpoint(root: Path, roles: Iterable[str] = ()) -> None:
             raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise CheckpointError(f"{path}: {size} bytes, {MANIFEST} says {entry['size']} (truncated or changed)")
+            raise CheckpointError(
+                f"{path}: {size} bytes, {MANIFEST} says {entry['size']} (truncated or changed)"
+            )
     rels = sorted(files)
     for rel, digest in zip(rels, _hash_all(root, rels)):
         if digest != files[rel]["sha256"]:

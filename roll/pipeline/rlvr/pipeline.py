@@ -12,6 +12,7 @@ from pathlib import Path
 from roll.configs.pipeline_config import RLVRConfig
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.rlvr.output_dir import claim_output_dir
 from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
@@ -23,6 +24,7 @@ logger = logging.getLogger("roll")
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
     run = rollouts = None
+    lock = claim_output_dir(config)  # refuses a second run on output_dir, or one over an old run
     try:
         run = build_run(config)
         start = resume(run)
@@ -64,6 +66,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         if rollouts is not None:
             rollouts.close()
         shutdown(run)
+        lock.release()
 
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
