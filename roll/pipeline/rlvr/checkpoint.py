@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def latest_checkpoint(root: Path, roles: list[str] = ("actor_train",)) -> Path | None:
+def latest_checkpoint(root: Path, roles: Iterable[str] = ("actor_train",)) -> Path | None:
     """The newest checkpoint under ``root`` that verifies; each newer one that does not is named
     in a warning with the reason. None when there is no step directory at all; CheckpointError
     when there are some and none verifies."""

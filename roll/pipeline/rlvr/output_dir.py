@@ -104,8 +104,8 @@ def existing_run_files(config: RLVRConfig) -> list[Path]:
     run_dir = Path(config.output_dir)
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     root = checkpoint_root(config)
-    if root.is_dir():
-        found += [path for _, path in step_dirs(root)]
+    if root.is_dir():  # with the copies a save stopped between its renames left aside
+        found += [path for _, path in step_dirs(root)] + sorted(root.glob(".old-step_*"))
     return found
 
 
