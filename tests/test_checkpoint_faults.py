@@ -19,7 +19,7 @@ from roll.pipeline.rlvr import checkpoint
 from roll.pipeline.rlvr.checkpoint import latest_checkpoint, resolve_resume, save_checkpoint
 from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, verify_checkpoint, write_manifest
 from roll.utils import atomic_io
-from roll.utils.safe_unpickle import check_metadata_pickle
+from roll.utils.safe_unpickle import check_dcp_dir
 
 STATE = {"step": 2, "sampler": {"position": 7}, "rng": {"python": 1}}
 
@@ -195,17 +195,36 @@ def test_pickled_metadata_that_runs_code_is_refused_before_loading(tmp_path, mon
     path = save(tmp_path, 2)
     (path / "actor_train" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     write_manifest(path)
-    with pytest.raises(CheckpointError, match=r"\.metadata: refers to posix\.system"):
+    with pytest.raises(CheckpointError, match=r"actor_train/\.metadata: refers to posix\.system"):
         verify_checkpoint(path)
     assert not (tmp_path / "pwned").exists()
 
 
-def test_real_dcp_metadata_passes_the_pickle_check(tmp_path):
+def test_real_dcp_checkpoint_passes_the_pickle_check(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.ones(3), "n": 4, "s": {"a": [1.0]}}, checkpoint_id=str(tmp_path), no_dist=True)
-    check_metadata_pickle(tmp_path / ".metadata")
+    state = {"w": torch.ones(3), "n": 4, "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "name": None}]}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    check_dcp_dir(tmp_path)
     assert set(checkpoint.__all__) >= {"read_state", "resolve_resume"}
+
+
+def test_a_non_tensor_entry_that_runs_code_is_refused_before_loading(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.chdir(tmp_path)
+    path = save_checkpoint(
+        tmp_path,
+        2,
+        STATE,
+        lambda tmp: dcp.save(
+            {"w": torch.ones(2), "evil": _RunsCode()}, checkpoint_id=str(tmp / "actor_train"), no_dist=True
+        ),
+    )
+    with pytest.raises(CheckpointError) as err:
+        verify_checkpoint(path, ["actor_train"])
+    assert str(err.value).startswith(f"{path / 'actor_train'}/__0_0.distcp: entry 'evil' is not plain data (")
+    assert not (tmp_path / "pwned").exists()
 
 
 @pytest.mark.parametrize("error, code", [(CheckpointError, 3), ("reward", 4)])

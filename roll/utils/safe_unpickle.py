@@ -1,12 +1,14 @@
-"""Check that a pickle builds only plain checkpoint metadata before torch unpickles it.
+"""Check that a torch.distributed.checkpoint directory unpickles to data only, before torch loads it.
 
-torch.distributed.checkpoint (which megatron's dist checkpoints use too) stores its ``.metadata``
-file as a pickle and loads it with ``pickle.load``: a crafted file runs any code on resume. This
-reads the same bytes with an unpickler that can only build dataclasses and enums of
-``torch.distributed.checkpoint`` and what torch's own ``weights_only`` loader allows (``torch.Size``,
-dtypes, layouts, ``OrderedDict``, ...).
+torch.distributed.checkpoint (which megatron's dist checkpoints use too) unpickles two things
+without restriction: its ``.metadata`` index (``pickle.load``) and every non-tensor entry of the
+state (``torch.load(weights_only=False)`` in ``DefaultLoadPlanner.load_bytes``); a crafted file
+runs any code on resume. ``check_dcp_dir`` reads the index with an unpickler that can only build
+dataclasses and enums of ``torch.distributed.checkpoint`` and what torch's own ``weights_only``
+loader allows (``torch.Size``, dtypes, ``OrderedDict``, ...), then reads every non-tensor entry
+with ``torch.load(weights_only=True)``. (Tensor entries torch already loads with ``weights_only``.)
 
->>> check_metadata_pickle(Path("ckpt/step_4/actor_train/.metadata"))   # raises UnsafePickleError
+>>> check_dcp_dir(Path("ckpt/step_4/actor_train"))   # raises UnsafePickleError
 """
 
 from __future__ import annotations
@@ -55,11 +57,42 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafePickleError("holds a persistent reference, which checkpoint metadata never holds")
 
 
-def check_metadata_pickle(path: Path) -> None:
-    """Raise ``UnsafePickleError`` unless ``path`` unpickles to plain checkpoint metadata."""
+def check_metadata_pickle(path: Path) -> Any:
+    """The unpickled ``path``; ``UnsafePickleError`` unless it holds plain checkpoint metadata."""
     try:
-        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except UnsafePickleError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to read it back is a bad file
         raise UnsafePickleError(f"not a readable pickle ({type(exc).__name__}: {exc})") from exc
+
+
+def check_dcp_dir(root: Path, metadata_name: str = ".metadata") -> None:
+    """``UnsafePickleError("<file relative to root>: <what>")`` unless ``root``'s index and every
+    non-tensor entry (what torch would unpickle without restriction) hold data only."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    try:
+        metadata = check_metadata_pickle(root / metadata_name)
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(f"{metadata_name}: {exc}") from None
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise UnsafePickleError(f"{metadata_name}: not a torch.distributed.checkpoint index")
+    for index, info in storage.items():
+        if not isinstance(entries.get(index.fqn), BytesStorageMetadata):
+            continue
+        with (root / info.relative_path).open("rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            if info.transform_descriptors:
+                raise ValueError(f"transformed entry {list(info.transform_descriptors)}")
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - weights_only refuses code; anything else is bad too
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafePickleError(
+                f"{info.relative_path}: entry {index.fqn!r} is not plain data ({first})"
+            ) from None

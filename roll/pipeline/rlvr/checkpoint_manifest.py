@@ -20,7 +20,7 @@ from typing import Any
 
 from roll.configs.errors import CheckpointError
 from roll.utils.atomic_io import write_file_durably
-from roll.utils.safe_unpickle import UnsafePickleError, check_metadata_pickle
+from roll.utils.safe_unpickle import UnsafePickleError, check_dcp_dir
 
 MANIFEST = "manifest.json"
 STATE_FILE = "pipeline_state.json"
@@ -116,10 +116,11 @@ def verify_checkpoint(root: Path, roles: Iterable[str] = ()) -> None:
             raise CheckpointError(f"{root / rel}: sha256 differs from {MANIFEST} (the file is corrupted)")
     for rel in rels:
         if PurePosixPath(rel).name == _PICKLED_METADATA:
+            dcp_dir = (root / rel).parent
             try:
-                check_metadata_pickle(root / rel)
+                check_dcp_dir(dcp_dir, _PICKLED_METADATA)
             except UnsafePickleError as exc:
-                raise CheckpointError(f"{root / rel}: {exc}") from None
+                raise CheckpointError(f"{dcp_dir}/{exc}") from None
     read_state(root)
 
 
