@@ -22,10 +22,14 @@ _DISK_FULL_FILE = re.compile(r"(?:No space left on device|Disk quota exceeded): 
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to disk."""
+    """Flush a file's (or a directory's entries') data to disk. Filesystems that cannot fsync a
+    directory (EINVAL / ENOTSUP, e.g. some FUSE mounts) are let off for directories."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if not (exc.errno in (errno.EINVAL, errno.ENOTSUP) and os.path.isdir(path)):
+            raise
     finally:
         os.close(fd)
 
