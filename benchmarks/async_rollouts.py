@@ -28,7 +28,8 @@ from roll.utils.tracking import read_metrics  # noqa: E402
 
 def run(config_name: str, ratio: int, overrides: list[str]) -> Path:
     exp = f"{config_name}-{'async' if ratio else 'sync'}"
-    args = [f"async_generation_ratio={ratio}", f"exp_name={exp}", *overrides]
+    # A benchmark run replaces its previous result (the pipeline refuses that unless told to).
+    args = [f"async_generation_ratio={ratio}", f"exp_name={exp}", "overwrite_output_dir=true", *overrides]
     cmd = [sys.executable, str(REPO / "examples/start_rlvr_pipeline.py"), "--config_name", config_name, *args]
     subprocess.run(cmd, check=True, cwd=REPO)
     config = load_config(REPO / "examples/config" / f"{config_name}.yaml", args)

@@ -44,6 +44,9 @@ class RLVRConfig:
     exp_name: str = "rlvr"
     seed: int = 42
     output_dir: str = "./output"
+    # A fresh run into an output_dir that already holds a run (metrics.jsonl, hf_model/, step
+    # checkpoints) is refused unless this is true: it then deletes them (see docs/faults.md).
+    overwrite_output_dir: bool = False
     logging_dir: str | None = None
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     track_with: str = "tensorboard"

@@ -140,4 +140,8 @@ class RewardConfig(RoleConfig):
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     # Time limit per sample for rule rewards; a sample over it scores 0 and is counted.
     timeout_s: float = 5.0
+    # A sample whose function raises or gives no finite number scores 0 and counts as an error
+    # (reward/errors); more than this fraction of a call's samples failing ends the run with a
+    # RewardError. 1.0 never stops. See docs/faults.md.
+    max_error_fraction: float = 0.5
     judge_prompt: str | None = None

@@ -79,6 +79,8 @@ def _check_reward(name: str, role: RewardConfig) -> None:
         )
     if spec.kind == "rule" and role.device_mapping is None and (role.world_size or 1) < 1:
         raise ConfigError(f"{name}.world_size", f"must be >= 1, got {role.world_size}")
+    if not 0.0 <= role.max_error_fraction <= 1.0:
+        raise ConfigError(f"{name}.max_error_fraction", f"must be in [0, 1], got {role.max_error_fraction}")
 
 
 def _check_devices_exist(config: RLVRConfig, plan) -> None:

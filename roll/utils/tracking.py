@@ -3,6 +3,10 @@
 >>> tracker = Tracker(config, run_dir)
 >>> tracker.log({"critic/score/mean": 0.4}, step=1)
 >>> tracker.finish()   # writes curves.png next to metrics.jsonl
+
+metrics.jsonl is strict JSON, one whole line per step, flushed and fsync'd: a non-finite value
+(NaN, inf) is written as ``null``; a full disk is one ``StorageError`` line and leaves no partial
+line; a cut-off last line left by a crash is dropped with a warning when the run resumes.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from roll.configs.errors import StorageError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.utils.atomic_io import append_line_durably, disk_full_as, write_file_durably
 
 logger = logging.getLogger("roll")
 
@@ -41,8 +47,10 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
-        with self.jsonl.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        strict = {k: v if math.isfinite(v) else None for k, v in clean.items()}
+        line = json.dumps({"step": step, **strict}, sort_keys=True, allow_nan=False) + "\n"
+        with disk_full_as(StorageError, self.jsonl):
+            append_line_durably(self.jsonl, line)
         if self.tb is not None:
             for key, value in clean.items():
                 self.tb.add_scalar(key, value, step)
@@ -66,7 +74,8 @@ class Tracker:
             return
         rows = read_metrics(self.jsonl)
         kept = [r for r in rows if r["step"] <= step] if step else []
-        self.jsonl.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        with disk_full_as(StorageError, self.jsonl):
+            write_file_durably(self.jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
     def _tensorboard(self, config: RLVRConfig):
         from torch.utils.tensorboard import SummaryWriter
@@ -82,7 +91,24 @@ class Tracker:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics.jsonl. A last line that does not parse (a write cut off by a crash)
+    is left out with a warning; any other bad line is a ``StorageError`` naming ``file:line``."""
+    lines = Path(path).read_text(errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a metrics row (no 'step')")
+        except ValueError as exc:
+            if not any(rest.strip() for rest in lines[number:]):
+                logger.warning("%s:%d: dropping a cut-off last line (%s)", path, number, exc)
+                break
+            raise StorageError(f"{path}:{number}: {exc}") from None
+        rows.append(row)
+    return rows
 
 
 def plot_curves(jsonl: Path, out: Path) -> Path | None:
@@ -106,7 +132,7 @@ def plot_curves(jsonl: Path, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = False
     for label, key in series.items():
-        points = [(r["step"], r[key]) for r in rows if key in r]
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
@@ -124,6 +150,7 @@ def plot_curves(jsonl: Path, out: Path) -> Path | None:
 
 def _is_number(v: Any) -> bool:
     try:
-        return not math.isnan(float(v))
+        float(v)
     except (TypeError, ValueError):
         return False
+    return True

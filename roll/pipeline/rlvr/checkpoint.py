@@ -1,4 +1,4 @@
-"""Atomic step checkpoints: written to a temporary directory, then renamed into place.
+"""Atomic, verified step checkpoints: written to a temporary directory, fsync'd, then renamed in.
 
 Layout (on a filesystem every node can reach)::
 
@@ -6,29 +6,44 @@ Layout (on a filesystem every node can reach)::
         pipeline_state.json    step, data position, driver RNG states
         actor_train/           written by the actor_train workers (weights, optimizer, scheduler, RNG)
         critic/                likewise, when there is a critic
+        manifest.json          size and sha256 of every file above; written last
 
-A run killed while saving leaves only ``.tmp-step_N``, which the next save removes; ``latest`` never
-returns a half-written checkpoint.
+A run killed while saving leaves only ``.tmp-step_N``, which the next save removes; an existing
+``step_N`` is renamed aside, not deleted, until the new one is in place. Resuming verifies the
+manifest first (see ``checkpoint_manifest``): ``latest`` takes the newest checkpoint that verifies
+and warns about each newer one it skips; a checkpoint named by path must verify.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from roll.configs.errors import ConfigError
+from roll.configs.errors import CheckpointError, ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.pipeline.rlvr.checkpoint_manifest import read_state, verify_checkpoint, write_manifest
+from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
+
+__all__ = ["checkpoint_root", "latest_checkpoint", "read_state", "resolve_resume", "save_checkpoint"]
+
+logger = logging.getLogger("roll")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_root(config: RLVRConfig) -> Path:
     return Path(config.checkpoint_config.output_dir or Path(config.output_dir) / "checkpoints")
+
+
+def checkpoint_roles(config: RLVRConfig) -> list[str]:
+    """The roles whose state a step checkpoint holds."""
+    return ["actor_train"] + (["critic"] if config.critic is not None else [])
 
 
 def save_checkpoint(
@@ -38,57 +53,95 @@ def save_checkpoint(
     save_roles: Callable[[Path], None],
     max_to_keep: int | None = None,
 ) -> Path:
-    """``save_roles(tmp_dir)`` makes every role write into ``tmp_dir/<role>``; then the rename."""
+    """``save_roles(tmp_dir)`` makes every role write into ``tmp_dir/<role>``; then the driver's
+    state, fsync of everything, the manifest (last) and the rename. A failure removes the
+    temporary directory; a full disk is one ``CheckpointError`` line naming the file."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step_{step}"
-    tmp.mkdir()
-    save_roles(tmp)
-    (tmp / "pipeline_state.json").write_text(json.dumps(state, indent=1))
+    try:
+        tmp.mkdir()
+        save_roles(tmp)
+        write_file_durably(tmp / "pipeline_state.json", json.dumps(state, indent=1, allow_nan=False))
+        fsync_tree(tmp)
+        write_manifest(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise CheckpointError(disk_full_message(exc, tmp)) from exc
+        raise
     final = root / f"step_{step}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
     _prune(root, max_to_keep)
     return final
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    steps = [
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_N`` directory under ``root``, newest first."""
+    found = [
         (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
     ]
-    steps = [(s, p) for s, p in steps if (p / "pipeline_state.json").exists()]
-    return max(steps)[1] if steps else None
+    return sorted(found, reverse=True)
+
+
+def latest_checkpoint(root: Path, roles: Iterable[str] = ("actor_train",)) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; each newer one that does not is named
+    in a warning with the reason. None when there is no step directory at all; CheckpointError
+    when there are some and none verifies."""
+    _recover_renamed_aside(root)
+    skipped = []
+    for _, path in step_dirs(root):
+        try:
+            verify_checkpoint(path, roles)
+        except CheckpointError as exc:
+            logger.warning("resume: skipping invalid checkpoint %s: CheckpointError: %s", path, exc)
+            skipped.append(str(exc))
+            continue
+        if skipped:
+            logger.warning(
+                "resume: %d newer checkpoint(s) were invalid; resuming from %s", len(skipped), path
+            )
+        return path
+    if skipped:
+        raise CheckpointError(f"{root}: no valid checkpoint ({len(skipped)} invalid; newest: {skipped[0]})")
+    return None
 
 
 def resolve_resume(config: RLVRConfig) -> Path | None:
-    """Where to resume from: ``true`` = the latest under the checkpoint dir, a path = that one."""
+    """Where to resume from: ``true`` = the newest valid one under the checkpoint dir, a path =
+    that one, which must verify. Either way the result has been verified against its manifest."""
     value = config.resume_from_checkpoint
     if value is False or value in ("", "false", "False", None):
         return None
+    roles = checkpoint_roles(config)
     if value is True or value in ("true", "True", "latest"):
-        found = latest_checkpoint(checkpoint_root(config))
+        found = latest_checkpoint(checkpoint_root(config), roles)
         if found is None:
             raise ConfigError(
                 "resume_from_checkpoint", f"no checkpoint found under {checkpoint_root(config)}"
             )
         return found
     path = Path(str(value))
-    if not (path / "pipeline_state.json").exists():
-        raise ConfigError(
-            "resume_from_checkpoint", f"{path} is not a step checkpoint (no pipeline_state.json)"
-        )
+    if not path.is_dir():
+        raise ConfigError("resume_from_checkpoint", f"{path}: no such checkpoint directory")
+    verify_checkpoint(path, roles)
     return path
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "pipeline_state.json").read_text())
+def _recover_renamed_aside(root: Path) -> None:
+    """A save killed between its two renames leaves ``.old-step_N`` and no ``step_N``: put it back."""
+    for old in root.glob(".old-step_*"):
+        final = root / old.name.removeprefix(".old-")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            logger.warning("checkpoint: restoring %s (a save stopped while replacing it)", final)
+            os.replace(old, final)
 
 
 def _prune(root: Path, max_to_keep: int | None) -> None:
     if not max_to_keep:
         return
-    steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-    for _, path in steps[:-max_to_keep]:
+    for _, path in step_dirs(root)[max_to_keep:]:
         shutil.rmtree(path, ignore_errors=True)

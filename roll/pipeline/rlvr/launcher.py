@@ -2,7 +2,9 @@
 
     python examples/start_rlvr_pipeline.py --config_name rlvr_config [--config_path DIR] [--dry_run] [key.sub=value ...]
 
-A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2.
+A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2; a
+checkpoint or run file that cannot be trusted or written (``CheckpointError`` / ``StorageError``,
+naming the file) exits with 3; a reward role failing on too many samples (``RewardError``) with 4.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from roll.configs.errors import ConfigError
+from roll.configs.errors import ConfigError, RewardError, StorageError
 from roll.distributed.scheduler.errors import WorkerError
 
 
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
+    except (StorageError, RewardError) as exc:  # CheckpointError is a StorageError
+        logging.getLogger("roll").debug("%s", exc, exc_info=True)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3 if isinstance(exc, StorageError) else 4
     except WorkerError as exc:
         # One line names the role, rank and the original exception; the worker's traceback goes
         # to the run's log, where it helps without burying the message.

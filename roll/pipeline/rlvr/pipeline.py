@@ -12,9 +12,10 @@ from pathlib import Path
 from roll.configs.pipeline_config import RLVRConfig
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.rlvr.output_dir import claim_output_dir
 from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
-from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
+from roll.pipeline.rlvr.run import RLVRRun, build_run, setup_logging, shutdown
 from roll.utils.rng import rng_state, set_rng_state
 
 logger = logging.getLogger("roll")
@@ -23,9 +24,12 @@ logger = logging.getLogger("roll")
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
     run = rollouts = None
+    lock = claim_output_dir(config)  # refuses a second run on output_dir, or one over an old run
     try:
+        setup_logging(Path(config.output_dir))
+        checkpoint = resolve_resume(config)  # verified against its manifest before any model loads
         run = build_run(config)
-        start = resume(run)
+        start = resume(run, checkpoint)
         run.tracker = _tracker(run, start)
         if start == 0 and config.eval_steps:
             run.tracker.log(stages.run_validation(run, step=0), step=0)
@@ -64,6 +68,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         if rollouts is not None:
             rollouts.close()
         shutdown(run)
+        lock.release()
 
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
@@ -81,13 +86,13 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
     return metrics
 
 
-def resume(run: RLVRRun) -> int:
-    """Restore trainer states, data position and RNG from a checkpoint; returns its step (0: fresh).
+def resume(run: RLVRRun, path: Path | None) -> int:
+    """Restore trainer states, data position and RNG from the verified checkpoint ``path`` (see
+    ``resolve_resume``); returns its step (0: fresh, ``path`` None).
 
     Either way the engines then hold the trainer's weights: a fresh run syncs version 0 before its
     first rollout (engines started with ``load_format: dummy`` have none, and a broken model-update
     path fails here, before any training)."""
-    path = resolve_resume(run.config)
     if path is None:
         update_inference_weights(run, 0, always=True)
         return 0

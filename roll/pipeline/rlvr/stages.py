@@ -26,6 +26,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
 )
 from roll.pipeline.rlvr.algorithms.off_policy import importance_weights
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
+from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -68,14 +69,22 @@ def generate_rollouts(run: RLVRRun, prompts: Batch, params: SamplingParams) -> B
 
 
 def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
-    """Route each row by its tag to the reward role that claims it; gather ``scores`` [B]."""
+    """Route each row by its tag to the reward role that claims it; gather ``scores`` [B] and the
+    per-sample ``reward_error`` / ``reward_timeout`` flags (a role failing on too many samples
+    ends the run, see ``rewards.health``)."""
     scores = torch.full((len(batch),), float("nan"))
+    flags = {key: torch.zeros(len(batch)) for key in ("reward_error", "reward_timeout")}
     tags = [str(t) for t in batch["tag"]]
     for name, rows in run.reward_routes(tags).items():
         part = batch.index(rows).select(["response_text", "ground_truth", "prompt_text", "tag"])
         result = dp_call(run.clusters[f"rewards.{name}"], "compute_rewards", part)
+        check_reward_result(f"rewards.{name}", run.config.rewards[name], result)
         scores[torch.as_tensor(rows)] = result["scores"]
+        for key, flag in flags.items():
+            if key in result:
+                flag[torch.as_tensor(rows)] = result[key].float()
     batch.tensors["scores"] = scores
+    batch.tensors.update(flags)
     return batch
 
 
@@ -174,6 +183,7 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> dict[str, float]:
 def rollout_metrics(run: RLVRRun, batch: Batch) -> dict[str, float]:
     mask = batch["response_mask"]
     metrics = score_stats_by_domain(batch["scores"], batch["domain"]) | response_length_stats(mask)
+    metrics |= reward_error_metrics(batch, run.reward_routes([str(t) for t in batch["tag"]]))
     if "old_log_probs" in batch and "infer_logprobs" in batch:
         mismatch = logprob_mismatch(batch["old_log_probs"], batch["infer_logprobs"], mask)
         metrics |= mismatch | {"rollout/logprob_mismatch": mismatch["train_infer/logprob_abs_diff/mean"]}

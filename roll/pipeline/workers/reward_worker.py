@@ -3,6 +3,10 @@
 Rule rewards (``math_rule``, ``format``, ...) run on CPU with a per-sample time limit; the role's
 ``world_size`` workers score disjoint shards in parallel. Model rewards (``llm_judge``) run the
 role's own inference strategy on its devices.
+
+Each call returns ``scores`` [B] and, per sample, ``reward_error`` [B] (1.0: the function raised or
+gave no finite number; the sample scores 0.0), ``reward_timeout`` [B] and ``reward_error_msg`` (the
+message, "" when none), which the pipeline counts (``reward/errors``) against ``max_error_fraction``.
 """
 
 from __future__ import annotations
@@ -30,15 +34,29 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: Batch) -> Batch:
-        """Field ``scores`` [B] for ``batch["response_text"]`` against ``batch["ground_truth"]``."""
+        """``scores`` [B] for ``batch["response_text"]`` against ``batch["ground_truth"]``, with
+        the per-sample error fields of the module docstring."""
+        from roll.pipeline.rlvr.rewards.scoring import ScoreResult, checked_score
+
         cfg = self.role_config
         if self.spec.kind == "model":
-            scores = load_reward_fn(cfg.reward_fn)(self.strategy, batch, cfg)
+            raw = [float(s) for s in load_reward_fn(cfg.reward_fn)(self.strategy, batch, cfg)]
+            result = ScoreResult(raw, [""] * len(raw), [False] * len(raw))
+            for i, value in enumerate(raw):
+                try:
+                    checked_score(value)
+                except ValueError as exc:
+                    result.scores[i], result.errors[i] = 0.0, f"ValueError: {exc}"
         else:
-            scores = self.scorer.score(
+            result = self.scorer.score_detailed(
                 [str(r) for r in batch["response_text"]], [str(g) for g in batch["ground_truth"]]
             )
-        return Batch.from_dict({"scores": torch.as_tensor(scores, dtype=torch.float32)})
+        tensors = {
+            "scores": torch.as_tensor(result.scores, dtype=torch.float32),
+            "reward_error": torch.as_tensor([float(bool(e)) for e in result.errors]),
+            "reward_timeout": torch.as_tensor([float(t) for t in result.timeouts]),
+        }
+        return Batch.from_dict(tensors, {"reward_error_msg": list(result.errors)})
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:

@@ -13,12 +13,19 @@ Prompts are rendered with the tokenizer's chat template (``add_generation_prompt
 tokenizer without one, or ``data_args.template: plain``, uses ``PLAIN_TEMPLATE``: one
 ``"<role>: <content>\\n"`` line per message, then ``"assistant: "``. Other ``template`` values (ROLL's
 ``qwen2_5``, ``native``, ...) are accepted and mean the tokenizer's own template.
+
+A row is rejected (skipped, counted in ``bad_rows`` and logged as ``file:line: reason``) when it is
+not JSON (invalid UTF-8, bad syntax, nested too deeply), has an empty or whitespace-only prompt or
+message content, a missing / null / NaN / infinite ground truth, or a string holding a lone UTF-16
+surrogate (``"\ud800"``: valid JSON, but no tokenizer can encode it). Prompts longer than
+``prompt_length`` tokens are dropped and counted, the first ``MAX_LOGGED_BAD_ROWS`` by ``file:line``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 PLAIN_TEMPLATE = "plain"
 MAX_LOGGED_BAD_ROWS = 20
+MAX_LOGGED_TOO_LONG = 5
 
 
 @dataclass
@@ -58,6 +66,7 @@ class PromptDataset:
     rows: list[PromptRow]
     num_too_long: int = 0
     bad_rows: list[BadRow] = field(default_factory=list)
+    too_long: list[str] = field(default_factory=list)  # "file:line" of each dropped long prompt
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,30 +95,66 @@ def parse_row(row: Any, args: DataArgs, default_tag: str) -> tuple[list[dict[str
     """(messages, ground_truth, tag) of one decoded row; ValueError with the reason when it is bad."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    messages = _messages(row, args)
+    truth = _ground_truth(row, args)
+    tag = row.get(args.tag, default_tag)
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"wrong type: field {args.tag!r} must be a non-empty string")
+    texts = [(args.tag, tag), (args.ground_truth, truth)]
+    if args.messages in row:
+        texts += [
+            (f"{args.messages}[{i}].{k}", m[k]) for i, m in enumerate(messages) for k in ("role", "content")
+        ]
+    else:
+        texts.append((args.prompt, messages[0]["content"]))
+    for name, text in texts:
+        _check_encodable(name, text)
+    return messages, truth, tag
+
+
+def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
     if args.messages in row:
         messages = row[args.messages]
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"wrong type: field {args.messages!r} must be a non-empty list of messages")
-        for m in messages:
+        for i, m in enumerate(messages):
             if not (
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             ):
                 raise ValueError(f"wrong type: each {args.messages!r} item needs string 'role' and 'content'")
-    elif args.prompt in row:
+            if not m["content"].strip():
+                raise ValueError(f"empty content: {args.messages}[{i}] ({m['role']}) has no text")
+        return messages
+    if args.prompt in row:
         if not isinstance(row[args.prompt], str):
             raise ValueError(f"wrong type: field {args.prompt!r} must be a string")
-        messages = [{"role": "user", "content": row[args.prompt]}]
-    else:
-        raise ValueError(f"missing field: neither {args.messages!r} nor {args.prompt!r}")
+        if not row[args.prompt].strip():
+            raise ValueError(f"empty prompt: field {args.prompt!r} has no text")
+        return [{"role": "user", "content": row[args.prompt]}]
+    raise ValueError(f"missing field: neither {args.messages!r} nor {args.prompt!r}")
+
+
+def _ground_truth(row: dict[str, Any], args: DataArgs) -> str:
     if args.ground_truth not in row:
         raise ValueError(f"missing field: {args.ground_truth!r}")
     truth = row[args.ground_truth]
+    if truth is None:
+        raise ValueError(f"missing value: field {args.ground_truth!r} is null")
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
         raise ValueError(f"wrong type: field {args.ground_truth!r} must be a string or a number")
-    tag = row.get(args.tag, default_tag)
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"wrong type: field {args.tag!r} must be a non-empty string")
-    return messages, str(truth), tag
+    if isinstance(truth, float) and not math.isfinite(truth):
+        raise ValueError(f"missing value: field {args.ground_truth!r} is {truth} (not a finite number)")
+    return str(truth)
+
+
+def _check_encodable(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ValueError(
+            f"invalid text: field {name!r} holds a lone surrogate {bad!r} at character {exc.start}"
+        ) from None
 
 
 def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[tuple[list[dict], str, str, int]]:
@@ -124,6 +169,8 @@ def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[tuple[
                 rows.append((*parse_row(row, args, path.stem), line_no))
             except UnicodeDecodeError:
                 bad_rows.append(BadRow(str(path), line_no, "invalid UTF-8"))
+            except RecursionError:
+                bad_rows.append(BadRow(str(path), line_no, "invalid JSON: nested too deeply"))
             except json.JSONDecodeError as exc:
                 bad_rows.append(BadRow(str(path), line_no, f"invalid JSON: {exc.msg} (column {exc.colno})"))
             except ValueError as exc:
@@ -149,36 +196,41 @@ def load_prompt_files(
 ) -> PromptDataset:
     """Read, render and tokenize every file of ``data_args.file_name`` (see the module docstring)."""
     dataset = PromptDataset(rows=[])
-    too_long: Counter[str] = Counter()
     for path in resolve_files(data_args, path_prefix):
         rows = read_rows(path, data_args, dataset.bad_rows)
         texts = [render_prompt(messages, tokenizer, data_args.template) for messages, *_ in rows]
         ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for (_, truth, tag, line_no), text, ids in zip(rows, texts, ids_list, strict=True):
             if len(ids) > prompt_length:
-                too_long[str(path)] += 1
+                dataset.too_long.append(f"{path}:{line_no} ({len(ids)} tokens)")
                 continue
             dataset.rows.append(PromptRow(list(ids), text, truth, tag, tag, f"{path}:{line_no}"))
     if data_args.max_samples is not None:
         dataset.rows = dataset.rows[: data_args.max_samples]
-    dataset.num_too_long = sum(too_long.values())
-    _log_summary(dataset, too_long, prompt_length)
+    dataset.num_too_long = len(dataset.too_long)
+    _log_summary(dataset, prompt_length)
     if not dataset.rows:
         key = f"{path_prefix}.file_name" if path_prefix else "file_name"
         raise ConfigError(key, f"no usable prompt rows in {data_args.file_name} (see the warnings above)")
     return dataset
 
 
-def _log_summary(dataset: PromptDataset, too_long: Counter[str], prompt_length: int) -> None:
+def _log_summary(dataset: PromptDataset, prompt_length: int) -> None:
     for bad in dataset.bad_rows[:MAX_LOGGED_BAD_ROWS]:
         logger.warning("skipped bad prompt row %s", bad)
     if len(dataset.bad_rows) > MAX_LOGGED_BAD_ROWS:
         logger.warning(
             "skipped %d bad prompt rows in all (first %d shown)", len(dataset.bad_rows), MAX_LOGGED_BAD_ROWS
         )
-    for path, count in too_long.items():
+    if dataset.too_long:
+        shown = ", ".join(dataset.too_long[:MAX_LOGGED_TOO_LONG])
+        more = f" (first {MAX_LOGGED_TOO_LONG} shown)" if len(dataset.too_long) > MAX_LOGGED_TOO_LONG else ""
         logger.warning(
-            "dropped %d prompts longer than prompt_length=%d tokens from %s", count, prompt_length, path
+            "dropped %d prompts longer than prompt_length=%d tokens: %s%s",
+            len(dataset.too_long),
+            prompt_length,
+            shown,
+            more,
         )
     logger.info(
         "loaded %d prompts (domains %s); dropped %d too long, skipped %d bad rows",

@@ -8,7 +8,12 @@ thread cannot be killed, so samples are scored in spawned worker processes: a sa
     scorer = RewardScorer("math_rule", {"last_number_fallback": True}, timeout_s=5.0)
     scores = scorer.score(responses, ground_truths)   # list[float], same order
     scorer.stats                                       # {"scored": .., "timeouts": .., "errors": ..}
+    result = scorer.score_detailed(responses, ground_truths)  # + per-sample errors and timeouts
     scorer.close()
+
+A sample whose function raises, or returns anything but a finite number (None, a string, NaN,
+inf), scores 0.0 and is an error with its message (``checked_score``); the reward worker reports
+them so the pipeline can count them and stop past ``max_error_fraction``.
 
 ``score_batch`` does the same with one scorer kept per (reward, kwargs, timeout) in this process,
 so workers are started once per reward worker, not once per batch. ``reward_fn`` is a name from
@@ -22,12 +27,14 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -38,6 +45,34 @@ from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, get_reward_spe
 logger = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0
+MAX_ERROR_MESSAGE = 300
+
+
+def checked_score(value: Any) -> float:
+    """``value`` as a float; TypeError / ValueError unless it is a finite number."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"returned {_short(repr(value))}, not a number")
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"returned a {type(value).__name__}, not a number") from None
+    if not math.isfinite(score):
+        raise ValueError(f"returned {score}, not a finite number")
+    return score
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_MESSAGE else text[: MAX_ERROR_MESSAGE - 3] + "..."
+
+
+@dataclass
+class ScoreResult:
+    """Scores in input order; ``errors[i]`` is "" or the message of sample i's failure;
+    ``timeouts[i]`` says it ran past the time limit (it scores 0.0 and is not an error)."""
+
+    scores: list[float]
+    errors: list[str] = field(default_factory=list)
+    timeouts: list[bool] = field(default_factory=list)
 
 
 def resolve_target(reward_fn: str, path: str = "reward_fn") -> str:
@@ -81,9 +116,9 @@ def _worker_main(fd: int, target: str, kwargs: dict[str, Any]) -> None:
     while (msg := conn.recv()) is not None:
         index, response, truth = msg
         try:
-            conn.send((index, float(fn(response, truth, **kwargs)), None))
+            conn.send((index, checked_score(fn(response, truth, **kwargs)), None))
         except Exception as exc:  # a failing sample scores 0.0 and is counted, the run goes on
-            conn.send((index, 0.0, f"{type(exc).__name__}: {exc}"))
+            conn.send((index, 0.0, _short(f"{type(exc).__name__}: {exc}")))
 
 
 class _Worker:
@@ -128,10 +163,15 @@ class RewardScorer:
         self.stats = {"scored": 0, "timeouts": 0, "errors": 0}
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
+        return self.score_detailed(responses, ground_truths).scores
+
+    def score_detailed(self, responses: Sequence[str], ground_truths: Sequence[str]) -> ScoreResult:
+        """Scores with each sample's error message and timeout flag (see ``ScoreResult``)."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
-        scores = [0.0] * len(responses)
-        pending = deque(range(len(responses)))
+        n = len(responses)
+        result = ScoreResult([0.0] * n, [""] * n, [False] * n)
+        pending = deque(range(n))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample index, start time)
         while pending or busy:
             for slot in range(len(self.workers)):
@@ -139,11 +179,17 @@ class RewardScorer:
                     index = pending.popleft()
                     self.workers[slot].conn.send((index, responses[index], ground_truths[index]))
                     busy[slot] = (index, time.monotonic())
-            self._collect(busy, scores)
-        self.stats["scored"] += len(responses)
-        return scores
+            self._collect(busy, result)
+        self.stats["scored"] += n
+        failed = [i for i, e in enumerate(result.errors) if e]
+        if failed:
+            logger.warning(
+                "reward %s failed on %d of %d samples, e.g. sample %d: %s",
+                self.target, len(failed), n, failed[0], result.errors[failed[0]],
+            )  # fmt: skip
+        return result
 
-    def _collect(self, busy: dict[int, tuple[int, float]], scores: list[float]) -> None:
+    def _collect(self, busy: dict[int, tuple[int, float]], result: ScoreResult) -> None:
         """Wait for the first result or deadline; store results, replace workers past their deadline."""
         deadline = min(start for _, start in busy.values()) + self.timeout_s
         conns = {self.workers[slot].conn: slot for slot in busy}
@@ -154,10 +200,11 @@ class RewardScorer:
             except EOFError:  # the worker died (e.g. out of memory): count it like an error
                 index, value, error = busy[slot][0], 0.0, "reward worker exited"
                 self._replace(slot)
-            scores[index] = value
+            result.scores[index] = value
             if error:
                 self.stats["errors"] += 1
-                logger.warning("reward %s failed on sample %d: %s", self.target, index, error)
+                result.errors[index] = error
+                logger.debug("reward %s failed on sample %d: %s", self.target, index, error)
             del busy[slot]
         now = time.monotonic()
         for slot, (index, start) in list(busy.items()):
@@ -166,7 +213,8 @@ class RewardScorer:
                     "reward %s timed out (%.1f s) on sample %d", self.target, self.timeout_s, index
                 )
                 self.stats["timeouts"] += 1
-                scores[index] = 0.0
+                result.scores[index] = 0.0
+                result.timeouts[index] = True
                 self._replace(slot)
                 del busy[slot]
 
@@ -208,7 +256,8 @@ def score_batch(
     if timeout_s is None:
         fn = load_target(resolve_target(reward_fn_name))
         scores = [
-            float(fn(r, t, **(reward_kwargs or {}))) for r, t in zip(responses, ground_truths, strict=True)
+            checked_score(fn(r, t, **(reward_kwargs or {})))
+            for r, t in zip(responses, ground_truths, strict=True)
         ]
         if stats is not None:
             stats["scored"] = stats.get("scored", 0) + len(scores)
