@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 NORM_TYPES = (None, "batch", "group")
 # ROLL names this framework does not implement, with the reason (checked before launch).
-NORM_REFUSED: dict[str, str] = {"running": "(ROLL's running statistics) is not supported"}
+NORM_REFUSED: dict[str, str] = {"running": "is not supported (ROLL's running statistics across steps)"}
 NORM_EPS = 1e-6
 
 
