@@ -106,12 +106,10 @@ def test_every_numeric_config_field_declares_a_range():
     missing = []
     for _, prefix, cls, skip in config_sections():
         for key, f, tp in walk(cls, prefix, skip):
-            base = (
-                typing.get_args(tp)
-                if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType)
-                else (tp,)
+            kinds = (
+                set(typing.get_args(tp)) | {tp} | {a for t in typing.get_args(tp) for a in typing.get_args(t)}
             )
-            numeric = any(t in (int, float) or typing.get_args(t)[-1:] == (float,) for t in base)
+            numeric = bool(kinds & {int, float})
             if numeric and RANGE_KEY not in f.metadata and CHOICES_KEY not in f.metadata:
                 missing.append(key)
     assert not missing, missing

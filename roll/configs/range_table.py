@@ -27,19 +27,14 @@ def config_sections() -> list[tuple[str, str, type, tuple[str, ...]]]:
     role_keys = tuple(f.name for f in dataclasses.fields(RoleConfig))
     sections = [
         ("Top level", "", RLVRConfig, ("actor_train", "actor_infer", "reference", "critic", "rewards")),
-        (
-            "Every role (actor_train, actor_infer, reference, critic, rewards.<name>)",
-            "<role>",
-            RoleConfig,
-            ("strategy_args",),
-        ),
+        ("Every role", "<role>", RoleConfig, ("strategy_args",)),
         ("Reward roles", "rewards.<name>", RewardConfig, role_keys),
     ]
     by_cls: dict[type, list[str]] = {}
     for spec in STRATEGIES.values():
         by_cls.setdefault(spec.config_cls, []).append(spec.name)
     for cls, names in by_cls.items():
-        title = f"strategy_config of {', '.join(names)}"
+        title = "`strategy_config` of " + ", ".join(f"`{name}`" for name in names)
         sections.append((title, "<role>.strategy_args.strategy_config", cls, ()))
     return sections
 
@@ -93,14 +88,9 @@ def markdown() -> str:
     current = None
     for title, key, allowed, default in rows():
         if title != current:
-            lines += [
-                "" if lines else None,
-                f"#### {title}",
-                "",
-                "| key | allowed values | default |",
-                "|---|---|---|",
-            ]
-            lines = [line for line in lines if line is not None]
+            if lines:
+                lines.append("")
+            lines += [f"#### {title}", "", "| key | allowed values | default |", "|---|---|---|"]
             current = title
         lines.append(f"| `{key}` | {allowed} | {default} |")
     return "\n".join(lines) + "\n"

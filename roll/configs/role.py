@@ -102,7 +102,7 @@ class RoleConfig:
     generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
     data_args: DataArgs = field(default_factory=DataArgs)
     strategy_args: StrategyArgs | None = None
-    device_mapping: list[int] | None = None
+    device_mapping: list[int] | None = bounded(None, ge=0)
     infer_batch_size: int = bounded(1, ge=1)
     # For roles without devices (CPU-only rewards): how many workers to start.
     world_size: int | None = bounded(None, ge=1)
