@@ -188,10 +188,10 @@ class MegatronConfig:
                     "recompute_num_layers-layer chunk) or block (recompute the first "
                     "recompute_num_layers layers of each stage)",
                 )
-            if self.recompute_num_layers is None or self.recompute_num_layers < 1:
+            if self.recompute_num_layers is None:
                 raise ConfigError(
                     f"{path}.recompute_num_layers",
-                    f"recompute_granularity: full needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}",
+                    "recompute_granularity: full needs recompute_num_layers (>= 1 layers per chunk)",
                 )
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             key = "recompute_method" if self.recompute_method is not None else "recompute_num_layers"
