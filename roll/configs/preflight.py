@@ -56,9 +56,13 @@ def check_model_dir(path: str | None, key: str = "model_args.model_name_or_path"
     if not path:
         raise ConfigError(key, "is not set; point it at a Hugging Face model directory")
     if not Path(path).is_dir():
-        raise ConfigError(
-            key, f"model directory {path!r} does not exist (relative paths start at {Path.cwd()})"
-        )
+        hint = f"relative paths start at {Path.cwd()}"
+        if _looks_like_hub_name(path):
+            hint = (
+                "roll loads local directories; download it first, e.g. huggingface-cli download "
+                f"{path} --local-dir models/{path.split('/')[-1]}, and point {key} there"
+            )
+        raise ConfigError(key, f"model directory {path!r} does not exist ({hint})")
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(key, f"{path!r} is not a Hugging Face model directory (no config.json there)")
     return path
@@ -116,3 +120,8 @@ def check_reward_options(config: RLVRConfig) -> None:
 
     for name, reward in config.rewards.items():
         check_reward_kwargs(reward.reward_fn, reward.reward_kwargs, f"rewards.{name}.reward_kwargs")
+
+
+def _looks_like_hub_name(path: str) -> bool:
+    """``org/name`` as on the Hugging Face hub (not ``./x``, ``/x`` or ``a/b/c``)."""
+    return not path.startswith((".", "/", "~")) and path.count("/") == 1
