@@ -173,6 +173,11 @@ def test_good_files_pass(files, capsys):
             "does not exist",
         ),
         (
+            lambda f: ["pretrain=Qwen/No-Such-Model"],
+            "actor_train.model_args.model_name_or_path",
+            "huggingface-cli download Qwen/No-Such-Model",
+        ),
+        (
             lambda f: (f["model"] / "config.json").unlink() or [],
             "actor_train.model_args.model_name_or_path",
             "no config.json",
