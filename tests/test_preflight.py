@@ -74,6 +74,13 @@ RANGE_CASES = [
     ),
     ("rewards.math.timeout_s=0", "rewards.math.timeout_s", "> 0"),
     ("seed=-1", "seed", "in [0, 4294967295]"),
+    ("max_steps=true", "max_steps", "expected a number (>= 1), got true"),
+    (
+        "actor_train.training_args.learning_rate=false",
+        "actor_train.training_args.learning_rate",
+        "expected a number",
+    ),
+    ("checkpoint_config.type=s3", "checkpoint_config.type", "expected one of ['file_system']"),
 ]
 
 
@@ -341,7 +348,9 @@ def test_docs_ranges_table_is_the_generated_one():
 
     assert BEGIN in text and END in text
     documented = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert documented == markdown().strip(), "regenerate: python -m roll.configs.ranges"
+    assert documented == markdown().strip(), (
+        "regenerate: python -m roll.configs.ranges --update docs/config_checks.md"
+    )
 
 
 def test_range_table_covers_the_config_fields():
@@ -354,3 +363,14 @@ def test_range_table_covers_the_config_fields():
     ):
         assert key in table
     assert dataclasses.is_dataclass(config_sections()[0][2])
+
+
+def test_update_doc_rewrites_only_between_the_markers(tmp_path):
+    from roll.configs.range_table import BEGIN, END, update_doc
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{BEGIN}\nstale table\n{END}\nafter\n")
+    update_doc(doc)
+    text = doc.read_text()
+    assert text.startswith(f"intro\n{BEGIN}\n\n#### Top level") and text.endswith(f"{END}\nafter\n")
+    assert "stale table" not in text and "| `max_steps` | >= 1 | `100` |" in text

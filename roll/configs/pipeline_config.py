@@ -32,7 +32,8 @@ class ValidationConfig:
 
 @dataclass
 class CheckpointConfig:
-    type: str = "file_system"
+    # Checkpoints go to a file system path (shared by the nodes for multi-node runs).
+    type: str = one_of("file_system", "file_system")
     output_dir: str | None = None
     # Keep at most this many step checkpoints (oldest removed first); None keeps all.
     max_to_keep: int | None = bounded(None, ge=1)

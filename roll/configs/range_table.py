@@ -1,7 +1,8 @@
 """The markdown table of every declared range and named-value set, read from the config fields
 themselves (roll.configs.ranges), for docs/config_checks.md:
 
-    python -m roll.configs.ranges            # prints the table
+    python -m roll.configs.ranges                                  # prints the table
+    python -m roll.configs.ranges --update docs/config_checks.md   # rewrites it between the markers
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from roll.configs.ranges import CHOICES_KEY, RANGE_KEY
@@ -94,6 +96,17 @@ def markdown() -> str:
             current = title
         lines.append(f"| `{key}` | {allowed} | {default} |")
     return "\n".join(lines) + "\n"
+
+
+def update_doc(path: str | Path) -> None:
+    """Replace the table between ``BEGIN`` and ``END`` in the markdown file ``path``."""
+    file = Path(path)
+    text = file.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{path}: no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    file.write_text(f"{head}{BEGIN}\n\n{markdown()}\n{END}{tail}")
 
 
 def _default(f: dataclasses.Field) -> str:

@@ -12,7 +12,7 @@ check, the error message and the docs never hold a copy::
 ``check_fields(obj, path)`` (called by the loader for every dataclass it builds) raises one
 ``ConfigError`` for the first value out of its range; floats must also be finite. For a dict or
 list field the bound applies to each item. ``python -m roll.configs.ranges`` prints every range
-as the markdown table in docs/config_checks.md.
+as the markdown table in docs/config_checks.md (``--update docs/config_checks.md`` rewrites it there).
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ class Bounds:
     note: str = ""
 
     def violation(self, value: Any) -> str | None:
-        """Why ``value`` is out of range, or None when it is in range (or not a number)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        """Why ``value`` is out of range, or None when it is in range (or not a number: the type
+        check names those). YAML's true/false would pass as 1/0, so they are refused here."""
+        if isinstance(value, bool):
+            return f"expected a number ({self.describe()}), got {str(value).lower()}"
+        if not isinstance(value, (int, float)):
             return None
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number ({self.describe()}), got {value}"
@@ -175,6 +178,11 @@ def _num(x: float | None) -> str:
 
 
 if __name__ == "__main__":
-    from roll.configs.range_table import markdown
+    import sys
 
-    print(markdown(), end="")
+    from roll.configs.range_table import markdown, update_doc
+
+    if sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
+        update_doc(sys.argv[2])
+    else:
+        print(markdown(), end="")
