@@ -272,6 +272,18 @@ def test_reward_kwargs_the_function_does_not_take_is_caught(files, capsys, overr
     assert err[0].startswith(f"ConfigError: {key}: ") and "takes no such option" in err[0], err[0]
 
 
+def test_rule_reward_model_args_go_unchecked_a_judge_model_is_checked(files, capsys):
+    unused = "rewards.math.model_args={model_name_or_path: /not/loaded}"  # math_rule loads no model
+    assert dry_run(launch_overrides(files) + [unused], capsys)[0] == 0
+    judge = (
+        "rewards.judge={reward_fn: llm_judge, tag_included: [x], device_mapping: [0], "
+        "strategy_args: {strategy_name: hf_infer}, model_args: {model_name_or_path: /no/judge}}"
+    )
+    code, err = dry_run(launch_overrides(files) + [judge], capsys)
+    assert code == 2 and err == [err[0]], err
+    assert err[0].startswith("ConfigError: rewards.judge.model_args.model_name_or_path: model directory")
+
+
 def test_model_reward_options_come_from_its_table():
     from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
 

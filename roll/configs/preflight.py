@@ -16,7 +16,7 @@ from pathlib import Path
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.role import DataArgs
+from roll.configs.role import DataArgs, RewardConfig, RoleConfig
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -27,13 +27,12 @@ NO_TOKENIZER_ROLES = ("critic",)
 def check_before_launch(config: RLVRConfig) -> None:
     """Raise one ConfigError for the first thing the config names that is missing or cannot work."""
     for name, role in config.roles().items():
-        path = role.model_args.model_name_or_path
-        if path is None and role.strategy_args is None:
-            continue  # a rule reward: no model
+        if not loads_model(role):
+            continue
         key = f"{name}.model_args.model_name_or_path"
-        check_model_dir(path, key)
+        check_model_dir(role.model_args.model_name_or_path, key)
         if name not in NO_TOKENIZER_ROLES:
-            check_tokenizer_dir(path, key)
+            check_tokenizer_dir(role.model_args.model_name_or_path, key)
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args")
     tags = train.copy()
     if config.validation is not None and config.validation.data_args.file_name:
@@ -49,6 +48,15 @@ def check_before_launch(config: RLVRConfig) -> None:
         from roll.pipeline.rlvr.checkpoint import resolve_resume
 
         resolve_resume(config)
+
+
+def loads_model(role: RoleConfig) -> bool:
+    """Every role but a rule reward (scored by a Python function; its model_args go unused)."""
+    if not isinstance(role, RewardConfig):
+        return True
+    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+
+    return get_reward_spec(role.reward_fn).kind == "model"
 
 
 def check_model_dir(path: str | None, key: str = "model_args.model_name_or_path") -> str:
