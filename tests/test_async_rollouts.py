@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
@@ -160,9 +161,14 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
 
 
 @pytest.mark.parametrize("name", ["rlvr_config_async"])
-def test_shipped_async_configs_dry_run(name, capsys):
+def test_shipped_async_configs_dry_run(name, capsys, tmp_path):
+    from launch_files import point_at_files
+
     from roll.pipeline.rlvr.launcher import main
 
     repo = Path(__file__).resolve().parents[1]
-    assert main(["--config_name", name, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
+    # Its model and prompt files come from prepare_default_example.py: point them at files made here.
+    raw = point_at_files(yaml.safe_load((repo / "examples/config" / f"{name}.yaml").read_text()), tmp_path)
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["--config_name", name, "--config_path", str(tmp_path), "--dry_run"]) == 0
     assert "actor_infer" in capsys.readouterr().out

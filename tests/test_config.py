@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launch_files import launch_overrides, make_launch_files, point_at_files
 
 from roll.configs.device_mapping import format_device_ids, parse_device_mapping
 from roll.configs.errors import ConfigError
@@ -200,21 +201,29 @@ def test_format_device_ids():
     assert format_device_ids([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
 
 
+def shipped(name: str, tmp: Path) -> str:
+    """Directory holding ``examples/config/<name>.yaml`` with its model and data paths pointed at
+    files made in ``tmp`` (the shipped paths name GPU checkpoints absent here; see test_preflight)."""
+    raw = point_at_files(yaml.safe_load((REPO / "examples/config" / f"{name}.yaml").read_text()), tmp)
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+    return str(tmp)
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-7B-rlvr_megatron_8gpus", "qwen2.5-7B-rlvr_megatron_16gpus"])
-def test_shipped_gpu_configs_dry_run(name, capsys):
-    code = main(["--config_name", name, "--config_path", str(REPO / "examples/config"), "--dry_run"])
+def test_shipped_gpu_configs_dry_run(name, capsys, tmp_path):
+    code = main(["--config_name", name, "--config_path", shipped(name, tmp_path), "--dry_run"])
     out = capsys.readouterr().out
     assert code == 0
     assert "Placement plan" in out
 
 
-def test_dry_run_plan_for_16_gpu_disaggregated(capsys):
+def test_dry_run_plan_for_16_gpu_disaggregated(capsys, tmp_path):
     main(
         [
             "--config_name",
             "qwen2.5-7B-rlvr_megatron_16gpus",
             "--config_path",
-            str(REPO / "examples/config"),
+            shipped("qwen2.5-7B-rlvr_megatron_16gpus", tmp_path),
             "--dry_run",
         ]
     )
@@ -225,13 +234,13 @@ def test_dry_run_plan_for_16_gpu_disaggregated(capsys):
     assert "actor_train + reference on devices 0-7" in out
 
 
-def test_dry_run_plan_for_8_gpu_colocated(capsys):
+def test_dry_run_plan_for_8_gpu_colocated(capsys, tmp_path):
     main(
         [
             "--config_name",
             "qwen2.5-7B-rlvr_megatron_8gpus",
             "--config_path",
-            str(REPO / "examples/config"),
+            shipped("qwen2.5-7B-rlvr_megatron_8gpus", tmp_path),
             "--dry_run",
         ]
     )
@@ -241,7 +250,7 @@ def test_dry_run_plan_for_8_gpu_colocated(capsys):
     assert "TP=2 PP=1 CP=1 EP=1 DP=4" in out
 
 
-def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys):
+def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
     from roll.distributed.scheduler.errors import WorkerError
     from roll.pipeline.rlvr import pipeline
 
@@ -249,7 +258,9 @@ def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys):
         raise WorkerError("actor_train", 1, "ValueError", "bad batch", remote_traceback="Traceback ...")
 
     monkeypatch.setattr(pipeline, "run_pipeline", fail)
-    code = main(["--config_name", "minimal", "--config_path", str(GOOD.parent)])
+    files = make_launch_files(tmp_path, ("minimal",))  # untagged rows would take the file's stem
+    overrides = launch_overrides(files, validation=False)
+    code = main(["--config_name", "minimal", "--config_path", str(GOOD.parent), *overrides])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err == ["WorkerError: actor_train rank 1: ValueError: bad batch"]

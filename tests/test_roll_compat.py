@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from launch_files import launch_overrides, make_launch_files
 
 from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
@@ -33,8 +34,11 @@ def test_roll_format_file_loads_with_roll_meanings():
     assert megatron.transformer_config_kwargs == {"bias_activation_fusion": True}
 
 
-def test_roll_format_file_dry_runs(capsys):
-    code = main(["--config_name", "megatron_multi_reward", "--config_path", str(HERE), "--dry_run"])
+def test_roll_format_file_dry_runs(capsys, tmp_path):
+    # The file names models and data of a GPU cluster; point them at files made here.
+    files = make_launch_files(tmp_path, ("deepmath", "RLVR", "KodCode", "crossthinkqa", "ifeval"))
+    paths = [f"reward_pretrain={files['model']}", *launch_overrides(files, validation=False)]
+    code = main(["--config_name", "megatron_multi_reward", "--config_path", str(HERE), "--dry_run", *paths])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "rewards.llm_judge" in out.out

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from launch_files import launch_overrides, make_launch_files, point_at_files
 from torch import nn
 
 from roll.configs.errors import ConfigError
@@ -819,7 +821,12 @@ def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg,
 
     text = ENGINE_CONFIG.format(infer=infer, infer_cfg=infer_cfg, judge=judge, judge_cfg=judge_cfg)
     (tmp_path / "engines.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
-    assert main(["--config_name", "engines", "--config_path", str(tmp_path), "--dry_run"]) == 0
+    files = make_launch_files(tmp_path / "files", ("engines",))  # model dirs and prompts must exist
+    paths = [
+        *launch_overrides(files, validation=False),
+        f"rewards.judge.model_args.model_name_or_path={files['model']}",
+    ]
+    assert main(["--config_name", "engines", "--config_path", str(tmp_path), "--dry_run", *paths]) == 0
     plan = capsys.readouterr().out
     assert re.search(rf"actor_infer\s+{infer}\s", plan) and re.search(rf"rewards.judge\s+{judge}\s", plan)
     assert "TP=2" in plan
@@ -852,13 +859,19 @@ def test_colocated_vllm_settings_that_cannot_time_share_are_refused_before_launc
     assert f"actor_infer.strategy_args.strategy_config.{key}" in err and hint in err
 
 
-def test_example_vllm_config_dry_runs_in_a_subprocess():
+def test_example_vllm_config_dry_runs_in_a_subprocess(tmp_path):
+    # The shipped file names a GPU checkpoint absent here: point it at files made here.
+    name = "qwen2.5-7B-rlvr_megatron_8gpus"
+    raw = point_at_files(yaml.safe_load((REPO / "examples/config" / f"{name}.yaml").read_text()), tmp_path)
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
     proc = subprocess.run(
         [
             sys.executable,
             "examples/start_rlvr_pipeline.py",
             "--config_name",
-            "qwen2.5-7B-rlvr_megatron_8gpus",
+            name,
+            "--config_path",
+            str(tmp_path),
             "--dry_run",
         ],
         cwd=REPO,

@@ -1,6 +1,7 @@
 """Parse ``device_mapping`` values without eval.
 
-Accepted forms (all give a list of distinct non-negative ints):
+Accepted forms (all give a list of distinct ints; that they are >= 0 is the range declared on
+the ``device_mapping`` field, checked by the loader):
 
 - a YAML list: ``[0, 1, 2, 3]``
 - ranges and ids separated by commas: ``"0-7"``, ``"0-3,8-11"``, ``"4"``
@@ -20,7 +21,7 @@ _HINT = "use a YAML list like [0, 1, 2, 3], a span like '0-3', or 'list(range(0,
 
 
 def parse_device_mapping(value: object, path: str = "device_mapping") -> list[int] | None:
-    """Turn any accepted ``device_mapping`` form into a list of device ids (None stays None)."""
+    """Turn any accepted ``device_mapping`` form into a list of distinct device ids (None stays None)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -35,9 +36,6 @@ def parse_device_mapping(value: object, path: str = "device_mapping") -> list[in
         raise ConfigError(path, f"expected a list of device ids, got {type(value).__name__}; {_HINT}")
     if not ids:
         raise ConfigError(path, f"is empty; {_HINT}")
-    negative = [i for i in ids if i < 0]
-    if negative:
-        raise ConfigError(path, f"device ids must be >= 0, got {negative[0]}")
     seen: set[int] = set()
     for i in ids:
         if i in seen:

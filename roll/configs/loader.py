@@ -22,6 +22,7 @@ import yaml
 
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError, did_you_mean, join_path
+from roll.configs.ranges import check_fields, check_raw_values
 from roll.configs.roll_compat import translate_roll_keys
 
 T = TypeVar("T")
@@ -116,8 +117,9 @@ def interpolate(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
-    """Build ``cls`` from plain data strictly: unknown keys, wrong types, missing keys and failed
-    ``__post_init__`` checks become ConfigErrors with the full key path."""
+    """Build ``cls`` from plain data strictly: unknown keys, wrong types, missing keys, values
+    outside the fields' declared ranges and failed ``__post_init__`` checks become ConfigErrors
+    with the full key path."""
     if dataclasses.is_dataclass(data) and isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
@@ -131,13 +133,14 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
             raise ConfigError(
                 join_path(path, str(key)), f"unknown key{advice}; valid keys: {', '.join(fields)}"
             )
+    check_raw_values(cls, data, path)
     built = {key: _build_field(hints[key], value, join_path(path, key), key) for key, value in data.items()}
     for name, f in fields.items():
         missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if missing and name not in built:
             raise ConfigError(join_path(path, name), "is required")
     try:
-        return dacite.from_dict(cls, built, config=dacite.Config(strict=True, type_hooks=_TYPE_HOOKS))
+        obj = dacite.from_dict(cls, built, config=dacite.Config(strict=True, type_hooks=_TYPE_HOOKS))
     except dacite.DaciteFieldError as exc:
         raise ConfigError(join_path(path, exc.field_path or ""), _dacite_message(exc)) from None
     except ValueError as exc:
@@ -145,6 +148,8 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
         if key in fields and message:
             raise ConfigError(join_path(path, key), message) from None
         raise ConfigError(path or "<root>", str(exc)) from None
+    check_fields(obj, path)  # the ranges and named values declared on the fields (roll.configs.ranges)
+    return obj
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, config_cls: type[T] | None = None) -> T:

@@ -5,12 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from roll.configs.ranges import bounded, one_of
 from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
 
-ADV_ESTIMATORS = ("grpo", "reinforce", "reinforce_plus_plus", "gae")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean")
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+# Named values come from the tables that implement them (see roll.configs.ranges).
+_ALGO = "roll.pipeline.rlvr.algorithms"
+ADV_ESTIMATORS = f"{_ALGO}.advantages:ADV_ESTIMATORS"
+LOSS_AGG_MODES = f"{_ALGO}.masked:AGG_MODES"
+KL_ESTIMATORS = f"{_ALGO}.kl:KL_ESTIMATORS"
+KL_REFUSED = f"{_ALGO}.kl:KL_REFUSED"
+NORM_TYPES = f"{_ALGO}.sample_options:NORM_TYPES"
+NORM_REFUSED = f"{_ALGO}.sample_options:NORM_REFUSED"
+# numpy's generators take seeds in [0, 2**32).
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -18,16 +26,17 @@ class ValidationConfig:
     data_args: DataArgs = field(default_factory=DataArgs)
     generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
     # 0 means: use the top-level eval_steps.
-    eval_steps: int = 0
-    val_batch_size: int | None = None
+    eval_steps: int = bounded(0, ge=0)
+    val_batch_size: int | None = bounded(None, ge=1)
 
 
 @dataclass
 class CheckpointConfig:
-    type: str = "file_system"
+    # Checkpoints go to a file system path (shared by the nodes for multi-node runs).
+    type: str = one_of("file_system", "file_system")
     output_dir: str | None = None
     # Keep at most this many step checkpoints (oldest removed first); None keeps all.
-    max_to_keep: int | None = None
+    max_to_keep: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -42,71 +51,73 @@ class RLVRConfig:
     validation: ValidationConfig | None = None
 
     exp_name: str = "rlvr"
-    seed: int = 42
+    seed: int = bounded(42, ge=0, le=MAX_SEED)
     output_dir: str = "./output"
     # A fresh run into an output_dir that already holds a run (metrics.jsonl, hf_model/, step
     # checkpoints) is refused unless this is true: it then deletes them (see docs/faults.md).
     overwrite_output_dir: bool = False
     logging_dir: str | None = None
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
-    track_with: str = "tensorboard"
+    track_with: str = one_of("tensorboard", "tensorboard", "wandb", "none")
     tracker_kwargs: dict[str, Any] = field(default_factory=dict)
     system_envs: dict[str, str] = field(default_factory=dict)
 
     # Placement: device ids are global; node = id // num_gpus_per_node.
-    num_gpus_per_node: int = 8
-    num_nodes: int | None = None
+    num_gpus_per_node: int = bounded(8, ge=1)
+    num_nodes: int | None = bounded(None, ge=1)
     # "auto" uses CUDA when it is available, else every device id is a CPU slot.
-    device: str = "auto"
+    device: str = one_of("auto", "auto", "cpu", "cuda")
 
     pretrain: str | None = None
     reward_pretrain: str | None = None
 
-    max_steps: int = 100
-    save_steps: int = 0
-    logging_steps: int = 1
-    eval_steps: int = 0
+    max_steps: int = bounded(100, ge=1)
+    # 0: never save / never validate.
+    save_steps: int = bounded(0, ge=0)
+    logging_steps: int = bounded(1, ge=1)
+    eval_steps: int = bounded(0, ge=0)
     resume_from_checkpoint: str | bool = False
 
-    rollout_batch_size: int = 64
-    prompt_length: int = 1024
-    response_length: int = 1024
-    num_return_sequences_in_group: int = 1
+    rollout_batch_size: int = bounded(64, ge=1)
+    prompt_length: int = bounded(1024, ge=1)
+    response_length: int = bounded(1024, ge=1)
+    num_return_sequences_in_group: int = bounded(1, ge=1)
 
     # Algorithm.
-    adv_estimator: str = "grpo"
-    ppo_epochs: int = 1
-    gamma: float = 1.0
-    lambd: float = 1.0
-    pg_clip: float = 0.2
-    pg_clip_low: float | None = None
-    pg_clip_high: float | None = None
+    adv_estimator: str = one_of("grpo", table=ADV_ESTIMATORS)
+    ppo_epochs: int = bounded(1, ge=1)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lambd: float = bounded(1.0, ge=0, le=1)
+    pg_clip: float = bounded(0.2, ge=0)
+    pg_clip_low: float | None = bounded(None, ge=0)
+    pg_clip_high: float | None = bounded(None, ge=0)
     dual_clip_loss: bool = False
-    dual_clip_c: float = 3.0
-    value_clip: float | None = 0.5
-    reward_clip: float | None = None
-    advantage_clip: float | None = None
+    dual_clip_c: float = bounded(3.0, gt=1, note="the dual clip bounds the loss at c x advantage")
+    value_clip: float | None = bounded(0.5, gt=0)
+    reward_clip: float | None = bounded(None, gt=0)
+    advantage_clip: float | None = bounded(None, gt=0)
     whiten_advantages: bool = False
     whiten_rewards: bool = False
     norm_adv_by_std_in_grpo: bool = True
-    init_kl_coef: float = 0.0
-    kl_penalty: str = "kl"
+    init_kl_coef: float = bounded(0.0, ge=0)
+    kl_penalty: str = one_of("kl", table=KL_ESTIMATORS, refused=KL_REFUSED)
     add_token_level_kl: bool = False
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_loss_coef: float = 0.0
-    loss_agg_mode: str = "token-mean"
+    kl_loss_coef: float = bounded(0.0, ge=0)
+    kl_loss_type: str = one_of("low_var_kl", table=KL_ESTIMATORS, refused=KL_REFUSED)
+    # Negative values push entropy down; any finite value is accepted.
+    entropy_loss_coef: float = bounded(0.0)
+    loss_agg_mode: str = one_of("token-mean", table=LOSS_AGG_MODES)
     # alibaba/ROLL's per-sample options, same names and meanings (docs/migrating_from_roll.md;
     # roll.pipeline.rlvr.algorithms.sample_options).
-    norm_mean_type: str | None = None
-    norm_std_type: str | None = None
+    norm_mean_type: str | None = one_of(None, table=NORM_TYPES, refused=NORM_REFUSED)
+    norm_std_type: str | None = one_of(None, table=NORM_TYPES, refused=NORM_REFUSED)
     max_len_mask: bool = False
     difficulty_mask: bool = False
-    difficulty_low_threshold: float = 0.0
-    difficulty_high_threshold: float = 1.0
+    difficulty_low_threshold: float = bounded(0.0)
+    difficulty_high_threshold: float = bounded(1.0)
     error_max_len_clip: bool = False
-    error_max_len_threshold: int = 9999999999
+    error_max_len_threshold: int = bounded(9999999999, ge=0)
     length_loss_weight: bool = False
     # DAPO sampling and train/inference mismatch correction (roll/configs/rl_options.py).
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -114,45 +125,22 @@ class RLVRConfig:
     off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     # 1: generate step k+1 while step k trains (staleness bound 1; disaggregated actor_infer only).
     # 0: synchronous. See roll/pipeline/rlvr/rollout_source.py.
-    async_generation_ratio: int = 0
+    async_generation_ratio: int = bounded(0, ge=0, le=1, note="0: synchronous, 1: one step ahead")
 
     # Model update (trainer -> inference engines).
-    model_update_frequency: int = 1
-    model_update_buffer_size_mb: int = 512
+    model_update_frequency: int = bounded(1, ge=1)
+    model_update_buffer_size_mb: int = bounded(512, ge=1)
     # Mean |logp_engine - logp_trainer| on a fixed probe batch above this bound fails the run.
-    model_update_probe_tolerance: float | None = None
-    model_update_probe_size: int = 2
+    model_update_probe_tolerance: float | None = bounded(None, ge=0)
+    # 0: no probe.
+    model_update_probe_size: int = bounded(2, ge=0)
 
     def __post_init__(self) -> None:
-        checks = {
-            "adv_estimator": (self.adv_estimator, ADV_ESTIMATORS),
-            "loss_agg_mode": (self.loss_agg_mode, LOSS_AGG_MODES),
-            "kl_penalty": (self.kl_penalty, KL_PENALTIES),
-            "kl_loss_type": (self.kl_loss_type, KL_PENALTIES),
-            "device": (self.device, ("auto", "cpu", "cuda")),
-            "track_with": (self.track_with, ("tensorboard", "wandb", "none")),
-        }
-        for key, (value, allowed) in checks.items():
-            if value not in allowed:
-                raise ValueError(f"{key}: expected one of {list(allowed)}, got {value!r}")
-        for key in ("norm_mean_type", "norm_std_type"):
-            if getattr(self, key) not in (None, "batch", "group"):
-                raise ValueError(
-                    f"{key}: expected null, 'batch' or 'group' (ROLL's 'running' is not supported), "
-                    f"got {getattr(self, key)!r}"
-                )
         if self.difficulty_mask and not self.difficulty_low_threshold < self.difficulty_high_threshold:
             raise ValueError(
                 f"difficulty_low_threshold: must be below difficulty_high_threshold "
                 f"({self.difficulty_low_threshold} >= {self.difficulty_high_threshold})"
             )
-        if self.async_generation_ratio not in (0, 1):
-            raise ValueError(
-                f"async_generation_ratio: 0 (synchronous) or 1 (one step ahead), got {self.async_generation_ratio}"
-            )
-        for key in ("rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs", "num_gpus_per_node"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
 
     def roles(self) -> dict[str, RoleConfig]:
         """Every configured role by its key path (rewards as 'rewards.<name>')."""

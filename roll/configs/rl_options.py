@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from roll.configs.ranges import bounded, one_of
+
 CORRECTION_MODES = ("none", "tis", "mis")
 CORRECTION_LEVELS = ("token", "sequence")
 
@@ -24,11 +26,7 @@ class DynamicSamplingConfig:
     """
 
     enabled: bool = False
-    max_rounds: int = 4
-
-    def __post_init__(self) -> None:
-        if self.max_rounds < 1:
-            raise ValueError(f"max_rounds: must be >= 1, got {self.max_rounds}")
+    max_rounds: int = bounded(4, ge=1)
 
 
 @dataclass
@@ -38,15 +36,9 @@ class OverlongConfig:
     ``response_length``. ``filter`` drops truncated responses (no end-of-sequence token within
     ``response_length``) from the loss."""
 
-    buffer_length: int = 0
-    penalty_factor: float = 1.0
+    buffer_length: int = bounded(0, ge=0)
+    penalty_factor: float = bounded(1.0, ge=0)
     filter: bool = False
-
-    def __post_init__(self) -> None:
-        if self.buffer_length < 0:
-            raise ValueError(f"buffer_length: must be >= 0, got {self.buffer_length}")
-        if self.penalty_factor < 0:
-            raise ValueError(f"penalty_factor: must be >= 0, got {self.penalty_factor}")
 
 
 @dataclass
@@ -56,14 +48,6 @@ class OffPolicyCorrectionConfig:
     weight at ``cap``; ``mis`` masks (weight 0) where it exceeds ``cap``. ``level``: per ``token``, or
     one weight per ``sequence`` from the summed log-ratio."""
 
-    mode: str = "none"
-    level: str = "token"
-    cap: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in CORRECTION_MODES:
-            raise ValueError(f"mode: expected one of {list(CORRECTION_MODES)}, got {self.mode!r}")
-        if self.level not in CORRECTION_LEVELS:
-            raise ValueError(f"level: expected one of {list(CORRECTION_LEVELS)}, got {self.level!r}")
-        if self.cap <= 0:
-            raise ValueError(f"cap: must be > 0, got {self.cap}")
+    mode: str = one_of("none", *CORRECTION_MODES)
+    level: str = one_of("token", *CORRECTION_LEVELS)
+    cap: float = bounded(2.0, gt=0)

@@ -10,26 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("fp32", "bf16", "fp16")
+from roll.configs.ranges import bounded, one_of
+
+# Named values come from the tables that implement them (see roll.configs.ranges).
+DTYPES = "roll.models.model_options:DTYPES"
+ATTN_IMPLEMENTATIONS = "roll.models.model_options:ATTN_IMPLEMENTATIONS"
+LR_SCHEDULES = "roll.utils.lr_schedule:DECAYS"
 
 
 @dataclass
 class ModelArgs:
     model_name_or_path: str | None = None
-    dtype: str = "bf16"
+    dtype: str = one_of("bf16", table=DTYPES)
     # None: causal LM. "value" (alias "trl"): a causal LM body with a scalar value head (critic).
-    model_type: str | None = None
+    model_type: str | None = one_of(None, None, "value", "trl")
     disable_gradient_checkpointing: bool = False
     # "sdpa", "eager", "flash_attention_2"; ROLL's "fa2" is accepted as flash_attention_2.
-    attn_implementation: str | None = None
-    flash_attn: str | None = None
+    attn_implementation: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
+    flash_attn: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
     trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.model_type not in (None, "value", "trl"):
-            raise ValueError(f"model_type: expected null, 'value' or 'trl', got {self.model_type!r}")
 
     @property
     def is_value_model(self) -> bool:
@@ -38,54 +37,35 @@ class ModelArgs:
 
 @dataclass
 class TrainingArgs:
-    learning_rate: float = 1.0e-6
-    weight_decay: float = 0.0
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    num_train_epochs: int = 1
-    lr_scheduler_type: str = "constant"
-    min_lr_ratio: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1.0e-8
-    max_grad_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
-            raise ValueError(
-                f"lr_scheduler_type: expected 'constant', 'linear' or 'cosine', got {self.lr_scheduler_type!r}"
-            )
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+    learning_rate: float = bounded(1.0e-6, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    per_device_train_batch_size: int = bounded(1, ge=1)
+    gradient_accumulation_steps: int = bounded(1, ge=1)
+    warmup_steps: int = bounded(0, ge=0)
+    warmup_ratio: float = bounded(0.0, ge=0, le=1)
+    num_train_epochs: int = bounded(1, ge=1)
+    lr_scheduler_type: str = one_of("constant", table=LR_SCHEDULES)
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
+    adam_epsilon: float = bounded(1.0e-8, gt=0)
+    # 0: no gradient clipping.
+    max_grad_norm: float = bounded(1.0, ge=0)
 
 
 @dataclass
 class GeneratingArgs:
-    max_new_tokens: int = 512
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    num_beams: int = 1
-    num_return_sequences: int = 1
+    max_new_tokens: int = bounded(512, ge=1)
+    min_new_tokens: int = bounded(0, ge=0)
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    # -1: no top-k filtering.
+    top_k: int = bounded(-1, ge=-1)
+    num_beams: int = bounded(1, ge=1, le=1, note="RL rollouts sample; beam search is not on-policy")
+    num_return_sequences: int = bounded(1, ge=1)
     do_sample: bool = True
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = bounded(1.0, gt=0)
     stop_strings: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_beams != 1:
-            raise ValueError(
-                "num_beams: only 1 is supported (RL rollouts sample; beam search is not on-policy)"
-            )
-        if self.num_return_sequences < 1:
-            raise ValueError(f"num_return_sequences: must be >= 1, got {self.num_return_sequences}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -98,10 +78,10 @@ class DataArgs:
     prompt: str = "prompt"
     ground_truth: str = "ground_truth"
     tag: str = "tag"
-    domain_interleave_probs: dict[str, float] | None = None
+    domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
     interleave_probs: str | None = None
-    preprocessing_num_workers: int = 1
-    max_samples: int | None = None
+    preprocessing_num_workers: int = bounded(1, ge=1)
+    max_samples: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -122,10 +102,10 @@ class RoleConfig:
     generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
     data_args: DataArgs = field(default_factory=DataArgs)
     strategy_args: StrategyArgs | None = None
-    device_mapping: list[int] | None = None
-    infer_batch_size: int = 1
+    device_mapping: list[int] | None = bounded(None, ge=0)
+    infer_batch_size: int = bounded(1, ge=1)
     # For roles without devices (CPU-only rewards): how many workers to start.
-    world_size: int | None = None
+    world_size: int | None = bounded(None, ge=1)
     # Extra environment variables for this role's workers.
     system_envs: dict[str, str] = field(default_factory=dict)
 
@@ -139,9 +119,9 @@ class RewardConfig(RoleConfig):
     tag_included: list[str] = field(default_factory=list)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     # Time limit per sample for rule rewards; a sample over it scores 0 and is counted.
-    timeout_s: float = 5.0
+    timeout_s: float = bounded(5.0, gt=0)
     # A sample whose function raises or gives no finite number scores 0 and counts as an error
     # (reward/errors); more than this fraction of a call's samples failing ends the run with a
     # RewardError. 1.0 never stops. See docs/faults.md.
-    max_error_fraction: float = 0.5
+    max_error_fraction: float = bounded(0.5, ge=0, le=1)
     judge_prompt: str | None = None

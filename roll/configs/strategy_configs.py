@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from roll.configs.errors import ConfigError
+from roll.configs.ranges import bounded, one_of
 
 if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
@@ -73,15 +74,9 @@ class FSDP2Config(_DataParallelOnly):
 
     reshard_after_forward: bool = True
     # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
-    sharding: str = "full_shard"
+    sharding: str = one_of("full_shard", "full_shard", "no_shard")
     mixed_precision: bool = True
     cpu_offload: bool = False
-
-    def validate(self, num_devices: int, path: str) -> None:
-        if self.sharding not in ("full_shard", "no_shard"):
-            raise ConfigError(
-                f"{path}.sharding", f"expected 'full_shard' or 'no_shard', got {self.sharding!r}"
-            )
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -93,37 +88,37 @@ TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 class MegatronConfig:
     """megatron-core options (names as in Megatron-LM's arguments)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
+    tensor_model_parallel_size: int = bounded(1, ge=1)
+    pipeline_model_parallel_size: int = bounded(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = bounded(None, ge=1)
+    context_parallel_size: int = bounded(1, ge=1)
+    expert_model_parallel_size: int = bounded(1, ge=1)
+    expert_tensor_parallel_size: int | None = bounded(None, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     # The optimizer step leaves other DP ranks' shards to the next forward's all-gather; weight
     # exports and checkpoints (megatron_train) finish that all-gather first.
     overlap_param_gather: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    moe_token_dispatcher_type: str = "allgather"
+    recompute_granularity: str | None = one_of(None, *RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = one_of(None, *RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = bounded(None, ge=1)
+    moe_token_dispatcher_type: str = one_of("allgather", *TOKEN_DISPATCHERS)
     moe_grouped_gemm: bool = False
     moe_layer_recompute: bool = False
     moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = bounded(0.0, ge=0)
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     # The embedding/output vocab is padded to a multiple of this x TP (as Megatron-LM does); the
     # padding is dropped again on export to HF.
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
     # Offload for colocated layouts (moved to CPU between training steps).
     offload_params: bool = False
     offload_grads: bool = True
     offload_optimizer: bool = True
     # Attention kernel for the plain-torch layer spec: "sdpa" or "local" (megatron-core's unfused one).
-    attention_backend: str = "sdpa"
+    attention_backend: str = one_of("sdpa", "sdpa", "local")
     # Passed through to megatron-core's TransformerConfig untouched (advanced use).
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -145,16 +140,6 @@ class MegatronConfig:
         )
 
     def validate(self, num_devices: int, path: str) -> None:
-        sizes = {
-            "tensor_model_parallel_size": self.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-            "expert_model_parallel_size": self.expert_model_parallel_size,
-            "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
-        }
-        for key, value in sizes.items():
-            if value < 1:
-                raise ConfigError(f"{path}.{key}", f"must be >= 1, got {value}")
         tp, pp, cp = (
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
@@ -184,32 +169,13 @@ class MegatronConfig:
             )
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{path}.sequence_parallel", "needs tensor_model_parallel_size > 1")
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ConfigError(
-                f"{path}.recompute_granularity",
-                f"expected one of {list(RECOMPUTE_GRANULARITIES)}, got {self.recompute_granularity!r}",
-            )
         self._validate_recompute(path)
-        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
-            raise ConfigError(
-                f"{path}.moe_token_dispatcher_type",
-                f"expected one of {list(TOKEN_DISPATCHERS)}, got {self.moe_token_dispatcher_type!r}",
-            )
-        if self.attention_backend not in ("sdpa", "local"):
-            raise ConfigError(
-                f"{path}.attention_backend", f"expected 'sdpa' or 'local', got {self.attention_backend!r}"
-            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
 
     def _validate_recompute(self, path: str) -> None:
         """Full recompute needs a method and a layer count (megatron-core asserts at model build,
         on every rank); selective recompute takes neither."""
-        if self.recompute_method not in RECOMPUTE_METHODS:
-            raise ConfigError(
-                f"{path}.recompute_method",
-                f"expected one of {list(RECOMPUTE_METHODS)}, got {self.recompute_method!r}",
-            )
         if self.recompute_granularity == "full":
             if self.recompute_method is None and self.recompute_num_layers is None:
                 # megatron-core asserts without both; ROLL (mcore_adapter) defaults to recomputing
@@ -222,10 +188,10 @@ class MegatronConfig:
                     "recompute_num_layers-layer chunk) or block (recompute the first "
                     "recompute_num_layers layers of each stage)",
                 )
-            if self.recompute_num_layers is None or self.recompute_num_layers < 1:
+            if self.recompute_num_layers is None:
                 raise ConfigError(
                     f"{path}.recompute_num_layers",
-                    f"recompute_granularity: full needs recompute_num_layers >= 1, got {self.recompute_num_layers!r}",
+                    "recompute_granularity: full needs recompute_num_layers (>= 1 layers per chunk)",
                 )
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             key = "recompute_method" if self.recompute_method is not None else "recompute_num_layers"
@@ -249,16 +215,16 @@ class _EngineTensorParallel:
 class VLLMConfig(_EngineTensorParallel):
     """vLLM V1 engine options; a worker owns ``tensor_parallel_size`` devices."""
 
-    gpu_memory_utilization: float = 0.8
-    block_size: int = 16
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = bounded(0.8, gt=0, le=1)
+    block_size: int = bounded(16, ge=1)
+    max_model_len: int | None = bounded(None, ge=1)
+    tensor_parallel_size: int = bounded(1, ge=1)
     enable_prefix_caching: bool = True
     # 0: never sleep; 1: offload weights, drop KV cache; 2: drop both (weights come back by model update).
-    sleep_level: int = 1
-    load_format: str = "auto"
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    sleep_level: int = bounded(1, ge=0, le=2)
+    load_format: str = one_of("auto", "auto", "dummy", "safetensors", "pt")
+    max_num_seqs: int | None = bounded(None, ge=1)
+    max_num_batched_tokens: int | None = bounded(None, ge=1)
     enforce_eager: bool = False
     enable_chunked_prefill: bool | None = None
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
@@ -266,29 +232,18 @@ class VLLMConfig(_EngineTensorParallel):
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(
-                f"{path}.gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.sleep_level not in (0, 1, 2):
-            raise ConfigError(f"{path}.sleep_level", f"expected 0, 1 or 2, got {self.sleep_level}")
-        if self.load_format not in ("auto", "dummy", "safetensors", "pt"):
-            raise ConfigError(
-                f"{path}.load_format",
-                f"expected 'auto', 'dummy', 'safetensors' or 'pt', got {self.load_format!r}",
-            )
 
 
 @dataclass
 class SGLangConfig(_EngineTensorParallel):
     """SGLang Engine options; a worker owns ``tensor_parallel_size`` devices."""
 
-    mem_fraction_static: float = 0.8
-    tensor_parallel_size: int = 1
-    context_length: int | None = None
+    mem_fraction_static: float = bounded(0.8, gt=0, le=1)
+    tensor_parallel_size: int = bounded(1, ge=1)
+    context_length: int | None = bounded(None, ge=1)
     enable_memory_saver: bool = True
     load_format: str = "auto"
-    max_running_requests: int | None = None
+    max_running_requests: int | None = bounded(None, ge=1)
     disable_radix_cache: bool = False
     # Kernels: triton attention and the pytorch sampler run from a plain SGLang wheel; "fa3" and
     # "flashinfer" need SGLang's FlashAttention-3 build / FlashInfer installed (docs/strategies.md).
@@ -300,14 +255,8 @@ class SGLangConfig(_EngineTensorParallel):
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
-        if not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError(
-                f"{path}.mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}"
-            )
 
 
 def _check_engine_tp(tp: int, num_devices: int, path: str) -> None:
-    if tp < 1:
-        raise ConfigError(path, f"must be >= 1, got {tp}")
     if num_devices % tp:
         raise ConfigError(path, f"{tp} does not divide the role's {num_devices} devices")

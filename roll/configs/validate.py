@@ -64,8 +64,6 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
         )
-    if role.infer_batch_size < 1:
-        raise ConfigError(f"{name}.infer_batch_size", f"must be >= 1, got {role.infer_batch_size}")
 
 
 def _check_reward(name: str, role: RewardConfig) -> None:
@@ -77,10 +75,6 @@ def _check_reward(name: str, role: RewardConfig) -> None:
             f"{name}.strategy_args",
             f"reward {spec.name!r} runs a model: set strategy_args, device_mapping and model_args",
         )
-    if spec.kind == "rule" and role.device_mapping is None and (role.world_size or 1) < 1:
-        raise ConfigError(f"{name}.world_size", f"must be >= 1, got {role.world_size}")
-    if not 0.0 <= role.max_error_fraction <= 1.0:
-        raise ConfigError(f"{name}.max_error_fraction", f"must be in [0, 1], got {role.max_error_fraction}")
 
 
 def _check_devices_exist(config: RLVRConfig, plan) -> None:

@@ -17,20 +17,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from roll.configs.errors import ConfigError
+from roll.configs.preflight import check_model_dir
 from roll.configs.role import ModelArgs
+from roll.models.model_options import ATTN_IMPLEMENTATIONS, DTYPES
 from roll.models.value_model import ValueModel
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# ROLL's ``flash_attn`` names and transformers' own names -> transformers' attn_implementation.
-ATTN_IMPLEMENTATIONS: dict[str, str] = {
-    "fa2": "flash_attention_2",
-    "fa3": "flash_attention_3",
-    "flash_attention_2": "flash_attention_2",
-    "flash_attention_3": "flash_attention_3",
-    "sdpa": "sdpa",
-    "eager": "eager",
-}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -56,17 +46,7 @@ def resolve_attn_implementation(model_args: ModelArgs) -> str:
 
 def model_path(model_args: ModelArgs) -> str:
     """The checked ``model_name_or_path``: a directory with a config.json."""
-    path = model_args.model_name_or_path
-    if not path:
-        raise ConfigError(
-            "model_args.model_name_or_path", "is not set; point it at a Hugging Face model directory"
-        )
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(
-            "model_args.model_name_or_path",
-            f"{path!r} is not a Hugging Face model directory (no config.json there)",
-        )
-    return path
+    return check_model_dir(model_args.model_name_or_path)
 
 
 def load_model(

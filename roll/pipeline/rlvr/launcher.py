@@ -46,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from roll.configs.loader import load_config
+        from roll.configs.preflight import check_before_launch
         from roll.distributed.scheduler.placement import format_plan, plan_placement
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
+        check_before_launch(config)  # files, tags, reward options: for --dry_run and a launch alike
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan_placement(config), device_kind=kind))

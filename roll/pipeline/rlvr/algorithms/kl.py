@@ -11,7 +11,7 @@ name                formula                                      note
 ``abs``             ``|d|``
 ``mse`` / ``k2``    ``0.5 * d**2``                              biased, low variance, >= 0
 ``low_var_kl``/k3   ``exp(-d) - 1 + d``, clamped to [-10, 10]   unbiased, >= 0; clamp guards exp overflow
-``full``            needs full vocabulary distributions         not computable here: raises ValueError
+``full``            needs full vocabulary distributions         refused (``KL_REFUSED``): not computable here
 ==================  ==========================================  =========================================
 
 Used twice: as a reward penalty (``kl_penalty``, ``init_kl_coef``, ``add_token_level_kl``) and as
@@ -59,13 +59,18 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
 }
 
 
+# Names other frameworks accept that cannot work here, with the reason (the config check before
+# launch names it too: roll.configs.ranges).
+KL_REFUSED: dict[str, str] = {
+    "full": "needs the full vocabulary distributions of policy and reference, which the pipeline "
+    "does not keep (only sampled-token log-probs)",
+}
+
+
 def get_kl_estimator(name: str, key: str = "kl_penalty") -> KLEstimator:
     """The estimator called ``name``; ``key`` names the config key in the error message."""
-    if name == "full":
-        raise ValueError(
-            f"{key}: 'full' needs the full vocabulary distributions of policy and reference, which the "
-            f"pipeline does not keep (only sampled-token log-probs); use one of {list(KL_ESTIMATORS)}"
-        )
+    if name in KL_REFUSED:
+        raise ValueError(f"{key}: {name!r} {KL_REFUSED[name]}; use one of {list(KL_ESTIMATORS)}")
     if name not in KL_ESTIMATORS:
         raise ValueError(f"{key}: expected one of {list(KL_ESTIMATORS)}, got {name!r}")
     return KL_ESTIMATORS[name]

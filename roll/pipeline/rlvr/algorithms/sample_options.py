@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
 
 NORM_TYPES = (None, "batch", "group")
+# ROLL names this framework does not implement, with the reason (checked before launch).
+NORM_REFUSED: dict[str, str] = {"running": "is not supported (ROLL's running statistics across steps)"}
 NORM_EPS = 1e-6
 
 

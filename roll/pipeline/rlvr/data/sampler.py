@@ -72,7 +72,7 @@ class PromptSampler:
         self.batch_size = batch_size
         self.seed = seed
         if domain_interleave_probs:
-            self.probs = check_domain_probs(domain_interleave_probs, dataset, path)
+            self.probs = check_domain_probs(domain_interleave_probs, dataset.domains(), path)
             groups = dataset.indices_by_domain()
             self.streams = {d: _Stream(groups[d], seed, i) for i, d in enumerate(sorted(self.probs))}
         else:
@@ -115,9 +115,9 @@ class PromptSampler:
             self.streams[domain].restore(epoch, pos)
 
 
-def check_domain_probs(probs: dict[str, float], dataset: PromptDataset, path: str) -> dict[str, float]:
-    """The probabilities, checked: every key is a domain of the data, every domain has one, sum ~1."""
-    domains = dataset.domains()
+def check_domain_probs(probs: dict[str, float], domains: list[str], path: str) -> dict[str, float]:
+    """The probabilities, checked: every key is one of the data's ``domains``, every domain has
+    one, sum ~1 (also run before launch on the files' tags: roll.configs.preflight)."""
     for key, p in probs.items():
         if key not in domains:
             raise ConfigError(

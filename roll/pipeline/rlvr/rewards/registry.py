@@ -23,6 +23,9 @@ class RewardSpec:
     name: str
     target: str  # "module:function"
     kind: Literal["rule", "model"] = "rule"
+    # Model rewards: "module:NAME" of the dict whose keys are the accepted ``reward_kwargs`` (rule
+    # rewards take their function's keyword parameters).
+    options: str | None = None
 
 
 _R = "roll.pipeline.rlvr.rewards"
@@ -31,7 +34,7 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
     for spec in (
         RewardSpec("math_rule", f"{_R}.math_rule:math_rule_reward"),
         RewardSpec("format", f"{_R}.format_reward:format_reward"),
-        RewardSpec("llm_judge", f"{_R}.llm_judge:llm_judge_reward", "model"),
+        RewardSpec("llm_judge", f"{_R}.llm_judge:llm_judge_reward", "model", f"{_R}.llm_judge:JUDGE_KWARGS"),
         RewardSpec("code_sandbox", f"{_R}.code_sandbox:code_sandbox_reward"),
         RewardSpec("ifeval", f"{_R}.ifeval:ifeval_reward"),
         RewardSpec("multiple_choice", f"{_R}.multiple_choice:multiple_choice_reward"),

@@ -39,7 +39,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from roll.configs.errors import ConfigError
+from roll.configs.errors import ConfigError, did_you_mean
 from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, get_reward_spec
 
 logger = logging.getLogger(__name__)
@@ -95,16 +95,36 @@ def load_target(target: str, path: str = "reward_fn") -> Callable[..., float]:
         raise ConfigError(path, f"cannot load reward function {target!r}: {exc}") from exc
 
 
+def reward_options(reward_fn: str, path: str = "reward_fn") -> list[str] | None:
+    """The ``reward_kwargs`` keys a reward takes (None: any, the function has ``**kwargs``). A rule
+    reward takes its function's parameters after (response, ground_truth); a model reward the keys
+    of its spec's ``options`` table."""
+    spec = REWARD_FUNCTIONS.get(reward_fn)
+    if spec is not None and spec.kind == "model":
+        if spec.options is None:
+            return []
+        module_name, _, name = spec.options.partition(":")
+        return list(getattr(importlib.import_module(module_name), name))
+    params = list(inspect.signature(load_target(resolve_target(reward_fn, path), path)).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params[2:] if p.kind in named]
+
+
 def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str = "reward_kwargs") -> None:
-    """Raise a ConfigError naming any key of ``reward_kwargs`` the reward function does not accept."""
-    params = inspect.signature(load_target(resolve_target(reward_fn))).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    """Raise a ConfigError naming any key of ``reward_kwargs`` the reward function does not accept
+    (run before launch by roll.configs.preflight: a misspelt key would fail every sample)."""
+    reward_path = path.rsplit(".", 1)[0] + ".reward_fn" if "." in path else "reward_fn"
+    accepted = reward_options(reward_fn, reward_path)
+    if accepted is None:
         return
-    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     for key in reward_kwargs:
         if key not in accepted:
             raise ConfigError(
-                f"{path}.{key}", f"{reward_fn!r} takes no such option; options: {accepted or 'none'}"
+                f"{path}.{key}",
+                f"{reward_fn!r} takes no such option{did_you_mean(str(key), accepted)}; "
+                f"its options: {', '.join(accepted) or 'none'}",
             )
 
 
