@@ -1,11 +1,14 @@
-"""Model update into vLLM: trainer -> roll's ``vllm`` strategy, timed against the NCCL bound.
+"""Model update into an engine: trainer -> roll's ``vllm`` or ``sglang`` strategy, timed against
+the NCCL bound.
 
 Three processes on two GPUs, running the production pieces (``Link``, ``BucketSender``,
-``BucketReceiver`` with the engine attached, vLLM's own ``load_weights`` inside the engine):
+``BucketReceiver`` with the engine attached as the pipeline attaches it, the engine's own weight
+loading):
 
 - a trainer on GPU 0 holding random bf16 weights with the HF names and shapes of ``--presets``;
-- ``colocated``: a vLLM engine on GPU 0 (the trainer's device): buckets by CUDA IPC;
-- ``disagg``: a vLLM engine on GPU 1: buckets by NCCL broadcast into the engine's own buffer.
+- ``colocated``: an engine on GPU 0 (the trainer's device): buckets by CUDA IPC;
+- ``disagg``: an engine on GPU 1: buckets by NCCL broadcast (vLLM: into its workers' own buffers;
+  SGLang: into the worker's buffer, then ``update_weights_from_tensor`` by CUDA IPC).
 
 The engines start with ``load_format=dummy`` from a config-only directory, so no checkpoint is
 written. ``sync`` is one whole update (all buckets, checksums on both ends, loads), median of
@@ -14,7 +17,8 @@ trainer and the disagg engine process in the same run (median of 5); ``bound`` =
 ``ratio`` = sync / bound. Process coordination uses store-based groups, never the default group,
 which vLLM's in-process engine takes for itself.
 
-    python benchmarks/model_update_vllm.py --presets qwen2.5-1.5b,qwen2.5-7b --reps 3
+    python benchmarks/model_update_engine.py --presets qwen2.5-1.5b,qwen2.5-7b --reps 3
+    python benchmarks/model_update_engine.py --engine sglang --presets qwen2.5-7b
 """
 
 from __future__ import annotations
@@ -155,9 +159,9 @@ def trainer_rounds(args, preset, config_dir, ports, ctrl, device) -> list[dict]:
 
 
 def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
-    from roll.distributed.model_update.worker_mixin import _engine_join
+    from roll.distributed.model_update.worker_mixin import _engine_join, _engine_receives
 
-    strategy = start_engine(config_dir, device, rank)
+    strategy = start_engine(args.engine, config_dir, device, rank)
     barrier(ctrl)
     for layout, owner in LAYOUTS.items():
         if owner != rank:
@@ -168,38 +172,46 @@ def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
         spec = link_spec(layout, ports[f"{preset}/{layout}"])
         join = _engine_join(strategy, spec, rank)
         link = Link.connect(spec, rank, device, TIMEOUT, join_data=join)
-        receiver = BucketReceiver(link, device, engine=strategy)
+        engine = strategy if _engine_receives(strategy, spec, rank) else None
+        receiver = BucketReceiver(link, device, engine=engine)
         for version in range(args.reps + 1):
             barrier(ctrl)
             receiver.receive(strategy.load_weights, version)
             strategy.finish_model_update(version)
             barrier(ctrl)
     barrier(ctrl)
-    if rank == DISAGG:
+    if rank == DISAGG and hasattr(strategy, "leave_model_update_group"):
         strategy.leave_model_update_group()
-    del strategy.llm
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
+    else:
+        del strategy.llm
     torch.cuda.empty_cache()
 
 
-def start_engine(config_dir: str, device: torch.device, rank: int):
-    from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-    from roll.configs.strategy_configs import VLLMConfig
-    from roll.distributed.strategy.base import WorkerContext
-    from roll.distributed.strategy.vllm_strategy import VLLMStrategy
+ENGINE_OPTIONS = {
+    "vllm": dict(gpu_memory_utilization=0.3, enforce_eager=True, load_format="dummy", sleep_level=0),
+    "sglang": dict(mem_fraction_static=0.3, disable_cuda_graph=True, load_format="dummy"),
+}
 
-    args = StrategyArgs("vllm")
-    args.config = VLLMConfig(
-        gpu_memory_utilization=0.3, enforce_eager=True, load_format="dummy", sleep_level=0
-    )
+
+def start_engine(engine: str, config_dir: str, device: torch.device, rank: int):
+    from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
+    from roll.distributed.strategy.base import WorkerContext
+    from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
+
+    args = StrategyArgs(engine)
+    args.config = get_strategy_spec(engine).config_cls(**ENGINE_OPTIONS[engine])
     role = RoleConfig(model_args=ModelArgs(model_name_or_path=config_dir, dtype="bf16"), strategy_args=args)
     ctx = WorkerContext("actor_infer", rank - 1, 2, 0, device, seed=0)
-    strategy = VLLMStrategy(role, ctx)
+    strategy = load_strategy_class(engine)(role, ctx)
     strategy.initialize()
     return strategy
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", default="vllm", choices=sorted(ENGINE_OPTIONS))
     parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-7b")
     parser.add_argument("--tokenizer", default="output/default_example/sft_model")
     parser.add_argument("--reps", type=int, default=3)
@@ -217,15 +229,20 @@ def main() -> int:
         result = Path(tmp) / "result.json"
         mp.start_processes(member, args=(args, dirs, ports, str(result)), nprocs=3, start_method="spawn")
         data = json.loads(result.read_text())
-    print_table(data)
+    print_table(data, args.engine)
     if args.out:
         Path(args.out).write_text(json.dumps(data, indent=1))
     return 0
 
 
-def print_table(data: dict) -> None:
+def print_table(data: dict, engine: str) -> None:
+    from importlib.metadata import version
+
     bw = data["bw"]
-    print(f"\nmodel update into vLLM 0.24 (roll vllm strategy), NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s")
+    print(
+        f"\nmodel update into {engine} {version(engine)} (roll {engine} strategy), "
+        f"NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s"
+    )
     print(f"{'preset':<14}{'layout':<11}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}")
     for r in data["rows"]:
         bound = r["bytes"] / (bw * 1e9)
