@@ -6,7 +6,8 @@ bf16), with the engine's default kernels here (triton attention, pytorch sampler
 - generate with n samples: the Batch layout and the sampled-token log-probs against transformers;
 - sampling parameters: top_k=1 equals greedy, stop token ids end responses, min_new_tokens holds;
 - prompt scoring (``compute_log_probs``) against transformers;
-- seeds: one seed reproduces, another seed differs;
+- seeds: with ``enable_deterministic_inference`` one request seed reproduces, another differs
+  (without it SGLang samples from the engine seed, ``seed + rank``, alone);
 - per-request ``generate_one`` and ``abort`` from another thread;
 - ``release_memory_occupation`` frees the KV cache and weights; after ``resume`` and a model
   update the engine scores like the new weights;
@@ -43,7 +44,7 @@ from engine_gpu import (  # noqa: E402
 
 from roll.distributed.strategy.base import SamplingParams  # noqa: E402
 
-ENGINE = dict(mem_fraction_static=0.3, disable_cuda_graph=True)
+ENGINE = dict(disable_cuda_graph=True)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    strategy = make_strategy("sglang", models[0], **ENGINE)
+    strategy = make_strategy("sglang", models[0], mem_fraction_static=0.3, **ENGINE)
     yield strategy
     strategy.shutdown()
     torch.cuda.empty_cache()
@@ -99,13 +100,19 @@ def test_compute_log_probs_matches_hf(engine, models):
     assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
 
 
-def test_seeds_reproduce_and_differ(engine, models):
-    batch = prompt_batch(models[0])
-    params = SamplingParams(n=2, max_new_tokens=16, seed=42, logprobs=False)
-    a, b = engine.generate(batch, params), engine.generate(batch, params)
-    assert torch.equal(a["responses"], b["responses"])
-    other = engine.generate(batch, SamplingParams(n=2, max_new_tokens=16, seed=43, logprobs=False))
-    assert not torch.equal(a["responses"], other["responses"])
+def test_request_seeds_reproduce_with_deterministic_inference(models):
+    deterministic = make_strategy(
+        "sglang", models[0], mem_fraction_static=0.15, enable_deterministic_inference=True, **ENGINE
+    )
+    try:
+        batch = prompt_batch(models[0])
+        params = SamplingParams(n=2, max_new_tokens=16, seed=42, logprobs=False)
+        a, b = deterministic.generate(batch, params), deterministic.generate(batch, params)
+        assert torch.equal(a["responses"], b["responses"])
+        other = deterministic.generate(batch, SamplingParams(n=2, max_new_tokens=16, seed=43, logprobs=False))
+        assert not torch.equal(a["responses"], other["responses"])
+    finally:
+        deterministic.shutdown()
 
 
 def test_generate_one_and_abort_from_another_thread(engine, models):
@@ -166,7 +173,7 @@ def test_release_frees_memory_and_a_model_update_brings_the_weights_back(engine,
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tensor_parallel_2_generates_scores_and_loads(models):
-    tp = make_strategy("sglang", models[0], tensor_parallel_size=2, **ENGINE)
+    tp = make_strategy("sglang", models[0], tensor_parallel_size=2, mem_fraction_static=0.15, **ENGINE)
     try:
         out = tp.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=4))
         assert_close(

@@ -222,6 +222,7 @@ class FakeServerArgs:
     attention_backend: str | None = None
     sampling_backend: str | None = None
     disable_cuda_graph: bool = False
+    enable_deterministic_inference: bool = False
     log_level: str = "error"
 
 

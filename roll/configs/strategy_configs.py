@@ -250,6 +250,9 @@ class SGLangConfig(_EngineTensorParallel):
     attention_backend: str = "triton"
     sampling_backend: str = "pytorch"
     disable_cuda_graph: bool = False
+    # SGLang honours a request's sampling seed only with deterministic inference (batch-invariant
+    # kernels, slower); without it the engine seed (seed + worker rank) alone sets the samples.
+    enable_deterministic_inference: bool = False
     # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

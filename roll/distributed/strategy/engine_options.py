@@ -146,6 +146,7 @@ SGLANG_CONFIG_KEYS = {
     "attention_backend": "attention_backend",
     "sampling_backend": "sampling_backend",
     "disable_cuda_graph": "disable_cuda_graph",
+    "enable_deterministic_inference": "enable_deterministic_inference",
 }
 
 
