@@ -85,7 +85,7 @@ def metrics_summary(name: str) -> dict:
     from roll.configs.loader import load_config
     from roll.utils.tracking import read_metrics
 
-    path = Path(load_config(name).output_dir) / "metrics.jsonl"
+    path = REPO / load_config(CONFIGS / f"{name}.yaml").output_dir / "metrics.jsonl"
     if not path.is_file():
         return {}
     rows = read_metrics(path)

@@ -6,13 +6,12 @@ bf16), with the engine's default kernels here (triton attention, pytorch sampler
 - generate with n samples: the Batch layout and the sampled-token log-probs against transformers;
 - sampling parameters: top_k=1 equals greedy, stop token ids end responses, min_new_tokens holds;
 - prompt scoring (``compute_log_probs``) against transformers;
-- seeds: with ``enable_deterministic_inference`` one request seed reproduces, another differs
-  (without it SGLang samples from the engine seed, ``seed + rank``, alone);
+- seeds and TP=2: tests/test_sglang_gpu_engines.py (their own engines; SGLang's shutdown kills
+  every child process of the process, so one engine lives at a time);
 - per-request ``generate_one`` and ``abort`` from another thread;
 - ``release_memory_occupation`` frees the KV cache and weights; after ``resume`` and a model
   update the engine scores like the new weights;
 - ``load_weights`` (``update_weights_from_tensor``) makes the engine score like new weights;
-- TP=2 on 2 GPUs.
 
 bf16 tolerance: see tests/engine_gpu.py.
 """
@@ -100,21 +99,6 @@ def test_compute_log_probs_matches_hf(engine, models):
     assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
 
 
-def test_request_seeds_reproduce_with_deterministic_inference(models):
-    deterministic = make_strategy(
-        "sglang", models[0], mem_fraction_static=0.15, enable_deterministic_inference=True, **ENGINE
-    )
-    try:
-        batch = prompt_batch(models[0])
-        params = SamplingParams(n=2, max_new_tokens=16, seed=42, logprobs=False)
-        a, b = deterministic.generate(batch, params), deterministic.generate(batch, params)
-        assert torch.equal(a["responses"], b["responses"])
-        other = deterministic.generate(batch, SamplingParams(n=2, max_new_tokens=16, seed=43, logprobs=False))
-        assert not torch.equal(a["responses"], other["responses"])
-    finally:
-        deterministic.shutdown()
-
-
 def test_generate_one_and_abort_from_another_thread(engine, models):
     prompt = prompt_batch(models[0], PROMPTS[:1])["prompts"][0]
     ids = [int(t) for t in prompt if t != 0]
@@ -168,21 +152,3 @@ def test_release_frees_memory_and_a_model_update_brings_the_weights_back(engine,
         out["response_mask"],
         "after resume",
     )
-
-
-@pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tensor_parallel_2_generates_scores_and_loads(models):
-    tp = make_strategy("sglang", models[0], tensor_parallel_size=2, mem_fraction_static=0.15, **ENGINE)
-    try:
-        out = tp.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=4))
-        assert_close(
-            out["infer_logprobs"], hf_logprobs(hf_model(models[0]), out), out["response_mask"], "TP2 generate"
-        )
-        new = hf_model(models[1])
-        tp.load_weights((name, t) for name, t in new.state_dict().items())
-        assert_close(
-            tp.compute_log_probs(out)["log_probs"], hf_logprobs(new, out), out["response_mask"], "TP2 load"
-        )
-    finally:
-        tp.shutdown()

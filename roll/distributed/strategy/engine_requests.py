@@ -421,7 +421,9 @@ def vllm_prompt_logprobs(request_output: Any, req: ScoringRequest) -> list[float
 def sglang_input_logprobs(output: Mapping[str, Any], req: ScoringRequest) -> list[float]:
     """Log-probs of ``req``'s scored positions from ``meta_info.input_token_logprobs`` (entries
     ``(logprob, token_id, text)`` for the input from ``logprob_start_len`` on). Entries are matched
-    from the end, so the result does not depend on whether SGLang pads the first one with None."""
+    from the end, so the result does not depend on whether SGLang pads the first one with None.
+    SGLang 0.5 reports ids >= vocab_size - 1 as 0 (it clips image-token hashes), so an entry id of
+    0 matches any token."""
     entries = output["meta_info"]["input_token_logprobs"]
     total = len(req.token_ids)
     if len(entries) < total - req.start:
@@ -429,7 +431,7 @@ def sglang_input_logprobs(output: Mapping[str, Any], req: ScoringRequest) -> lis
     vals = []
     for t in range(req.start, req.start + req.count):
         entry = entries[len(entries) - (total - t)]
-        if entry[0] is None or int(entry[1]) != req.token_ids[t]:
+        if entry[0] is None or int(entry[1]) not in (req.token_ids[t], 0):
             raise RuntimeError(
                 f"SGLang input log-prob at position {t} is {entry}, not one for token {req.token_ids[t]}"
             )

@@ -99,7 +99,11 @@ class SGLangStrategy:
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:
-        """Stop the engine's scheduler and detokenizer processes (the worker may then exit)."""
+        """Stop the engine's scheduler and detokenizer processes (the worker may then exit).
+
+        SGLang's ``Engine.shutdown`` kills every child process of this process, and a scheduler
+        that dies makes the engine kill its parent: one SGLang engine per process, as roll's
+        workers have."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
