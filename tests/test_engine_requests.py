@@ -424,3 +424,21 @@ def test_shareable_bucket_shares_own_buffer_and_packs_scattered_tensors():
     assert packed.data_ptr() != named[0][1].data_ptr()
     for (_, got), (_, want) in zip(unpack_bucket(packed_meta, packed), named):
         assert torch.equal(got, want)
+
+
+def test_sglang_abort_keeps_only_tokens_with_log_probs():
+    from roll.distributed.strategy.engine_requests import completion_from_sglang
+
+    out = {
+        "output_ids": [5, 6, 7],
+        "meta_info": {
+            "id": "job-0-0",
+            "finish_reason": {"type": "abort", "message": "Aborted"},
+            "output_token_logprobs": [(-0.5, 5, None), (-0.25, 6, None)],
+        },
+    }
+    done = completion_from_sglang(out)
+    assert done.token_ids == [5, 6] and done.logprobs == [-0.5, -0.25] and done.finish_reason == "abort"
+    out["meta_info"]["finish_reason"] = {"type": "length"}
+    with pytest.raises(RuntimeError, match="2 output log-probs for 3 tokens"):
+        completion_from_sglang(out)

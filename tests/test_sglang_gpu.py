@@ -106,14 +106,23 @@ def test_generate_one_and_abort_from_another_thread(engine, models):
     assert len(done) == 2 and all(c.finish_reason in ("stop", "length") for c in done)
     result = {}
     long = SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True)
-    worker = threading.Thread(
-        target=lambda: result.update(out=engine.generate_one(ids, long, request_id="job"))
-    )
+
+    def run() -> None:
+        try:
+            result["out"] = engine.generate_one(ids, long, request_id="job")
+        except Exception as exc:  # re-raised below, on the test's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while not engine.registry.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert engine.abort(["job"]), "nothing was in flight to abort"
     worker.join(timeout=60)
     assert not worker.is_alive()
+    if "error" in result:
+        raise result["error"]
     assert [c.finish_reason for c in result["out"]] == ["abort"] * 3
 
 

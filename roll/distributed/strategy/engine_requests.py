@@ -314,6 +314,11 @@ def completion_from_sglang(output: Mapping[str, Any], want_logprobs: bool = True
         [int(t) for t in output["output_ids"]] if "output_ids" in output else [int(e[1]) for e in entries]
     )
     logprobs = None
+    finish = _normalize_finish_reason(meta.get("finish_reason"))
+    if want_logprobs and finish == "abort" and len(entries) != len(token_ids):
+        # An abort can land between a token and its log-prob: keep the tokens both cover.
+        keep = min(len(entries), len(token_ids))
+        entries, token_ids = entries[:keep], token_ids[:keep]
     if want_logprobs:
         if len(entries) != len(token_ids):
             raise RuntimeError(
@@ -325,9 +330,7 @@ def completion_from_sglang(output: Mapping[str, Any], want_logprobs: bool = True
                 f"SGLang log-prob entries do not match output_ids (request {meta.get('id')!r})"
             )
         logprobs = [float(e[0]) for e in entries]
-    return Completion(
-        token_ids, logprobs, _normalize_finish_reason(meta.get("finish_reason")), output.get("text")
-    )
+    return Completion(token_ids, logprobs, finish, output.get("text"))
 
 
 def completions_to_batch(
