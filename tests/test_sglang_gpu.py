@@ -105,7 +105,7 @@ def test_generate_one_and_abort_from_another_thread(engine, models):
     done = engine.generate_one(ids, SamplingParams(n=2, max_new_tokens=8, seed=1))
     assert len(done) == 2 and all(c.finish_reason in ("stop", "length") for c in done)
     result = {}
-    long = SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True)
+    long = SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True)  # stopped at the context
 
     def run() -> None:
         try:

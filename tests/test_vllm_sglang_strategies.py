@@ -643,6 +643,13 @@ def test_sglang_generate_one_request_per_sample(fake_engines, tokenizer_dir):
     assert_rows_close(out["infer_logprobs"], mask, [[canned_logprob(t) for t in toks] for toks in expected])
 
 
+def test_sglang_stops_a_request_at_the_engine_context(fake_engines, tokenizer_dir):
+    strategy, engine = sglang_strategy(tokenizer_dir)
+    engine.tokenizer_manager.context_len = 4
+    strategy.generate(prompt_batch([[5, 6], [7]]), SamplingParams(n=1, max_new_tokens=3))
+    assert [sp["max_new_tokens"] for sp in engine.generate_calls[-1]["sampling_params"]] == [2, 3]
+
+
 def test_sglang_abort_posts_onto_the_engine_loop(fake_engines, tokenizer_dir):
     strategy, engine = sglang_strategy(tokenizer_dir)
     engine.stall = True

@@ -166,6 +166,10 @@ class SGLangStrategy:
     ) -> list[Completion]:
         ids = plan.request_ids()
         sampling = [sglang_sampling_params(params, seed_offset=k) for k in range(len(ids))]
+        context = getattr(self.engine.tokenizer_manager, "context_len", None)
+        if context:  # SGLang refuses a request past its context; vLLM stops it there: do the same
+            for request, prompt in zip(sampling, inputs):
+                request["max_new_tokens"] = max(1, min(request["max_new_tokens"], context - len(prompt)))
         self._ensure_ready()
         self.registry.add(ids)
         try:
