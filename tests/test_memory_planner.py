@@ -9,14 +9,28 @@ import transformers
 from roll.configs.errors import ConfigError
 from roll.planner.model_shape import FAMILY_TRAITS, shape_from_config
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=128)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=128,
+)
 CASES = {
     "Qwen2Config": dict(TINY, tie_word_embeddings=False),
     "LlamaConfig": dict(TINY, tie_word_embeddings=True),
     "Qwen3Config": dict(TINY, head_dim=24, tie_word_embeddings=False),
-    "Qwen3MoeConfig": dict(TINY, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
-                           decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False),
+    "Qwen3MoeConfig": dict(
+        TINY,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
     "MixtralConfig": dict(TINY, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
 
