@@ -84,6 +84,23 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, split: Split = Split(
     return tokens * (per_hidden + attention + mlp) // split.cp
 
 
+def forward_bytes(shape: ModelShape, tokens: int, split: Split = Split()) -> int:
+    """What is live at once inside one layer of a forward pass without autograd: the layer input
+    and residual, plus the larger of attention's q/k/v/output and the MLP's gate/up/product."""
+    h = shape.hidden
+    attention = 2 * (2 * shape.q_dim + 2 * shape.kv_dim) // split.tp
+    if shape.moe_layers:
+        mlp = shape.top_k * (2 * h + 6 * shape.moe_ffn // split.etp)
+    else:
+        mlp = 6 * shape.ffn // split.tp
+    return tokens * (4 * h + max(attention, mlp)) // split.cp
+
+
+def optimizer_step_bytes(main_params: int) -> int:
+    """torch's foreach AdamW allocates fp32 temporaries the size of the parameters it steps."""
+    return 4 * main_params
+
+
 def activations(shape: ModelShape, tokens: int, split: Split = Split(), recompute: bool = False) -> int:
     """What one micro-batch of ``tokens`` keeps for the backward pass on one rank."""
     layer = layer_activation_bytes(shape, tokens, split)
@@ -118,7 +135,7 @@ def generation_bytes(
     return {
         "kv_cache": kv_copies * kv_cache_bytes(shape, rows, seq_len, split.tp),
         "logits": logits_rows * split.vocab(shape) // split.tp * 2 + rows * shape.vocab * 4,
-        "activations": layer_activation_bytes(shape, prefill, split),
+        "activations": forward_bytes(shape, prefill, split),
     }
 
 
@@ -133,6 +150,11 @@ def megatron_train(
         parts[key] += value
     parts["activations"] = activations(shape, tokens, split, recompute)
     parts["logits"] = logit_bytes(shape, tokens, split, train=True)
+    # The optimizer step runs after the activations are gone; its temporaries may be larger.
+    shards = (dp, expert_dp) if dist_opt else (1, 1)
+    step = optimizer_step_bytes(dense // shards[0] + expert // shards[1])
+    if step > parts["activations"] + parts["logits"]:
+        parts["activations"], parts["logits"] = step, 0
     return parts
 
 
