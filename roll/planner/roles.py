@@ -17,8 +17,12 @@ from roll.planner import memory as mem
 from roll.planner.model_shape import ModelShape
 
 GIB = mem.GIB
-# A CUDA context, cuBLAS workspace and NCCL buffers of one GPU process, outside any allocator.
+# Memory of one GPU process outside its allocator's tensors: the CUDA context, cuBLAS workspaces
+# and NCCL communicators' buffers. A megatron process opens many process groups (TP, DP, EP, PP, CP
+# and their products); rlvr_megatron_2gpus with a 128-wide 3-layer model peaked at 21.2 GiB per GPU
+# with three megatron processes on each (docs/memory_planner.md).
 CONTEXT_BYTES = GIB // 2
+MEGATRON_CONTEXT_BYTES = 7 * GIB
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STRATEGY = "strategy_args.strategy_config"
 
@@ -87,7 +91,11 @@ def role_memory(
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
     build = BUILDERS[strategy]
     parts, idle, knobs = build(name, role, cfg, config, plan, shape, work, dtype, capacity)
-    context = 0 if strategy == "vllm" else CONTEXT_BYTES  # vLLM's fraction covers its whole process
+    context = CONTEXT_BYTES
+    if strategy.startswith("megatron") and plan.world_size > 1:  # one rank opens no communicators
+        context = MEGATRON_CONTEXT_BYTES
+    elif strategy == "vllm":
+        context = 0  # gpu_memory_utilization covers vLLM's whole process
     if not colocated:
         idle = sum(parts.values())
     return RoleMemory(name, strategy, parts, idle, context, knobs)
