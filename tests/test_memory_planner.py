@@ -212,3 +212,12 @@ def test_cpu_device_skips_the_plan(tmp_path, capsys) -> None:
     argv = ["--config_name", "rlvr_megatron_vllm_2gpus", "--config_path", path, "--dry_run", "device=cpu"]
     assert main(argv) == 0
     assert "note: no memory plan: device: cpu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "examples/config").glob("*.yaml")))
+def test_every_shipped_config_gets_a_plan(name: str, tmp_path, capsys) -> None:
+    """Every strategy a shipped config uses has a formula (no role is left out with a note)."""
+    path = _shipped_with_model(name, tmp_path, "qwen2.5-1.5b")
+    assert main(["--config_name", name, "--config_path", path, "--dry_run", "gpu=H200", "device=cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "device peak" in out and "note:" not in out, out
