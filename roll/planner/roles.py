@@ -8,7 +8,9 @@ batch sizes (formulas in roll.planner.memory).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RoleConfig
@@ -75,6 +77,25 @@ def workload(config: RLVRConfig, role: RoleConfig, dp: int) -> Workload:
     )
 
 
+@dataclass(frozen=True)
+class RoleInputs:
+    """What a strategy's formula reads: the role, its typed strategy config, the run, the sizes."""
+
+    name: str
+    role: RoleConfig
+    cfg: Any  # the strategy's typed config (MegatronConfig, VLLMConfig, ...); None for default hf_infer
+    config: RLVRConfig
+    plan: RolePlan
+    shape: ModelShape
+    work: Workload
+    dtype: int  # bytes per weight
+    capacity: int | None  # device bytes, when known
+
+
+# parts (bytes by column), idle bytes, key per part
+Prediction = tuple[dict[str, int], int, dict[str, str]]
+
+
 def role_memory(
     name: str,
     role: RoleConfig,
@@ -89,8 +110,8 @@ def role_memory(
     cfg = role.strategy_args.config if role.strategy_args else None
     work = workload(config, role, plan.parallel.dp)
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
-    build = BUILDERS[strategy]
-    parts, idle, knobs = build(name, role, cfg, config, plan, shape, work, dtype, capacity)
+    inputs = RoleInputs(name, role, cfg, config, plan, shape, work, dtype, capacity)
+    parts, idle, knobs = BUILDERS[strategy](inputs)
     context = CONTEXT_BYTES
     if strategy.startswith("megatron") and plan.world_size > 1:  # one rank opens no communicators
         context = MEGATRON_CONTEXT_BYTES
@@ -101,7 +122,7 @@ def role_memory(
     return RoleMemory(name, strategy, parts, idle, context, knobs)
 
 
-def _megatron_split(cfg, tp_only: bool = False) -> mem.Split:
+def _megatron_split(cfg: Any, tp_only: bool = False) -> mem.Split:
     tp = cfg.tensor_model_parallel_size
     return mem.Split(
         tp=tp,
@@ -114,154 +135,122 @@ def _megatron_split(cfg, tp_only: bool = False) -> mem.Split:
     )
 
 
-def _megatron_train(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    split = _megatron_split(cfg)
+def _megatron_train(x: RoleInputs) -> Prediction:
+    cfg, shape, split = x.cfg, x.shape, _megatron_split(x.cfg)
     recompute = cfg.recompute_granularity == "full"
     parts = mem.megatron_train(
-        shape, split, plan.parallel.dp, dtype, work.train_tokens, recompute, cfg.use_distributed_optimizer
+        shape,
+        split,
+        x.plan.parallel.dp,
+        x.dtype,
+        x.work.train_tokens,
+        recompute,
+        cfg.use_distributed_optimizer,
     )
-    value_head = role.model_args.is_value_model
+    value_head = x.role.model_args.is_value_model
     if value_head:
         parts["logits"] = 0
     # The old-log-prob (or value) pass holds the same state and one forward's temporaries.
-    tokens = work.forward_rows * work.seq
+    tokens = x.work.forward_rows * x.work.seq
     forward = {
         "activations": mem.forward_bytes(shape, tokens, split),
         "logits": 0 if value_head else mem.logit_bytes(shape, tokens, split),
     }
     if sum(forward.values()) > parts["activations"] + parts["logits"]:
         parts |= forward
-    idle = sum(
-        parts[part]
-        for part, off in (
-            ("params", cfg.offload_params),
-            ("grads", cfg.offload_grads),
-            ("optimizer", cfg.offload_optimizer),
-        )
-        if not off
+    kept = (
+        ("params", cfg.offload_params),
+        ("grads", cfg.offload_grads),
+        ("optimizer", cfg.offload_optimizer),
     )
-    grow = "tensor_model_parallel_size (more devices in device_mapping)"
+    idle = sum(parts[part] for part, offloaded in kept if not offloaded)
+    grow = f"{STRATEGY}.tensor_model_parallel_size (more devices in device_mapping)"
+    batch = "training_args.per_device_train_batch_size"
     knobs = {
-        "params": f"{STRATEGY}.{grow}",
-        "grads": f"{STRATEGY}.{grow}",
-        "optimizer": f"{STRATEGY}.use_distributed_optimizer"
-        if not cfg.use_distributed_optimizer
-        else f"{STRATEGY}.{grow}",
-        "activations": f"{STRATEGY}.recompute_granularity"
-        if not recompute
-        else "training_args.per_device_train_batch_size",
-        "logits": "training_args.per_device_train_batch_size",
+        "params": grow,
+        "grads": grow,
+        "optimizer": grow if cfg.use_distributed_optimizer else f"{STRATEGY}.use_distributed_optimizer",
+        "activations": batch if recompute else f"{STRATEGY}.recompute_granularity",
+        "logits": batch,
         "idle": f"{STRATEGY}.offload_params",
     }
     return parts, idle, knobs
 
 
-def _fsdp2_train(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    recompute = not role.model_args.disable_gradient_checkpointing
+def _fsdp2_train(x: RoleInputs) -> Prediction:
+    cfg, shape = x.cfg, x.shape
+    recompute = not x.role.model_args.disable_gradient_checkpointing
+    sharded = cfg.sharding == "full_shard"
     parts = mem.fsdp2_train(
-        shape,
-        plan.world_size,
-        dtype,
-        work.train_tokens,
-        recompute,
-        cfg.sharding == "full_shard",
-        cfg.mixed_precision,
+        shape, x.plan.world_size, x.dtype, x.work.train_tokens, recompute, sharded, cfg.mixed_precision
     )
-    if cfg.cpu_offload:
-        for part in ("grads", "optimizer"):
-            parts[part] = 0
-        parts["params"] = 2 * shape.layer_dense_params() // max(shape.layers, 1) * dtype
+    if cfg.cpu_offload:  # shards live in host memory; two gathered layers on the device
+        parts |= {"grads": 0, "optimizer": 0}
+        parts["params"] = 2 * shape.layer_dense_params() // max(shape.layers, 1) * x.dtype
+    batch = "training_args.per_device_train_batch_size"
     knobs = {
-        "params": "device_mapping",
-        "grads": "device_mapping",
         "optimizer": f"{STRATEGY}.cpu_offload",
-        "activations": "model_args.disable_gradient_checkpointing"
-        if not recompute
-        else "training_args.per_device_train_batch_size",
-        "logits": "training_args.per_device_train_batch_size",
+        "activations": batch if recompute else "model_args.disable_gradient_checkpointing",
+        "logits": batch,
     }
     return parts, 0, knobs
 
 
-def _inference(name, role, shape, work, split, dtype, config, kv_copies):
-    dense, expert = mem.rank_params(shape, split)
-    parts = {"params": (dense + expert) * dtype}
-    if name == "actor_infer":  # generates; the old log-probs come from actor_train
-        forward = mem.generation_bytes(shape, work.gen_rows, work.prompt, work.seq, split, kv_copies)
+def _inference(x: RoleInputs, split: mem.Split, kv_copies: int) -> dict[str, int]:
+    """Weights plus the larger transient of the role's work: generation for actor_infer (the old
+    log-probs come from actor_train), one log-prob forward for the others."""
+    dense, expert = mem.rank_params(x.shape, split)
+    parts = {"params": (dense + expert) * x.dtype}
+    work = x.work
+    if x.name == "actor_infer":
+        parts |= mem.generation_bytes(x.shape, work.gen_rows, work.prompt, work.seq, split, kv_copies)
         # Model update: two buckets in flight and one converted (fused) copy.
-        parts["buffers"] = 3 * config.model_update_buffer_size_mb << 20
+        parts["buffers"] = 3 * x.config.model_update_buffer_size_mb << 20
     else:
         tokens = work.forward_rows * work.seq
-        forward = {
-            "activations": mem.forward_bytes(shape, tokens, split),
-            "logits": mem.logit_bytes(shape, tokens, split),
-        }
-    parts.update(forward)
-    knobs = {"params": f"{STRATEGY}.tensor_model_parallel_size", "buffers": "model_update_buffer_size_mb"}
-    knobs |= {part: "infer_batch_size" for part in ("activations", "logits", "kv_cache")}
-    return parts, knobs
+        parts["activations"] = mem.forward_bytes(x.shape, tokens, split)
+        parts["logits"] = mem.logit_bytes(x.shape, tokens, split)
+    return parts
 
 
-def _megatron_infer(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    parts, knobs = _inference(name, role, shape, work, _megatron_split(cfg, tp_only=True), dtype, config, 1)
-    knobs["buffers"] = "model_update_buffer_size_mb"
-    return parts, 0, {k: v for k, v in knobs.items()}
+INFER_KNOBS = {
+    "params": f"{STRATEGY}.tensor_model_parallel_size",
+    "buffers": "model_update_buffer_size_mb",
+    **{part: "infer_batch_size" for part in ("activations", "logits", "kv_cache")},
+}
 
 
-def _hf_infer(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    parts, knobs = _inference(name, role, shape, work, mem.Split(), dtype, config, 2)
-    knobs["params"] = "device_mapping"
-    idle = 0 if cfg is None or cfg.offload_to_cpu else parts["params"]
-    return parts, idle, knobs
+def _megatron_infer(x: RoleInputs) -> Prediction:
+    return _inference(x, _megatron_split(x.cfg, tp_only=True), kv_copies=1), 0, INFER_KNOBS
 
 
-def _engine(name, role, cfg, config, plan, shape, work, dtype, capacity, fraction, knob, asleep):
+def _hf_infer(x: RoleInputs) -> Prediction:
+    parts = _inference(x, mem.Split(), kv_copies=2)
+    idle = 0 if x.cfg is None or x.cfg.offload_to_cpu else parts["params"]
+    return parts, idle, INFER_KNOBS | {"params": "device_mapping", "idle": f"{STRATEGY}.offload_to_cpu"}
+
+
+def _engine(x: RoleInputs, fraction: float, knob: str, asleep: bool) -> Prediction:
     """vLLM / SGLang reserve ``fraction`` of the device for weights + KV cache at start."""
-    tp = cfg.tensor_parallel_size
-    if capacity is not None:
-        engine = int(fraction * capacity)
+    tp = x.cfg.tensor_parallel_size
+    if x.capacity is not None:
+        engine = int(fraction * x.capacity)
     else:  # unknown device: the weights and the KV cache this batch needs (a lower bound)
-        weights = shape.total_params() * dtype // tp
-        engine = weights + mem.kv_cache_bytes(shape, work.gen_rows, work.seq, tp)
-    parts = {"engine": engine}
-    return parts, 0 if asleep else engine, {"engine": f"{STRATEGY}.{knob}", "idle": f"{STRATEGY}.{knob}"}
+        weights = x.shape.total_params() * x.dtype // tp
+        engine = weights + mem.kv_cache_bytes(x.shape, x.work.gen_rows, x.work.seq, tp)
+    knobs = {"engine": f"{STRATEGY}.{knob}", "idle": f"{STRATEGY}.{knob}"}
+    return {"engine": engine}, 0 if asleep else engine, knobs
 
 
-def _vllm(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    return _engine(
-        name,
-        role,
-        cfg,
-        config,
-        plan,
-        shape,
-        work,
-        dtype,
-        capacity,
-        cfg.gpu_memory_utilization,
-        "gpu_memory_utilization",
-        cfg.sleep_level > 0,
-    )
+def _vllm(x: RoleInputs) -> Prediction:
+    return _engine(x, x.cfg.gpu_memory_utilization, "gpu_memory_utilization", x.cfg.sleep_level > 0)
 
 
-def _sglang(name, role, cfg, config, plan, shape, work, dtype, capacity):
-    return _engine(
-        name,
-        role,
-        cfg,
-        config,
-        plan,
-        shape,
-        work,
-        dtype,
-        capacity,
-        cfg.mem_fraction_static,
-        "mem_fraction_static",
-        cfg.enable_memory_saver,
-    )
+def _sglang(x: RoleInputs) -> Prediction:
+    return _engine(x, x.cfg.mem_fraction_static, "mem_fraction_static", x.cfg.enable_memory_saver)
 
 
-BUILDERS = {
+BUILDERS: dict[str, Callable[[RoleInputs], Prediction]] = {
     "megatron_train": _megatron_train,
     "megatron_infer": _megatron_infer,
     "fsdp2_train": _fsdp2_train,
