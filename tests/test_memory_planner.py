@@ -17,6 +17,7 @@ from roll.planner.memory import (
     GIB,
     Split,
     activations,
+    fsdp2_train,
     kv_cache_bytes,
     layer_activation_bytes,
     logit_bytes,
@@ -221,3 +222,12 @@ def test_every_shipped_config_gets_a_plan(name: str, tmp_path, capsys) -> None:
     assert main(["--config_name", name, "--config_path", path, "--dry_run", "gpu=H200", "device=cuda"]) == 0
     out = capsys.readouterr().out
     assert "device peak" in out and "note:" not in out, out
+
+
+def test_fsdp2_shards_fp32_state_over_the_world() -> None:
+    shape = shape_from_config(preset_config("qwen2.5-1.5b").to_dict())
+    params = shape.total_params()
+    one = fsdp2_train(shape, 1, 2, 1024, True, sharded=False, mixed=True)
+    four = fsdp2_train(shape, 4, 2, 1024, True, sharded=True, mixed=True)
+    assert one["params"] + one["grads"] + one["optimizer"] == 16 * params  # fp32 param, grad, 2 moments
+    assert four["grads"] + four["optimizer"] == 12 * params // 4
