@@ -45,6 +45,8 @@ def train_step_rows() -> list[tuple[str, str, float, float]]:
             43.7,
         ),
         ("Qwen2.5-7B 16 layers, 1 GPU", preset_config("qwen2.5-7b", 16), mem.Split(), 1, False, 101.8),
+        # benchmarks/memory_train_cases.py (H200, 2026-11-24), one case per process.
+        ("MoE 3.2B, 1 GPU", small_moe(), mem.Split(), 1, False, 68.0),
         ("Qwen2.5-1.5B, DP2 dist-opt", preset_config("qwen2.5-1.5b"), mem.Split(), 2, True, 43.2),
         ("MoE 3.2B, EP2 DP2 dist-opt", small_moe(), mem.Split(ep=2), 2, True, 61.2),
         (
@@ -57,6 +59,23 @@ def train_step_rows() -> list[tuple[str, str, float, float]]:
         ),
     ]
     rows = []
+    recompute = mem.megatron_train(
+        shape_from_config(preset_config("qwen2.5-1.5b").to_dict()),
+        mem.Split(vocab_multiple=128),
+        1,
+        2,
+        4096,
+        True,
+        False,
+    )
+    rows.append(
+        (
+            "train step: Qwen2.5-1.5B full recompute, 1 GPU",
+            "actor_train (alloc)",
+            sum(recompute.values()) / GIB,
+            31.8,
+        )
+    )
     for name, cfg, split, dp, dist, measured in cases:
         split = mem.Split(
             split.tp, ep=split.ep, etp=split.tp, sequence_parallel=split.sequence_parallel, vocab_multiple=128
