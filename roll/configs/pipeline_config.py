@@ -67,6 +67,12 @@ class RLVRConfig:
     num_nodes: int | None = bounded(None, ge=1)
     # "auto" uses CUDA when it is available, else every device id is a CPU slot.
     device: str = one_of("auto", "auto", "cpu", "cuda")
+    # Memory plan (roll/planner, docs/memory_planner.md): the device size predicted peaks are checked
+    # against (a known GPU, or GiB; at launch the detected device otherwise), and what a device
+    # predicted not to fit does: warn, error (a ConfigError before anything starts), or off.
+    gpu: str | None = one_of(None, table="roll.planner.devices:KNOWN_GPUS")
+    device_memory_gib: float | None = bounded(None, gt=0)
+    memory_check: str = one_of("warn", "warn", "error", "off")
 
     pretrain: str | None = None
     reward_pretrain: str | None = None

@@ -48,13 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         from roll.configs.loader import load_config
         from roll.configs.preflight import check_before_launch
         from roll.distributed.scheduler.placement import format_plan, plan_placement
+        from roll.planner.report import memory_report
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
         check_before_launch(config)  # files, tags, reward options: for --dry_run and a launch alike
+        plan = plan_placement(config)
+        memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
-            print(format_plan(plan_placement(config), device_kind=kind))
+            print(format_plan(plan, device_kind=kind))
+            print(memory.format())
             return 0
+        for warning in memory.warnings:
+            print(f"WARNING: {warning}", file=sys.stderr)
         from roll.pipeline.rlvr.pipeline import run_pipeline
 
         run_pipeline(config)

@@ -1,0 +1,176 @@
+"""Peak device memory of one rank of a role, as pure functions of model sizes and options.
+
+Every function returns bytes by component (``params``, ``grads``, ``optimizer``, ``activations``,
+``logits``, ``kv_cache``, ``engine``, ``buffers``). The formulas, per rank:
+
+- training state (mixed precision, Adam): bf16 params 2 B + fp32 grads 4 B + fp32 main params and
+  two moments 12 B per parameter; the distributed optimizer / FSDP divide the 12 B (FSDP: all
+  16 B) by the data-parallel size; fp32 training keeps 4 + 4 + 8 B;
+- activations: per token and layer, the tensors autograd keeps (norms, q/k/v, attention output,
+  MLP or top-k expert widths), divided by TP where Megatron splits them (all of them with sequence
+  parallelism); full recompute keeps only each layer's bf16 input plus one layer's tensors;
+- log-prob temporaries: bf16 logits [tokens, vocab / TP] (and their gradient when training) plus
+  two fp32 row chunks of 256 MiB (roll.models.logprobs bounds the fp32 copies that way);
+- KV cache: K and V of every layer for every row and position (megatron_infer allocates it for
+  the whole sequence up front; transformers' cache grows by concatenation, which leaves about as
+  much again in the allocator's cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roll.planner.model_shape import ModelShape
+
+GIB = 1 << 30
+# roll.models.logprobs turns at most 2**26 logits at a time into fp32 (256 MiB); two are live.
+LOGPROB_CHUNK_BYTES = 2 * (1 << 26) * 4
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one rank holds the model: Megatron's parallel sizes (all 1 for a full replica)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    vocab_multiple: int = 1  # the vocabulary is padded to a multiple of this x TP
+
+    def vocab(self, shape: ModelShape) -> int:
+        multiple = self.vocab_multiple * self.tp
+        return -(-shape.vocab // multiple) * multiple
+
+
+def rank_params(shape: ModelShape, split: Split) -> tuple[int, int]:
+    """(non-expert, expert) parameters on one rank; the worst pipeline stage (the one with the
+    embedding or the output head)."""
+    vocab = split.vocab(shape)
+    if split.pp == 1:
+        embedding = vocab * shape.hidden * (1 if shape.tied else 2)
+    else:
+        embedding = vocab * shape.hidden  # first stage: embedding; last stage: head
+    dense = (shape.layer_dense_params() // split.pp + embedding) // split.tp + shape.hidden
+    expert = shape.expert_params() // (split.pp * split.ep * split.etp)
+    return dense, expert
+
+
+def training_state(params: int, dtype_bytes: int, optimizer_shards: int = 1) -> dict[str, int]:
+    """Parameters, gradients and Adam state of ``params`` parameters; the optimizer's share is
+    divided by ``optimizer_shards`` (distributed optimizer: the data-parallel size)."""
+    if dtype_bytes >= 4:
+        return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params // optimizer_shards}
+    return {"params": 2 * params, "grads": 4 * params, "optimizer": 12 * params // optimizer_shards}
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: int, split: Split = Split()) -> int:
+    """Bytes autograd keeps for one average layer over ``tokens`` tokens (bf16, no recompute)."""
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    # Norm inputs/outputs and the residual in bf16, and the fp32 copies of both RMSNorms.
+    per_hidden = 2 * 4 * h + 16 * h
+    attention = 4 * (q + 2 * kv) + 2 * q  # q/k/v before and after RoPE, attention output
+    if shape.moe_layers:
+        # Tokens are copied top_k times into the experts; router logits and probs in fp32.
+        moe = shape.top_k * (2 * h + 8 * shape.moe_ffn // split.etp) + 8 * shape.experts
+        dense = 8 * shape.ffn // split.tp
+        mlp = (moe * shape.moe_layers + dense * (shape.layers - shape.moe_layers)) // shape.layers
+    else:
+        mlp = 8 * shape.ffn // split.tp
+    attention //= split.tp
+    if split.sequence_parallel:
+        per_hidden //= split.tp
+    return tokens * (per_hidden + attention + mlp) // split.cp
+
+
+def forward_bytes(shape: ModelShape, tokens: int, split: Split = Split()) -> int:
+    """What is live at once inside one layer of a forward pass without autograd: the layer input
+    and residual, plus the larger of attention's q/k/v/output and the MLP's gate/up/product."""
+    h = shape.hidden
+    attention = 2 * (2 * shape.q_dim + 2 * shape.kv_dim) // split.tp
+    if shape.moe_layers:
+        mlp = shape.top_k * (2 * h + 6 * shape.moe_ffn // split.etp)
+    else:
+        mlp = 6 * shape.ffn // split.tp
+    return tokens * (4 * h + max(attention, mlp)) // split.cp
+
+
+def optimizer_step_bytes(main_params: int) -> int:
+    """torch's foreach AdamW allocates fp32 temporaries the size of the parameters it steps."""
+    return 4 * main_params
+
+
+def activations(shape: ModelShape, tokens: int, split: Split = Split(), recompute: bool = False) -> int:
+    """What one micro-batch of ``tokens`` keeps for the backward pass on one rank."""
+    layer = layer_activation_bytes(shape, tokens, split)
+    if not recompute:
+        return layer * shape.layers
+    kept = 2 * shape.hidden * tokens // split.cp
+    if split.sequence_parallel:
+        kept //= split.tp
+    return kept * shape.layers + layer
+
+
+def logit_bytes(shape: ModelShape, tokens: int, split: Split = Split(), train: bool = False) -> int:
+    """Log-prob temporaries: bf16 logits [tokens, vocab / TP] (+ their gradient) and fp32 chunks."""
+    logits = tokens * split.vocab(shape) // split.tp * 2
+    return logits * (2 if train else 1) + min(LOGPROB_CHUNK_BYTES, 4 * tokens * shape.vocab)
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, seq_len: int, tp: int = 1, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for ``rows`` sequences of ``seq_len`` positions, kv heads split by TP."""
+    heads = max(shape.kv_heads // tp, 1)
+    return 2 * shape.layers * heads * shape.head_dim * dtype_bytes * rows * seq_len
+
+
+def generation_bytes(
+    shape: ModelShape, rows: int, prompt_len: int, seq_len: int, split: Split, kv_copies: int = 1
+) -> dict[str, int]:
+    """One generate call of ``rows`` sequences: the KV cache, the prefill's logits (Megatron
+    computes them for every prompt position; transformers for the last only) and one layer's
+    prefill activations."""
+    prefill = rows * prompt_len
+    logits_rows = prefill if kv_copies == 1 else rows
+    return {
+        "kv_cache": kv_copies * kv_cache_bytes(shape, rows, seq_len, split.tp),
+        "logits": logits_rows * split.vocab(shape) // split.tp * 2 + rows * shape.vocab * 4,
+        "activations": forward_bytes(shape, prefill, split),
+    }
+
+
+def megatron_train(
+    shape: ModelShape, split: Split, dp: int, dtype_bytes: int, tokens: int, recompute: bool, dist_opt: bool
+) -> dict[str, int]:
+    """One megatron_train rank during the train step (``tokens`` per micro-batch)."""
+    dense, expert = rank_params(shape, split)
+    expert_dp = max(split.tp * split.cp * dp // (split.etp * split.ep), 1)
+    parts = training_state(dense, dtype_bytes, dp if dist_opt else 1)
+    for key, value in training_state(expert, dtype_bytes, expert_dp if dist_opt else 1).items():
+        parts[key] += value
+    parts["activations"] = activations(shape, tokens, split, recompute)
+    parts["logits"] = logit_bytes(shape, tokens, split, train=True)
+    # The optimizer step runs after the activations are gone; its temporaries may be larger.
+    shards = (dp, expert_dp) if dist_opt else (1, 1)
+    step = optimizer_step_bytes(dense // shards[0] + expert // shards[1])
+    if step > parts["activations"] + parts["logits"]:
+        parts["activations"], parts["logits"] = step, 0
+    return parts
+
+
+def fsdp2_train(
+    shape: ModelShape, world: int, dtype_bytes: int, tokens: int, recompute: bool, sharded: bool, mixed: bool
+) -> dict[str, int]:
+    """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``world``
+    (mixed precision) plus two layers of gathered compute-dtype params."""
+    params = shape.total_params()
+    shards = world if sharded else 1
+    state = 4 if mixed else dtype_bytes
+    layer = (shape.layer_dense_params() + shape.expert_params()) // max(shape.layers, 1)
+    return {
+        "params": state * params // shards + (2 * layer * dtype_bytes if sharded else 0),
+        "grads": state * params // shards,
+        "optimizer": 2 * state * params // shards,
+        "activations": activations(shape, tokens, recompute=recompute),
+        "logits": logit_bytes(shape, tokens, train=True),
+    }

@@ -1,0 +1,141 @@
+"""Model sizes from a Hugging Face ``config.json`` alone (no weights, no transformers import).
+
+One formula set covers the families roll's strategies load (roll.models.megatron.families): dense
+Llama / Qwen2 / Qwen3 and the MoE Qwen3-MoE / Mixtral. Counts are those of the HF module tree.
+
+    shape = load_model_shape("models/Qwen2.5-7B", "actor_train.model_args.model_name_or_path")
+    shape.total_params()            # 7_615_616_512
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from roll.configs.errors import ConfigError
+
+# model_type -> (q/k/v bias, RMSNorm per query/key head, MoE field names or None).
+FAMILY_TRAITS: dict[str, tuple[bool, bool, str | None]] = {
+    "llama": (False, False, None),
+    "qwen2": (True, False, None),
+    "qwen3": (False, True, None),
+    "qwen3_moe": (False, True, "qwen3_moe"),
+    "mixtral": (False, False, "mixtral"),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set a decoder-only model's memory."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # dense MLP width
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0  # one expert's MLP width
+    moe_layers: int = 0  # layers whose MLP is the experts
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v bias, + per-head q/k norms) and the two layer norms."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        count = h * q + 2 * h * kv + q * h + 2 * h
+        if self.qkv_bias:
+            count += q + 2 * kv
+        if self.qk_norm:
+            count += 2 * self.head_dim
+        return count
+
+    def expert_params(self) -> int:
+        """Every expert of every MoE layer (gate, up, down)."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.moe_ffn
+
+    def layer_dense_params(self) -> int:
+        """Every layer's parameters but the experts: attention, norms, dense MLPs, routers."""
+        dense_mlp = (self.layers - self.moe_layers) * 3 * self.hidden * self.ffn
+        routers = self.moe_layers * self.experts * self.hidden
+        return self.layers * self.attention_params() + dense_mlp + routers
+
+    def embedding_params(self) -> int:
+        """Input embedding, output head (0 when tied) and the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def total_params(self) -> int:
+        return self.embedding_params() + self.layer_dense_params() + self.expert_params()
+
+    def mlp_act_width(self) -> int:
+        """Per token, the MLP width one token passes through in an average layer (top-k experts)."""
+        if not self.layers:
+            return 0
+        moe = self.moe_layers * self.top_k * self.moe_ffn
+        return (moe + (self.layers - self.moe_layers) * self.ffn) // self.layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_dim * dtype_bytes
+
+
+def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelShape:
+    """A ``ModelShape`` from the dict of a ``config.json``; ConfigError for an unknown family."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILY_TRAITS:
+        raise ConfigError(
+            key, f"model_type {model_type!r} has no size formula; known: {', '.join(sorted(FAMILY_TRAITS))}"
+        )
+    bias, qk_norm, moe = FAMILY_TRAITS[model_type]
+    try:
+        hidden, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        shape = dict(
+            model_type=model_type,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            ffn=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", bias)),
+            qk_norm=qk_norm,
+        )
+        # Published Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts.
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        if moe == "qwen3_moe" and experts:
+            step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+            shape |= dict(experts=experts, moe_ffn=cfg["moe_intermediate_size"])
+            shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=moe_layers)
+        elif moe == "mixtral":
+            shape |= dict(experts=cfg["num_local_experts"], moe_ffn=cfg["intermediate_size"])
+            shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=layers)
+    except KeyError as exc:
+        raise ConfigError(key, f"config.json has no {exc.args[0]!r} (needed for the memory plan)") from None
+    return ModelShape(**shape)
+
+
+def load_model_shape(model_dir: str, key: str = "model_args.model_name_or_path") -> ModelShape:
+    """Read ``model_dir/config.json`` (only that file) into a ``ModelShape``."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc}") from None
+    return shape_from_config(cfg, key)
