@@ -228,7 +228,9 @@ def test_a_non_tensor_entry_that_runs_code_is_refused_before_loading(tmp_path, m
 
 
 @pytest.mark.parametrize("error, code", [(CheckpointError, 3), ("reward", 4)])
-def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, error, code):
+def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, tmp_path, error, code):
+    from launch_files import launch_overrides, make_launch_files
+
     from roll.configs.errors import RewardError
     from roll.pipeline.rlvr import pipeline
     from roll.pipeline.rlvr.launcher import main
@@ -244,5 +246,7 @@ def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, error,
 
     monkeypatch.setattr(pipeline, "run_pipeline", fail)
     good = Path(__file__).parent / "configs" / "good"
-    assert main(["--config_name", "minimal", "--config_path", str(good)]) == code
+    files = launch_overrides(make_launch_files(tmp_path))
+    args = ["--config_name", "minimal", "--config_path", str(good), f"output_dir={tmp_path / 'out'}"]
+    assert main(args + files) == code
     assert capsys.readouterr().err.strip().splitlines() == [f"{type(exc).__name__}: {exc}"]

@@ -10,7 +10,6 @@ import torch
 
 from roll.configs.errors import ConfigError, RewardError
 from roll.configs.role import RewardConfig
-from roll.configs.validate import _check_reward
 from roll.distributed.scheduler.batch import Batch
 from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.rewards.scoring import RewardScorer, checked_score, score_batch
@@ -120,5 +119,7 @@ def test_error_metrics_per_step_and_role():
 
 
 def test_max_error_fraction_is_validated():
+    from roll.configs.ranges import check_fields
+
     with pytest.raises(ConfigError, match=r"^rewards\.m\.max_error_fraction: must be in \[0, 1\], got 1.5"):
-        _check_reward("rewards.m", RewardConfig(reward_fn="math_rule", max_error_fraction=1.5))
+        check_fields(RewardConfig(reward_fn="math_rule", max_error_fraction=1.5), "rewards.m")

@@ -61,7 +61,15 @@ def error_key(call) -> str:
     ],
 )
 def test_validate_rejects(kwargs: dict, devices: int, key: str) -> None:
-    assert error_key(lambda: MegatronConfig(**kwargs).validate(devices, PATH)) == f"{PATH}.{key}"
+    """Field ranges and named values (checked as the loader builds the config), then the layout."""
+    from roll.configs.ranges import check_fields
+
+    def build_and_validate() -> None:
+        config = MegatronConfig(**kwargs)
+        check_fields(config, PATH)
+        config.validate(devices, PATH)
+
+    assert error_key(build_and_validate) == f"{PATH}.{key}"
 
 
 @pytest.mark.parametrize(
