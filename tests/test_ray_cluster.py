@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
+import psutil
 import pytest
 import ray
 import ray.cloudpickle
@@ -21,6 +23,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import VLLMConfig
+from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.distributed.executor.dispatch import (
     Dispatch,
     DPRank,
@@ -32,9 +35,10 @@ from roll.distributed.executor.dispatch import (
 from roll.distributed.executor.worker import Worker
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import Cluster
-from roll.distributed.scheduler.errors import WorkerError
+from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import plan_placement, plan_role
 from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
+from roll.distributed.scheduler.watchdog import Deadline
 
 # Ray workers cannot import this test module by name; ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -116,6 +120,12 @@ class FailingWorker(Worker):
             dist.all_reduce(torch.ones(1))  # never completes: the failing rank does not join
         return self.rank
 
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep_on(self, bad_rank: int, seconds: float) -> int:
+        if self.rank == bad_rank:
+            time.sleep(seconds)  # a hung rank (a stopped process answers no better)
+        return self.rank
+
 
 class BrokenInitWorker(Worker):
     def __init__(self, *args, **kwargs):
@@ -180,7 +190,9 @@ def test_each_worker_gets_its_rank_env_and_device_slot(runtime, role):
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(len(reports))
         assert env["LOCAL_RANK"] == str(local_rank) and report["local_rank"] == local_rank
         if role != "actor_infer":  # vllm workers join no role group: vLLM makes its own
-            assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(cluster.master_port)
+            assert env["MASTER_ADDR"] == cluster.master_addr and env["MASTER_PORT"] == str(
+                cluster.master_port
+            )
         assert env["ROLL_DEVICE"] == "cpu" and report["device"] == "cpu"
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["ROLL_DEVICE_IDS"] == ",".join(map(str, devices))
@@ -225,7 +237,9 @@ def test_engine_role_workers_join_no_default_group(runtime):
     """vLLM's in-process executor builds its own default group and would adopt a role group as its
     world, so a vllm role's workers have none (``StrategySpec.role_process_group``)."""
     _, clusters, _ = runtime
-    with pytest.raises(WorkerError, match="actor_infer rank .*Default process group has not been initialized"):
+    with pytest.raises(
+        WorkerError, match="actor_infer rank .*Default process group has not been initialized"
+    ):
         clusters["actor_infer"].all_reduce_rank()
 
 
@@ -307,7 +321,60 @@ def test_error_in_worker_init_names_role_rank_and_exception(runtime):
         Cluster("critic", BrokenInitWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
 
 
+@pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
+def test_hung_worker_times_out_naming_role_and_rank(runtime):
+    rm, _, _ = runtime
+    cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 3), RoleConfig(world_size=3))
+    cluster.timeouts = WorkerTimeoutsConfig(call_s=3)
+    workers = list(cluster.workers)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        cluster.sleep_on(1, 3600)
+    assert time.monotonic() - start < 30
+    assert str(info.value).startswith(
+        "critic rank 1: sleep_on did not answer within 3 s (worker_timeouts.call_s); the workers were stopped"
+    )
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        cluster.execute_all("ping")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[1].ping.remote(), timeout=30)
+
+
+def test_single_node_ray_listens_on_loopback_only(runtime):
+    """The private Ray of a single-node run (here the CPU one) binds every port to 127.0.0.1:
+    GCS, raylet, agents and workers. (The roles' torch rendezvous stores, on their MASTER_PORTs,
+    are torch's and listen on every interface; docs/runtime_faults.md says so.)"""
+    _, clusters, _ = runtime
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    torch_stores = {cluster.master_port for cluster in clusters.values()}
+    ray_pids = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [
+        c.laddr
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids and c.laddr.port not in torch_stores
+    ]
+    assert int(port) in {addr.port for addr in listening}  # the GCS is among them
+    assert {addr.ip for addr in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
 # Pure functions (no Ray needed).
+
+
+def test_each_method_gets_its_stage_timeout():
+    timeouts = WorkerTimeoutsConfig(train_s=7, call_s=2)
+    assert Deadline.start(timeouts, "train_step").key == "worker_timeouts.train_s"
+    assert Deadline.start(timeouts, "train_step").timeout_s == 7
+    assert Deadline.start(timeouts, "offload_states").timeout_s == 2
+    defaults = WorkerTimeoutsConfig()
+    assert (defaults.generate_s, defaults.train_s, defaults.model_update_s, defaults.call_s) == (
+        1800,
+        1800,
+        600,
+        300,
+    )
+    with pytest.raises(ValueError, match="^train_s: must be between 1 and 86400 seconds, got 0"):
+        WorkerTimeoutsConfig(train_s=0)
 
 
 def test_check_capacity_names_the_key_to_fix():

@@ -7,6 +7,7 @@ from typing import Any
 
 from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
+from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ADV_ESTIMATORS = ("grpo", "reinforce", "reinforce_plus_plus", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean")
@@ -116,9 +117,14 @@ class RLVRConfig:
     # Model update (trainer -> inference engines).
     model_update_frequency: int = 1
     model_update_buffer_size_mb: int = 512
-    # Mean |logp_engine - logp_trainer| on a fixed probe batch above this bound fails the run.
+    # Mean |logp_engine - logp_trainer| on a fixed probe batch (model_update/probe_logprob_diff)
+    # above this bound fails the run; None: a warning above the dtype's threshold only
+    # (roll/distributed/model_update/probe.py).
     model_update_probe_tolerance: float | None = None
     model_update_probe_size: int = 2
+
+    # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
+    worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
     def __post_init__(self) -> None:
         checks = {

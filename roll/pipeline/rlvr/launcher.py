@@ -2,7 +2,9 @@
 
     python examples/start_rlvr_pipeline.py --config_name rlvr_config [--config_path DIR] [--dry_run] [key.sub=value ...]
 
-A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2.
+A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2; a failed
+or hung worker one ``WorkerError``/``WorkerTimeout`` line (exit 1, its traceback in run.log); SIGTERM
+and SIGINT stop the workers and exit with 143 and 130 (see docs/runtime_faults.md).
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import sys
 from pathlib import Path
 
 from roll.configs.errors import ConfigError
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
+from roll.pipeline.rlvr.checkpoint import checkpoint_root, latest_checkpoint
+from roll.pipeline.signals import RunInterrupted, release_signals, take_signals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +48,7 @@ def config_file(config_path: str, config_name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    take_signals()
     try:
         from roll.configs.loader import load_config
         from roll.distributed.scheduler.placement import format_plan, plan_placement
@@ -51,16 +58,45 @@ def main(argv: list[str] | None = None) -> int:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan_placement(config), device_kind=kind))
             return 0
-        from roll.pipeline.rlvr.pipeline import run_pipeline
-
-        run_pipeline(config)
-        return 0
+        return run(config)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as stop:  # before any worker started
+        print(f"roll: {stop}", file=sys.stderr)
+        return stop.exit_code
+    finally:
+        release_signals()
+
+
+def run(config: RLVRConfig) -> int:
+    """Run the pipeline; a failure or a signal ends it with one line on stderr and the details in
+    run.log (the clean-up in ``run_pipeline`` has stopped the workers by then)."""
+    from roll.pipeline.rlvr import pipeline
+
+    log = logging.getLogger("roll")
+    try:
+        pipeline.run_pipeline(config)
+        return 0
     except WorkerError as exc:
         # One line names the role, rank and the original exception; the worker's traceback goes
         # to the run's log, where it helps without burying the message.
-        logging.getLogger("roll").debug("worker traceback:\n%s", exc.remote_traceback)
-        print(f"WorkerError: {exc}", file=sys.stderr)
+        log.debug("worker traceback:\n%s", exc.remote_traceback)
+        log.debug("driver traceback:", exc_info=True)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except ModelUpdateError as exc:
+        log.debug("driver traceback:", exc_info=True)
+        print(f"ModelUpdateError: {exc}", file=sys.stderr)
+        return 1
+    except RunInterrupted as stop:
+        last = latest_checkpoint(checkpoint_root(config))
+        kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
+        log.debug("interrupted at:", exc_info=True)
+        print(f"roll: {stop}; the workers were stopped; {kept}", file=sys.stderr)
+        return stop.exit_code
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

@@ -23,6 +23,7 @@ logger = logging.getLogger("roll")
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
     run = rollouts = None
+    finished = False
     try:
         run = build_run(config)
         start = resume(run)
@@ -59,11 +60,14 @@ def run_pipeline(config: RLVRConfig) -> Path:
             if config.save_steps and step % config.save_steps == 0:
                 save_step(run, step, rollouts.sampler_state())
         finish(run)
+        finished = True
         return run.run_dir
     finally:
+        # After an error or a signal the workers are killed at once (a graceful stop would queue
+        # behind calls that may never return), which also ends a rollout thread still waiting.
+        shutdown(run, graceful=finished)
         if rollouts is not None:
             rollouts.close()
-        shutdown(run)
 
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
