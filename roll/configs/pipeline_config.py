@@ -153,6 +153,11 @@ class RLVRConfig:
             raise ValueError(
                 f"async_generation_ratio: 0 (synchronous) or 1 (one step ahead), got {self.async_generation_ratio}"
             )
+        tolerance = self.model_update_probe_tolerance
+        if tolerance is not None and not 0 < tolerance < float("inf"):
+            raise ValueError(
+                f"model_update_probe_tolerance: must be a positive number (or null: warn only), got {tolerance}"
+            )
         for key in ("rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs", "num_gpus_per_node"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
