@@ -340,21 +340,22 @@ def test_hung_worker_times_out_naming_role_and_rank(runtime):
         ray.get(workers[1].ping.remote(), timeout=30)
 
 
-def test_single_node_ray_listens_on_loopback_only(runtime):
-    """The private Ray of a single-node run (here the CPU one) binds every port to 127.0.0.1:
-    GCS, raylet, agents and workers. (The roles' torch rendezvous stores, on their MASTER_PORTs,
-    are torch's and listen on every interface; docs/runtime_faults.md says so.)"""
+def test_single_node_run_listens_on_loopback_only(runtime):
+    """The private Ray of a single-node run (here the CPU one) binds every port to 127.0.0.1 (GCS,
+    raylet, agents, workers), and so do the roles' torch process groups (store and gloo pairs)."""
     _, clusters, _ = runtime
+    assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4  # the groups are up and work
     host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
     assert host == "127.0.0.1"
-    torch_stores = {cluster.master_port for cluster in clusters.values()}
     ray_pids = {p.pid for p in psutil.Process().children(recursive=True)}
     listening = [
         c.laddr
         for c in psutil.net_connections("inet")
-        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids and c.laddr.port not in torch_stores
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids
     ]
-    assert int(port) in {addr.port for addr in listening}  # the GCS is among them
+    ports = {addr.port for addr in listening}
+    assert int(port) in ports  # the GCS is among them
+    assert {cluster.master_port for name, cluster in clusters.items() if name != "actor_infer"} <= ports
     assert {addr.ip for addr in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
 
 

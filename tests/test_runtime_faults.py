@@ -39,7 +39,7 @@ def launch(tmp: Path, model: Path, name: str, **overrides) -> tuple[subprocess.P
     """Start ``examples/start_rlvr_pipeline.py`` on the tiny config (no validation, no checkpoints
     unless asked); returns the process and its output_dir."""
     out = tmp / name
-    cfg = config_dict(tmp, model, out, max_steps=1, save_steps=0, eval_steps=0, **overrides)
+    cfg = config_dict(tmp, model, out, **{"max_steps": 1, "save_steps": 0, "eval_steps": 0, **overrides})
     cfg.pop("validation")
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -76,6 +76,7 @@ def roll_lines(err: list[str], prefix: str) -> list[str]:
             "WorkerError: reference rank 0: RuntimeError: injected fault",
         ),
     ],
+    ids=["dies", "raises"],
 )
 def test_worker_failing_in_a_colocated_stage_is_one_line(tiny, fault, expected):
     tmp, model = tiny
@@ -124,7 +125,9 @@ def worker_pids(mark: str) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(
+    "signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
 def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code):
     tmp, model = tiny
     mark = uuid.uuid4().hex
