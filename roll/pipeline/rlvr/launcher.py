@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+import ray
+
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
@@ -70,33 +72,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(config: RLVRConfig) -> int:
-    """Run the pipeline; a failure or a signal ends it with one line on stderr and the details in
-    run.log (the clean-up in ``run_pipeline`` has stopped the workers by then)."""
+    """Run the pipeline; a failure or a signal ends it with one line on stderr, printed after Ray
+    has shut down (so it is the last line), and the details in run.log (the clean-up in
+    ``run_pipeline`` has stopped the workers by then)."""
     from roll.pipeline.rlvr import pipeline
 
-    log = logging.getLogger("roll")
     try:
         pipeline.run_pipeline(config)
-        return 0
-    except WorkerError as exc:
-        # One line names the role, rank and the original exception; the worker's traceback goes
-        # to the run's log, where it helps without burying the message.
-        log.debug("worker traceback:\n%s", exc.remote_traceback)
-        log.debug("driver traceback:", exc_info=True)
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except ModelUpdateError as exc:
-        log.debug("driver traceback:", exc_info=True)
-        print(f"ModelUpdateError: {exc}", file=sys.stderr)
-        return 1
-    except RunInterrupted as stop:
-        last = latest_checkpoint(checkpoint_root(config))
-        kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
-        log.debug("interrupted at:", exc_info=True)
-        print(f"roll: {stop}; the workers were stopped; {kept}", file=sys.stderr)
-        return stop.exit_code
+        code, line = 0, None
+    except (WorkerError, ModelUpdateError, RunInterrupted) as exc:
+        code, line = _report(exc, config)
     finally:
-        import ray
-
         if ray.is_initialized():
             ray.shutdown()
+    if line:
+        print(line, file=sys.stderr)
+    return code
+
+
+def _report(exc: BaseException, config: RLVRConfig) -> tuple[int, str]:
+    """Log the details of how the run ended to run.log; the exit code and the one line for stderr."""
+    log = logging.getLogger("roll")
+    if isinstance(exc, RunInterrupted):
+        last = latest_checkpoint(checkpoint_root(config))
+        kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
+        log.debug("interrupted at:", exc_info=exc)
+        return exc.exit_code, f"roll: {exc}; the workers were stopped; {kept}"
+    if isinstance(exc, WorkerError):
+        # The worker's traceback goes to the run's log, where it helps without burying the message.
+        log.debug("worker traceback:\n%s", exc.remote_traceback)
+    log.debug("driver traceback:", exc_info=exc)
+    return 1, f"{type(exc).__name__}: {exc}"
