@@ -27,9 +27,9 @@ from roll.distributed.scheduler.batch import Batch
 
 # Mean |log-prob difference| above which two forwards over equal weights are unusual, by dtype.
 # A log-prob sums rounding errors of every layer: bf16 keeps 8 mantissa bits (2^-8 = 3.9e-3 per
-# value), and healthy bf16 trainer/engine pairs measured 0.0065-0.0106 (Megatron -> Megatron) and up
-# to ~0.03 (Megatron -> vLLM, other kernels); fp16 keeps 11 bits, 8x finer; fp32 pairs measured
-# ~6e-7. Each threshold leaves a margin of about 5x (fp32: 100x) over what healthy runs show.
+# value), and healthy bf16 pairs on 2 x H200 measured 0.0065-0.0106 (Megatron -> megatron_infer) and
+# 0.011-0.013 (Megatron -> vLLM); fp16 keeps 11 bits, 8x finer; fp32 pairs measured ~6e-7 on CPU.
+# docs/runtime_faults.md gives the margins.
 PROBE_WARN_THRESHOLDS = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-4}
 
 
