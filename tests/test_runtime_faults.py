@@ -51,6 +51,7 @@ def launch(tmp: Path, model: Path, name: str, **overrides) -> tuple[subprocess.P
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job has
     )
     return proc, out
 
@@ -149,7 +150,10 @@ def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code):
         )
         time.sleep(0.5)
     assert worker_pids(mark)  # the marker reaches the workers
-    proc.send_signal(signum)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)  # Ctrl-C: the terminal signals the whole foreground group
+    else:
+        proc.send_signal(signum)  # e.g. a scheduler's SIGTERM to the driver
     rc, err = finish(proc, timeout=120)
     assert rc == code, err[-20:]
     assert not any("Traceback" in line or "SIGTERM received" in line for line in err), err[-30:]
