@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -272,7 +273,21 @@ class ResourceManager:
         return "\n".join(lines)
 
     def destroy(self) -> None:
-        """Give the reserved devices back to Ray."""
-        for group in self.placement_groups:
-            remove_placement_group(group)
+        """Give the reserved devices back to Ray (nothing to give back when Ray itself is gone, e.g.
+        after a SIGTERM to the whole process group: the call would block on the dead GCS)."""
+        if self.placement_groups and gcs_reachable():
+            for group in self.placement_groups:
+                remove_placement_group(group)
         self.placement_groups = []
+
+
+def gcs_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this driver's Ray GCS still accepts connections."""
+    if not ray.is_initialized():
+        return False
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -21,7 +21,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, latest_checkpoint
-from roll.pipeline.signals import RunInterrupted, release_signals, take_signals
+from roll.pipeline.signals import interruption, release_signals, take_signals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    except RunInterrupted as stop:  # before any worker started
+    except KeyboardInterrupt:  # a signal before any worker started
+        stop = interruption()
         print(f"roll: {stop}", file=sys.stderr)
         return stop.exit_code
     finally:
@@ -80,7 +81,9 @@ def run(config: RLVRConfig) -> int:
     try:
         pipeline.run_pipeline(config)
         code, line = 0, None
-    except (WorkerError, ModelUpdateError, RunInterrupted) as exc:
+    except (WorkerError, ModelUpdateError) as exc:
+        code, line = _report(exc, config)
+    except KeyboardInterrupt as exc:  # SIGTERM/SIGINT; Ray may re-raise it as a plain one
         code, line = _report(exc, config)
     finally:
         if ray.is_initialized():
@@ -93,11 +96,12 @@ def run(config: RLVRConfig) -> int:
 def _report(exc: BaseException, config: RLVRConfig) -> tuple[int, str]:
     """Log the details of how the run ended to run.log; the exit code and the one line for stderr."""
     log = logging.getLogger("roll")
-    if isinstance(exc, RunInterrupted):
+    if isinstance(exc, KeyboardInterrupt):
+        stop = interruption()
         last = latest_checkpoint(checkpoint_root(config))
         kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
         log.debug("interrupted at:", exc_info=exc)
-        return exc.exit_code, f"roll: {exc}; the workers were stopped; {kept}"
+        return stop.exit_code, f"roll: {stop}; the workers were stopped; {kept}"
     if isinstance(exc, WorkerError):
         # The worker's traceback goes to the run's log, where it helps without burying the message.
         log.debug("worker traceback:\n%s", exc.remote_traceback)
