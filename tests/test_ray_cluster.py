@@ -33,11 +33,12 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
+from roll.distributed.scheduler import resource_manager
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import Cluster
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
-from roll.distributed.scheduler.placement import plan_placement, plan_role
-from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
+from roll.distributed.scheduler.placement import PlacementPlan, plan_placement, plan_role
+from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity, init_ray
 from roll.distributed.scheduler.watchdog import Deadline
 
 # Ray workers cannot import this test module by name; ship its classes by value.
@@ -360,6 +361,40 @@ def test_single_node_run_listens_on_loopback_only(runtime):
 
 
 # Pure functions (no Ray needed).
+
+
+@pytest.mark.parametrize(
+    "num_nodes, existing, expected",
+    [
+        (
+            1,
+            False,
+            [{"address": "auto"}, {"address": "local", "_node_ip_address": "127.0.0.1", "num_gpus": None}],
+        ),
+        (1, True, [{"address": "auto"}]),  # joins the cluster `ray start` made on this machine
+        (2, False, [{}]),  # multi-node: ray.init() as before
+    ],
+)
+def test_gpu_driver_starts_loopback_ray_only_for_one_node(monkeypatch, num_nodes, existing, expected):
+    from ray._private import ray_constants
+
+    calls = []
+
+    def fake_init(**kwargs):
+        keys = ("address", "_node_ip_address", "num_gpus")
+        calls.append({k: kwargs[k] for k in keys if k in kwargs})
+        if kwargs.get("address") == "local":
+            assert os.environ[resource_manager.LOCAL_ONLY_ENV] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
+        if kwargs.get("address") == "auto" and not existing:
+            raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv(resource_manager.LOCAL_ONLY_ENV, raising=False)
+    assert init_ray(PlacementPlan(num_nodes, 8, {}, ()), "cuda") == "cuda"
+    assert calls == expected
+    assert resource_manager.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
 
 
 def test_each_method_gets_its_stage_timeout():

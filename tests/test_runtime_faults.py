@@ -135,12 +135,16 @@ def worker_pids(mark: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+    "signum, code, group",
+    [(signal.SIGTERM, 143, False), (signal.SIGTERM, 143, True), (signal.SIGINT, 130, True)],
+    # to the driver (a scheduler), to its process group (`timeout`, systemd: Ray's own processes
+    # die too), Ctrl-C (the terminal signals the whole foreground group; Ray ignores SIGINT)
+    ids=["SIGTERM-driver", "SIGTERM-group", "SIGINT-group"],
 )
-def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code):
+def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code, group):
     tmp, model = tiny
     mark = uuid.uuid4().hex
-    name = f"signal-{signum}"
+    name = f"signal-{signum}-{group}"
     proc, out = launch(tmp, model, name, max_steps=50, save_steps=1, system_envs={"ROLL_TEST_RUN": mark})
     checkpoint = out / "checkpoints" / "step_1"
     deadline = time.monotonic() + 300
@@ -150,10 +154,10 @@ def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code):
         )
         time.sleep(0.5)
     assert worker_pids(mark)  # the marker reaches the workers
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signum)  # Ctrl-C: the terminal signals the whole foreground group
+    if group:
+        os.killpg(proc.pid, signum)
     else:
-        proc.send_signal(signum)  # e.g. a scheduler's SIGTERM to the driver
+        proc.send_signal(signum)
     rc, err = finish(proc, timeout=120)
     assert rc == code, err[-20:]
     assert not any("Traceback" in line or "SIGTERM received" in line for line in err), err[-30:]
