@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
+import psutil
 import pytest
 import ray
 import ray.cloudpickle
@@ -21,6 +23,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import VLLMConfig
+from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.distributed.executor.dispatch import (
     Dispatch,
     DPRank,
@@ -30,11 +33,13 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
+from roll.distributed.scheduler import resource_manager
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import Cluster
-from roll.distributed.scheduler.errors import WorkerError
-from roll.distributed.scheduler.placement import plan_placement, plan_role
-from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
+from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
+from roll.distributed.scheduler.placement import PlacementPlan, plan_placement, plan_role
+from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity, init_ray
+from roll.distributed.scheduler.watchdog import Deadline
 
 # Ray workers cannot import this test module by name; ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -114,6 +119,12 @@ class FailingWorker(Worker):
             os._exit(3)
         if how == "raise":
             dist.all_reduce(torch.ones(1))  # never completes: the failing rank does not join
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep_on(self, bad_rank: int, seconds: float) -> int:
+        if self.rank == bad_rank:
+            time.sleep(seconds)  # a hung rank (a stopped process answers no better)
         return self.rank
 
 
@@ -311,7 +322,98 @@ def test_error_in_worker_init_names_role_rank_and_exception(runtime):
         Cluster("critic", BrokenInitWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
 
 
+@pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
+def test_hung_worker_times_out_naming_role_and_rank(runtime):
+    rm, _, _ = runtime
+    cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 3), RoleConfig(world_size=3))
+    cluster.timeouts = WorkerTimeoutsConfig(call_s=3)
+    workers = list(cluster.workers)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        cluster.sleep_on(1, 3600)
+    assert time.monotonic() - start < 30
+    assert str(info.value).startswith(
+        "critic rank 1: sleep_on did not answer within 3 s (worker_timeouts.call_s); the workers were stopped"
+    )
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        cluster.execute_all("ping")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[1].ping.remote(), timeout=30)
+
+
+def test_single_node_run_listens_on_loopback_only(runtime):
+    """The private Ray of a single-node run (here the CPU one) binds every port to 127.0.0.1 (GCS,
+    raylet, agents, workers), and so do the roles' torch process groups (store and gloo pairs)."""
+    _, clusters, _ = runtime
+    assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4  # the groups are up and work
+    host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    ray_pids = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [
+        c.laddr
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids
+    ]
+    ports = {addr.port for addr in listening}
+    assert int(port) in ports  # the GCS is among them
+    assert {cluster.master_port for name, cluster in clusters.items() if name != "actor_infer"} <= ports
+    assert {addr.ip for addr in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
 # Pure functions (no Ray needed).
+
+
+@pytest.mark.parametrize(
+    "num_nodes, existing, expected",
+    [
+        (
+            1,
+            False,
+            [{"address": "auto"}, {"address": "local", "_node_ip_address": "127.0.0.1", "num_gpus": None}],
+        ),
+        (1, True, [{"address": "auto"}]),  # joins the cluster `ray start` made on this machine
+        (2, False, [{}]),  # multi-node: ray.init() as before
+    ],
+)
+def test_gpu_driver_starts_loopback_ray_only_for_one_node(monkeypatch, num_nodes, existing, expected):
+    from ray._private import ray_constants
+
+    calls = []
+
+    def fake_init(**kwargs):
+        keys = ("address", "_node_ip_address", "num_gpus")
+        calls.append({k: kwargs[k] for k in keys if k in kwargs})
+        if kwargs.get("address") == "local":
+            assert os.environ[resource_manager.LOCAL_ONLY_ENV] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
+        if kwargs.get("address") == "auto" and not existing:
+            raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv(resource_manager.LOCAL_ONLY_ENV, raising=False)
+    assert init_ray(PlacementPlan(num_nodes, 8, {}, ()), "cuda") == "cuda"
+    assert calls == expected
+    assert resource_manager.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
+
+
+def test_each_method_gets_its_stage_timeout():
+    timeouts = WorkerTimeoutsConfig(train_s=7, call_s=2)
+    assert Deadline.start(timeouts, "train_step").key == "worker_timeouts.train_s"
+    assert Deadline.start(timeouts, "train_step").timeout_s == 7
+    assert Deadline.start(timeouts, "offload_states").timeout_s == 2
+    defaults = WorkerTimeoutsConfig()
+    assert (defaults.generate_s, defaults.train_s, defaults.model_update_s, defaults.call_s) == (
+        1800,
+        1800,
+        600,
+        300,
+    )
+    from roll.configs.errors import ConfigError
+    from roll.configs.ranges import check_fields
+
+    with pytest.raises(ConfigError, match=r"^worker_timeouts\.train_s: must be in \[1, 86400\], got 0"):
+        check_fields(WorkerTimeoutsConfig(train_s=0), "worker_timeouts")
 
 
 def test_check_capacity_names_the_key_to_fix():

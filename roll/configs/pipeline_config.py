@@ -8,6 +8,7 @@ from typing import Any
 from roll.configs.ranges import bounded, one_of
 from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
+from roll.configs.timeouts import WorkerTimeoutsConfig
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
 _ALGO = "roll.pipeline.rlvr.algorithms"
@@ -136,10 +137,15 @@ class RLVRConfig:
     # Model update (trainer -> inference engines).
     model_update_frequency: int = bounded(1, ge=1)
     model_update_buffer_size_mb: int = bounded(512, ge=1)
-    # Mean |logp_engine - logp_trainer| on a fixed probe batch above this bound fails the run.
-    model_update_probe_tolerance: float | None = bounded(None, ge=0)
+    # Mean |logp_engine - logp_trainer| on a fixed probe batch (model_update/probe_logprob_diff)
+    # above this bound fails the run; None: a warning above the dtype's threshold only
+    # (roll/distributed/model_update/probe.py).
+    model_update_probe_tolerance: float | None = bounded(None, gt=0)
     # 0: no probe.
     model_update_probe_size: int = bounded(2, ge=0)
+
+    # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
+    worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
     def __post_init__(self) -> None:
         if self.difficulty_mask and not self.difficulty_low_threshold < self.difficulty_high_threshold:

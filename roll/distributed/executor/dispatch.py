@@ -18,10 +18,12 @@ Modes:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
+from roll.distributed.executor.faults import inject_fault
 from roll.distributed.scheduler.batch import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -48,8 +50,13 @@ def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL) -> Callable[[F], F]:
         raise TypeError(f"register() takes a Dispatch mode, got {dispatch!r}")
 
     def mark(fn: F) -> F:
-        setattr(fn, _MARK, dispatch)
-        return fn
+        @functools.wraps(fn)
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            inject_fault(self, fn.__name__)  # no-op unless ROLL_INJECT_FAULT is set
+            return fn(self, *args, **kwargs)
+
+        setattr(call, _MARK, dispatch)
+        return call  # type: ignore[return-value]
 
     return mark
 

@@ -33,11 +33,13 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
 from roll.distributed.strategy.base import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
+from roll.utils.tcp_store import open_tcp_store
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -113,10 +115,11 @@ class Worker:
             return True
         if self.world_size == 1 and not force:
             return False
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        backend = "nccl" if self.ctx.is_cuda else "gloo"
+        store = open_tcp_store(master_addr, master_port, self.world_size, self.rank == 0, default_pg_timeout)
         dist.init_process_group(
-            backend="nccl" if self.ctx.is_cuda else "gloo",
-            init_method=f"tcp://{host}:{master_port}",
+            backend=backend,
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
             device_id=self.ctx.device if self.ctx.is_cuda else None,

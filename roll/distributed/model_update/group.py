@@ -17,9 +17,10 @@ Checks after every sync (``ModelUpdateError`` on failure):
 1. every tensor came from exactly one trainer rank, and every engine worker received every
    tensor with the sender's checksum (names the first tensor that differs);
 2. probe (``model_update_probe_size`` > 0): the engines' log-probs on a fixed batch against the
-   trainer's, logged as ``model_update/probe_logprob_diff``; above ``model_update_probe_tolerance``
-   the trainer sends the weights again and each engine compares them with what it holds, naming
-   the first tensor that differs.
+   trainer's, logged as ``model_update/probe_logprob_diff``. Non-finite log-probs, or a difference
+   above ``model_update_probe_tolerance`` when set, raise; above the dtype's warning threshold
+   (``probe.PROBE_WARN_THRESHOLDS``) the trainer sends the weights again and each engine compares
+   them with what it holds: a tensor that differs raises (named), equal weights give a warning.
 
 Generation and updates never overlap: the pipeline calls ``sync`` between steps, and each engine
 worker applies a whole update inside one Ray call (see ``worker_mixin``), bumping its version last.
@@ -33,6 +34,7 @@ generation. The sync needs the trainer's parameters on the device, not its optim
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -42,11 +44,18 @@ import torch
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.model_update.link import LinkSpec
-from roll.distributed.model_update.probe import build_probe_batch, logprob_diff
+from roll.distributed.model_update.probe import (
+    ProbeVerdict,
+    build_probe_batch,
+    classify_probe,
+    logprob_diff,
+    probe_warn_threshold,
+)
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import get_all
 
 PREFIX = "model_update/"
+logger = logging.getLogger("roll")
 
 
 class ModelUpdateGroup:
@@ -108,7 +117,9 @@ class ModelUpdateGroup:
         return metrics
 
     def probe(self, version: int) -> dict[str, float]:
-        """Trainer vs engine log-probs on the probe batch; raises above the configured tolerance."""
+        """Trainer vs engine log-probs on the probe batch, classified by ``probe.classify_probe``:
+        non-finite or above an explicit tolerance raises; above the dtype's warning threshold the
+        weights are compared tensor by tensor (unequal: raises; equal: a warning)."""
         start = time.perf_counter()
         trainer, engines = get_all(
             self.train.async_execute_all("model_update_probe_log_probs", self.probe_batch),
@@ -123,28 +134,50 @@ class ModelUpdateGroup:
         }
         worst_rank = max(diffs, key=diffs.get)
         diff = diffs[worst_rank]
+        pair = f"{self.train.role} and {self.infer.role} rank {worst_rank}"
+        between = f"mean |log-prob difference| {diff:.4g} between {pair}"
         tolerance = self.config.model_update_probe_tolerance
-        if not math.isfinite(diff):  # NaN/inf log-probs: broken weights whatever the tolerance
+        verdict = classify_probe(diff, tolerance, self.warn_threshold)
+        if verdict is ProbeVerdict.ERROR and not math.isfinite(diff):  # broken weights whatever the tolerance
             raise ModelUpdateError(
                 f"weights of version {version}: probe log-probs are not finite on "
                 f"{non_finite_sides(self.train.role, reference, self.infer.role, engines)}; "
-                f"{self.locate_mismatch(version)}"
+                f"{self.locate_mismatch(version)[1]}"
             )
-        if tolerance is not None and not diff <= tolerance:
+        if verdict is ProbeVerdict.ERROR:
             raise ModelUpdateError(
-                f"weights of version {version}: mean |log-prob difference| {diff:.4g} between {self.train.role} "
-                f"and {self.infer.role} rank {worst_rank} exceeds model_update_probe_tolerance={tolerance}; "
-                f"{self.locate_mismatch(version)}"
+                f"weights of version {version}: {between} exceeds model_update_probe_tolerance={tolerance}; "
+                f"{self.locate_mismatch(version)[1]}"
             )
-        return {f"{PREFIX}probe_logprob_diff": diff, f"{PREFIX}probe_time_s": time.perf_counter() - start}
+        if verdict is ProbeVerdict.CHECK:
+            self.check_weights(version, between)
+        return {
+            f"{PREFIX}probe_logprob_diff": diff,
+            f"{PREFIX}probe_above_threshold": float(verdict is ProbeVerdict.CHECK),
+            f"{PREFIX}probe_time_s": time.perf_counter() - start,
+        }
 
-    def locate_mismatch(self, version: int) -> str:
-        """Send the weights again and let every engine compare them with its own; a sentence naming
-        the first tensor that differs (or saying why none could be named)."""
+    @property
+    def warn_threshold(self) -> float:
+        dtypes = (self.config.actor_train.model_args.dtype, self.config.actor_infer.model_args.dtype)
+        return probe_warn_threshold(*dtypes)
+
+    def check_weights(self, version: int, between: str) -> None:
+        """A difference above the warning threshold: raise if the engines' weights differ from the
+        trainer's, else warn (the two forwards differ numerically, nothing is corrupted)."""
+        differs, where = self.locate_mismatch(version)
+        above = f"{between} is above the warning threshold {self.warn_threshold:g} for these dtypes"
+        if differs:
+            raise ModelUpdateError(f"weights of version {version}: {above}; {where}")
+        logger.warning("model update %d: %s; %s", version, above, where)
+
+    def locate_mismatch(self, version: int) -> tuple[bool | None, str]:
+        """Send the weights again and let every engine compare them with its own. Returns whether a
+        tensor differs (None: the engines cannot tell) and a sentence naming the first that does."""
         able = self.infer.execute_all("model_update_can_verify", self.name)
         if not all(able):
             ranks = [rank for rank, ok in enumerate(able) if not ok]
-            return (
+            return None, (
                 f"{self.infer.role} ranks {ranks} cannot show their weights by HF name, so the tensor "
                 "cannot be named; every received tensor matched the sender's checksum"
             )
@@ -154,11 +187,13 @@ class ModelUpdateGroup:
         )
         for rank, verdict in enumerate(verdicts):
             if verdict["first_mismatch"] is not None:
-                return (
+                return True, (
                     f"first mismatching tensor: {verdict['first_mismatch']!r} on {self.infer.role} rank {rank} "
                     f"({verdict['difference']}; {verdict['mismatches']} tensor(s) differ from the trainer's)"
                 )
-        return "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
+        return False, (
+            "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
+        )
 
 
 def non_finite_sides(train_role: str, trainer, infer_role: str, engines: list) -> str:

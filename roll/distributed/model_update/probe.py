@@ -4,17 +4,55 @@ The probe batch is built once (deterministic random tokens, so it needs no data 
 every step). Both roles compute log-probs of its responses; the mean absolute difference over the
 response tokens, ``model_update/probe_logprob_diff``, is logged every update. With matching
 weights it reflects only the two forward implementations (0 for the same code and dtype, ~1e-2
-for bf16 engines against an fp32 trainer); a wrong or missing tensor moves it far more.
+for bf16 engines against a bf16 trainer); a wrong or missing tensor moves it far more.
+
+What a difference means is decided by ``classify_probe``: non-finite log-probs are corruption
+(always an error); a difference above ``model_update_probe_tolerance``, when the user set one, is an
+error; above the dtype's warning threshold (``PROBE_WARN_THRESHOLDS``, the less precise of the two
+roles' dtypes) it is checked tensor by tensor and is a warning when the weights are equal.
 
     batch = build_probe_batch(vocab_size=151936, size=2, seed=42)
     diff = logprob_diff(trainer_log_probs, engine_log_probs, batch["response_mask"])
+    verdict = classify_probe(diff, tolerance=None, warn_threshold=probe_warn_threshold("bf16", "bf16"))
 """
 
 from __future__ import annotations
 
+import math
+from enum import Enum
+
 import torch
 
 from roll.distributed.scheduler.batch import Batch
+
+# Mean |log-prob difference| above which two forwards over equal weights are unusual, by dtype.
+# A log-prob sums rounding errors of every layer: bf16 keeps 8 mantissa bits (2^-8 = 3.9e-3 per
+# value), and healthy bf16 pairs on 2 x H200 measured 0.0065-0.0106 (Megatron -> megatron_infer) and
+# 0.011-0.013 (Megatron -> vLLM); fp16 keeps 11 bits, 8x finer; fp32 pairs measured ~6e-7 on CPU.
+# docs/runtime_faults.md gives the margins.
+PROBE_WARN_THRESHOLDS = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-4}
+
+
+class ProbeVerdict(Enum):
+    OK = "ok"
+    # Above the dtype's warning threshold: the weights are compared; equal weights make it a warning.
+    CHECK = "check"
+    # Non-finite, or above the tolerance the user set.
+    ERROR = "error"
+
+
+def probe_warn_threshold(*dtypes: str) -> float:
+    """The warning threshold of the least precise of ``dtypes`` (e.g. the trainer's and the engine's)."""
+    return max(PROBE_WARN_THRESHOLDS[dtype] for dtype in dtypes)
+
+
+def classify_probe(diff: float, tolerance: float | None, warn_threshold: float) -> ProbeVerdict:
+    """What a probe difference means: see the module docstring."""
+    if not math.isfinite(diff):
+        return ProbeVerdict.ERROR
+    if tolerance is not None and diff > tolerance:
+        return ProbeVerdict.ERROR
+    return ProbeVerdict.CHECK if diff > warn_threshold else ProbeVerdict.OK
 
 
 def build_probe_batch(

@@ -21,6 +21,8 @@ import socket
 
 import torch.distributed as dist
 
+from roll.utils.tcp_store import open_tcp_store
+
 # How long one store wait or collective of a model update may block before it raises (gloo) or the
 # NCCL watchdog aborts the process: either way the driver gets a WorkerError naming the role and
 # rank instead of a silent hang. A whole update of a 7B model takes well under a second on H200, and
@@ -41,8 +43,9 @@ def free_port() -> int:
 def open_store(
     host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta = DEFAULT_TIMEOUT
 ) -> dist.TCPStore:
-    """The rendezvous store of one link; the master (the sender) hosts it, the others connect."""
-    return dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
+    """The rendezvous store of one link; the master (the sender) hosts it, the others connect
+    (on loopback only when ``host`` is a loopback address)."""
+    return open_tcp_store(host, port, world_size, is_master, timeout, wait_for_workers=False)
 
 
 def new_group(

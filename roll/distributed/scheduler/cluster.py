@@ -12,17 +12,20 @@
 
 Errors: the first worker task that fails raises ``WorkerError("<role> rank <r>: <Type>: <msg>")`` in
 the driver, and every worker of the role is killed, so ranks waiting in a collective for the failed
-one do not hang. A worker process that dies is reported the same way.
+one do not hang. A worker process that dies is reported the same way, and a call that does not
+return within its ``worker_timeouts`` entry raises ``WorkerTimeout`` (see ``watchdog.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayError
 
+from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.distributed.executor.dispatch import (
     Dispatch,
     DPRank,
@@ -33,9 +36,10 @@ from roll.distributed.executor.dispatch import (
 )
 from roll.distributed.executor.worker import Worker
 from roll.distributed.scheduler.batch import Batch
-from roll.distributed.scheduler.errors import WorkerError
+from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
+from roll.distributed.scheduler.watchdog import Deadline
 from roll.distributed.strategy.registry import get_strategy_spec
 
 if TYPE_CHECKING:
@@ -48,15 +52,22 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class AsyncResult:
-    """Calls running on some workers of one cluster; ``get()`` waits for them and gathers the results."""
+    """Calls running on some workers of one cluster; ``get()`` waits for them and gathers the results.
+    ``deadline``: when they must have returned (``worker_timeouts``, see ``watchdog.py``)."""
 
     def __init__(
-        self, cluster: Cluster, refs: list[ray.ObjectRef], ranks: list[int], gather: Callable[[list], Any]
+        self,
+        cluster: Cluster,
+        refs: list[ray.ObjectRef],
+        ranks: list[int],
+        gather: Callable[[list], Any],
+        method: str = "",
     ):
         self.cluster = cluster
         self.refs = refs
         self.ranks = ranks
         self.gather = gather
+        self.deadline = Deadline.start(cluster.timeouts, method)
 
     def get(self) -> Any:
         return get_all(self)[0]
@@ -66,13 +77,17 @@ def get_all(*results: AsyncResult) -> list[Any]:
     """Wait for calls on one or several clusters together; the first failure anywhere raises at once.
 
     Use it when roles wait on each other (e.g. a weight broadcast from actor_train to actor_infer):
-    waiting on one role first would hang if the other one failed.
+    waiting on one role first would hang if the other one failed. A call still running at its
+    deadline raises ``WorkerTimeout`` (the watchdog).
     """
     owner = {ref: (result, rank) for result in results for ref, rank in zip(result.refs, result.ranks)}
     values: dict[ray.ObjectRef, Any] = {}
     pending = list(owner)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        wait_s = min(owner[ref][0].deadline.remaining() for ref in pending)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if not ready:
+            _raise_overdue(pending, owner)
         for ref in ready:
             try:
                 values[ref] = ray.get(ref)
@@ -80,6 +95,15 @@ def get_all(*results: AsyncResult) -> list[Any]:
                 result, rank = owner[ref]
                 raise result.cluster._fail(rank, exc) from None
     return [result.gather([values[ref] for ref in result.refs]) for result in results]
+
+
+def _raise_overdue(pending: list[ray.ObjectRef], owner: dict) -> None:
+    """Raise WorkerTimeout for the first call past its deadline, naming its ranks that are not done."""
+    _, running = ray.wait(pending, num_returns=len(pending), timeout=0)
+    for result in dict.fromkeys(owner[ref][0] for ref in running):
+        if result.deadline.passed():
+            late = [owner[ref][1] for ref in running if owner[ref][0] is result]
+            raise result.cluster._time_out(late, result.deadline)
 
 
 class Cluster:
@@ -98,6 +122,7 @@ class Cluster:
         self.worker_cls = worker_cls
         self.world_size = role_plan.world_size
         self._error: WorkerError | None = None
+        self.timeouts = pipeline_config.worker_timeouts if pipeline_config else WorkerTimeoutsConfig()
         extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
         remote_cls = ray.remote(worker_cls)
         self.workers: list[ray.actor.ActorHandle] = []
@@ -130,13 +155,12 @@ class Cluster:
         self._check_alive()
         args, kwargs = _share_batches(args, kwargs)
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return AsyncResult(self, refs, list(range(self.world_size)), list)
+        return AsyncResult(self, refs, list(range(self.world_size)), list, method)
 
     def async_execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> AsyncResult:
         self._check_alive()
-        return AsyncResult(
-            self, [getattr(self.workers[0], method).remote(*args, **kwargs)], [0], lambda r: r[0]
-        )
+        ref = getattr(self.workers[0], method).remote(*args, **kwargs)
+        return AsyncResult(self, [ref], [0], lambda r: r[0], method)
 
     def async_dp_compute(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> AsyncResult:
         self._check_alive()
@@ -147,9 +171,8 @@ class Cluster:
             getattr(w, method).remote(chunks[layout.dp_rank], *args, **kwargs)
             for w, layout in zip(self.workers, layouts)
         ]
-        return AsyncResult(
-            self, refs, list(range(self.world_size)), lambda results: gather_from_dp(results, layouts)
-        )
+        gather = functools.partial(gather_from_dp, layouts=layouts)
+        return AsyncResult(self, refs, list(range(self.world_size)), gather, method)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """``cluster.generate(batch)`` blocks; ``cluster.async_generate(batch)`` returns an AsyncResult.
@@ -191,13 +214,13 @@ class Cluster:
     def dp_size(self) -> int:
         return self.dp_layouts[0].dp_size
 
-    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Destroy the process groups and end the worker processes.
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S, graceful: bool = True) -> None:
+        """Destroy the process groups and end the worker processes (``graceful=False``: kill them).
 
         The graceful part waits at most ``timeout_s``: after another role failed, this role's
         workers may still be blocked in a collective with the dead ones (a model-update broadcast),
         and their ``shutdown`` call would queue behind it until the collective's own timeout."""
-        if self._error is None and self.workers:
+        if graceful and self._error is None and self.workers:
             refs = [worker.shutdown.remote() for worker in self.workers]
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         self._kill()
@@ -211,6 +234,12 @@ class Cluster:
     def _fail(self, rank: int, exc: RayError) -> WorkerError:
         """Turn a worker's failure into a WorkerError and stop the role, so no rank hangs in a collective."""
         self._error = WorkerError.from_ray(self.role, rank, exc)
+        self._kill()
+        return self._error
+
+    def _time_out(self, ranks: list[int], deadline: Deadline) -> WorkerTimeout:
+        """Calls on ``ranks`` passed their deadline: stop the role and say which ranks hung."""
+        self._error = WorkerTimeout(self.role, ranks, deadline.method, deadline.timeout_s, deadline.key)
         self._kill()
         return self._error
 

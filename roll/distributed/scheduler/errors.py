@@ -61,6 +61,30 @@ class WorkerError(RuntimeError):
         return cls(role, rank, type(error).__name__, _first_line(text), text)
 
 
+class WorkerTimeout(WorkerError):
+    """Workers of ``role`` did not return from ``method`` in time: ``str(err)`` is
+    ``"<role> rank(s) <r, ...>: <method> did not answer within <s> s (<config key>); ..."``."""
+
+    def __init__(self, role: str, ranks: list[int], method: str, timeout_s: float, key: str):
+        self.role = role
+        self.ranks = list(ranks)
+        self.rank = self.ranks[0] if self.ranks else -1
+        self.method = method
+        self.timeout_s = timeout_s
+        self.key = key
+        self.exc_type = "WorkerTimeout"
+        self.original_message = f"{method} did not answer within {timeout_s:g} s ({key})"
+        self.remote_traceback = ""
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
+        RuntimeError.__init__(
+            self,
+            f"{role} {who}: {self.original_message}; the workers were stopped (raise {key} for slower calls)",
+        )
+
+    def __reduce__(self):
+        return (WorkerTimeout, (self.role, self.ranks, self.method, self.timeout_s, self.key))
+
+
 class PlacementError(RuntimeError):
     """The Ray cluster could not give the devices the plan asked for (e.g. they are held by others)."""
 

@@ -21,8 +21,13 @@ GPU per device slot, so the same placement code runs and device ids are CPU slot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,9 @@ from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
 
 # We set CUDA_VISIBLE_DEVICES ourselves (from the bundle probe), so Ray must not.
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+# A single-node run's private Ray listens on loopback only (see ``start_local_ray``).
+LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,10 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
     """Join or start Ray for ``plan``; returns the resolved device ("cuda" or "cpu").
 
     - ``RAY_ADDRESS`` set: join that cluster (multi-node: ``ray start`` on every node first).
-    - GPU: ``ray.init()`` joins a cluster started with ``ray start`` on this machine, else starts one.
-    - CPU: start a private local Ray with one fake GPU per device slot of the plan.
+    - GPU, several nodes: ``ray.init()`` joins the cluster started with ``ray start``.
+    - GPU, one node: join a cluster started with ``ray start`` on this machine, else start a private
+      one that listens on 127.0.0.1 only.
+    - CPU: start a private local Ray (127.0.0.1 only) with one fake GPU per device slot of the plan.
     An already initialized Ray (e.g. a test fixture's) is used as it is.
     """
     device = resolve_device(device)
@@ -79,13 +89,66 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
         "runtime_env": {"env_vars": {NOSET_CUDA: "1"}},
     }
     address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, **kwargs)
-    elif device == "cuda":
-        ray.init(**kwargs)
-    else:
-        ray.init(address="local", num_gpus=plan.num_nodes * plan.devices_per_node, **kwargs)
+    with keep_signal_handlers():
+        if address:
+            ray.init(address=address, **kwargs)
+        elif device == "cuda" and plan.num_nodes > 1:
+            ray.init(**kwargs)
+        elif device == "cuda" and _join_local_cluster(kwargs):
+            pass
+        else:
+            num_gpus = None if device == "cuda" else plan.num_nodes * plan.devices_per_node
+            start_local_ray(num_gpus, kwargs)
     return device
+
+
+def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
+    """Start a private Ray whose every port (GCS, raylet, workers, agents) listens on 127.0.0.1 only.
+
+    Ray binds its servers to loopback only when the node's IP is 127.0.0.1, and ``ray.init`` turns a
+    loopback ``_node_ip_address`` into the machine's address unless ``ENABLE_RAY_CLUSTER`` (env
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) is off, so it is off while Ray starts; the processes
+    started then inherit the variable."""
+    from ray._private import ray_constants
+
+    saved_env = os.environ.get(LOCAL_ONLY_ENV)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", num_gpus=num_gpus, _node_ip_address=LOOPBACK, **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = saved_env
+
+
+def _join_local_cluster(kwargs: dict[str, Any]) -> bool:
+    """Join a Ray cluster started on this machine with ``ray start`` (as ``ray.init()`` would);
+    False when there is none."""
+    try:
+        ray.init(address="auto", **kwargs)
+    except ConnectionError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """``ray.init`` replaces the driver's SIGTERM handler (``sys.exit`` plus a C++ stack dump); keep
+    the Python handlers the caller installed (``roll.pipeline.signals``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(signum, handler)
 
 
 def check_capacity(plan: PlacementPlan, nodes: list[tuple[str, float]], device: str = "cuda") -> None:
@@ -210,7 +273,21 @@ class ResourceManager:
         return "\n".join(lines)
 
     def destroy(self) -> None:
-        """Give the reserved devices back to Ray."""
-        for group in self.placement_groups:
-            remove_placement_group(group)
+        """Give the reserved devices back to Ray (nothing to give back when Ray itself is gone, e.g.
+        after a SIGTERM to the whole process group: the call would block on the dead GCS)."""
+        if self.placement_groups and gcs_reachable():
+            for group in self.placement_groups:
+                remove_placement_group(group)
         self.placement_groups = []
+
+
+def gcs_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this driver's Ray GCS still accepts connections."""
+    if not ray.is_initialized():
+        return False
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

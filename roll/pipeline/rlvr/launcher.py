@@ -2,9 +2,12 @@
 
     python examples/start_rlvr_pipeline.py --config_name rlvr_config [--config_path DIR] [--dry_run] [key.sub=value ...]
 
-A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2; a
+A bad config prints one ``ConfigError: <key path>: <message>`` line and exits with code 2; a failed
+or hung worker one ``WorkerError``/``WorkerTimeout`` line (exit 1, its traceback in run.log); a
 checkpoint or run file that cannot be trusted or written (``CheckpointError`` / ``StorageError``,
-naming the file) exits with 3; a reward role failing on too many samples (``RewardError``) with 4.
+naming the file) exits with 3; a reward role failing on too many samples (``RewardError``) with 4;
+SIGTERM and SIGINT stop the workers and exit with 143 and 130 (see docs/runtime_faults.md and
+docs/faults.md).
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ import logging
 import sys
 from pathlib import Path
 
+import ray
+
 from roll.configs.errors import ConfigError, RewardError, StorageError
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
+from roll.pipeline.rlvr.checkpoint import checkpoint_root, latest_checkpoint
+from roll.pipeline.signals import interruption, release_signals, take_signals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +53,7 @@ def config_file(config_path: str, config_name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    take_signals()
     try:
         from roll.configs.loader import load_config
         from roll.configs.preflight import check_before_launch
@@ -61,20 +71,53 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for warning in memory.warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
-        from roll.pipeline.rlvr.pipeline import run_pipeline
-
-        run_pipeline(config)
-        return 0
+        return run(config)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    except (StorageError, RewardError) as exc:  # CheckpointError is a StorageError
-        logging.getLogger("roll").debug("%s", exc, exc_info=True)
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 3 if isinstance(exc, StorageError) else 4
-    except WorkerError as exc:
-        # One line names the role, rank and the original exception; the worker's traceback goes
-        # to the run's log, where it helps without burying the message.
-        logging.getLogger("roll").debug("worker traceback:\n%s", exc.remote_traceback)
-        print(f"WorkerError: {exc}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:  # a signal before any worker started
+        stop = interruption()
+        print(f"roll: {stop}", file=sys.stderr)
+        return stop.exit_code
+    finally:
+        release_signals()
+
+
+def run(config: RLVRConfig) -> int:
+    """Run the pipeline; a failure or a signal ends it with one line on stderr, printed after Ray
+    has shut down (so it is the last line), and the details in run.log (the clean-up in
+    ``run_pipeline`` has stopped the workers by then)."""
+    from roll.pipeline.rlvr import pipeline
+
+    try:
+        pipeline.run_pipeline(config)
+        code, line = 0, None
+    except (WorkerError, ModelUpdateError, StorageError, RewardError) as exc:
+        code, line = _report(exc, config)
+    except KeyboardInterrupt as exc:  # SIGTERM/SIGINT; Ray may re-raise it as a plain one
+        code, line = _report(exc, config)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    if line:
+        print(line, file=sys.stderr)
+    return code
+
+
+def _report(exc: BaseException, config: RLVRConfig) -> tuple[int, str]:
+    """Log the details of how the run ended to run.log; the exit code and the one line for stderr."""
+    log = logging.getLogger("roll")
+    if isinstance(exc, KeyboardInterrupt):
+        stop = interruption()
+        last = latest_checkpoint(checkpoint_root(config))
+        kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
+        log.debug("interrupted at:", exc_info=exc)
+        return stop.exit_code, f"roll: {stop}; the workers were stopped; {kept}"
+    if isinstance(exc, WorkerError):
+        # The worker's traceback goes to the run's log, where it helps without burying the message.
+        log.debug("worker traceback:\n%s", exc.remote_traceback)
+    log.debug("driver traceback:", exc_info=exc)
+    code = (
+        3 if isinstance(exc, StorageError) else 4 if isinstance(exc, RewardError) else 1
+    )  # CheckpointError is a StorageError
+    return code, f"{type(exc).__name__}: {exc}"

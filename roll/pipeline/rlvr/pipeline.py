@@ -25,6 +25,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
     run = rollouts = None
     lock = claim_output_dir(config)  # refuses a second run on output_dir, or one over an old run
+    finished = False
     try:
         setup_logging(Path(config.output_dir))
         checkpoint = resolve_resume(config)  # verified against its manifest before any model loads
@@ -63,11 +64,14 @@ def run_pipeline(config: RLVRConfig) -> Path:
             if config.save_steps and step % config.save_steps == 0:
                 save_step(run, step, rollouts.sampler_state())
         finish(run)
+        finished = True
         return run.run_dir
     finally:
+        # After an error or a signal the workers are killed at once (a graceful stop would queue
+        # behind calls that may never return), which also ends a rollout thread still waiting.
+        shutdown(run, graceful=finished)
         if rollouts is not None:
             rollouts.close()
-        shutdown(run)
         lock.release()
 
 

@@ -178,12 +178,14 @@ def _build_model_update(run: RLVRRun):
     return group
 
 
-def shutdown(run: RLVRRun | None) -> None:
+def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
+    """Stop every role's workers (``graceful``: let them leave their process groups first) and give
+    the devices back."""
     if run is None:
         return
     for cluster in run.clusters.values():
         try:
-            cluster.shutdown()
+            cluster.shutdown(graceful=graceful)
         except Exception as exc:  # noqa: BLE001 - best effort while tearing down
             logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
     if run.resources is not None:

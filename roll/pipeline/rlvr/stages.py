@@ -33,16 +33,18 @@ from roll.pipeline.rlvr.run import RLVRRun
 @contextlib.contextmanager
 def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
     """Bring a colocated role's states onto its devices for the block, and move them off after,
-    so roles that time-share devices never hold memory at the same time."""
+    so roles that time-share devices never hold memory at the same time.
+
+    A block that raises leaves the states where they are: the run is ending, the failed role's
+    workers are already stopped (asking them to offload would replace the WorkerError with a
+    second error), and a healthy role may be blocked in a collective with the dead one."""
     cluster = run.clusters[role]
     shared = role in run.colocated
     if shared:
         cluster.reload_states()
-    try:
-        yield
-    finally:
-        if shared:
-            cluster.offload_states()
+    yield
+    if shared:
+        cluster.offload_states()
 
 
 def dp_call(cluster, method: str, batch: Batch, *args, rows_per_input: int = 1, **kwargs) -> Batch:

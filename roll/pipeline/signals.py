@@ -1,0 +1,85 @@
+"""SIGTERM and SIGINT (Ctrl-C) on the driver end the run the way an error does, without a traceback.
+
+The first signal raises ``RunInterrupted`` in the driver's main thread, wherever it waits (Ray's
+waits check for signals); the pipeline's clean-up then kills the workers and the launcher shuts Ray
+down and exits with ``128 + signal number`` (143 for SIGTERM, 130 for SIGINT). A second signal
+during that clean-up, or a clean-up still running after ``CLEANUP_GRACE_S``, ends the driver at once.
+
+Ray's ``ray.init`` installs its own SIGTERM handler in the driver (``sys.exit``, with a C++ stack
+dump); ``resource_manager.init_ray`` puts these back after it::
+
+    take_signals()                # init_ray keeps these handlers (Ray's init replaces them)
+    try:
+        run_pipeline(config)
+    except KeyboardInterrupt:     # Ray may re-raise it as a plain KeyboardInterrupt
+        sys.exit(interruption().exit_code)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The clean-up after a signal gets this long; then the driver leaves without it (a clean-up can
+# block when the signal also reached Ray's own processes, e.g. SIGTERM to the process group).
+CLEANUP_GRACE_S = 60.0
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The driver got SIGTERM or SIGINT. A KeyboardInterrupt, so that no ``except Exception`` on
+    the way up swallows it, and because Ray's waits turn any KeyboardInterrupt raised inside them
+    into a fresh one (other exception types break them): catch ``KeyboardInterrupt`` and ask
+    ``interruption()`` which signal it was."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {self.name}")
+
+
+_interrupted: list[int] = []
+_timers: list[threading.Timer] = []
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if _interrupted:  # a second signal while the first one's clean-up runs: leave now
+        os._exit(128 + signum)
+    _interrupted.append(signum)
+    timer = threading.Timer(CLEANUP_GRACE_S, _leave, (signum,))
+    timer.daemon = True
+    timer.start()
+    _timers.append(timer)
+    raise RunInterrupted(signum)
+
+
+def _leave(signum: int) -> None:
+    name = signal.Signals(signum).name
+    print(f"roll: stopped by {name}; the clean-up did not end within {CLEANUP_GRACE_S:g} s", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+def interruption() -> RunInterrupted:
+    """The RunInterrupted for the signal that arrived (SIGINT when none did: a KeyboardInterrupt
+    raised some other way)."""
+    return RunInterrupted(_interrupted[0] if _interrupted else signal.SIGINT)
+
+
+def take_signals() -> None:
+    """Make SIGTERM and SIGINT raise ``RunInterrupted`` (call it from the main thread)."""
+    _interrupted.clear()
+    for signum in SIGNALS:
+        signal.signal(signum, _on_signal)
+
+
+def release_signals() -> None:
+    """Give SIGTERM and SIGINT back their default actions; the clean-up is over (no deadline)."""
+    for timer in _timers:
+        timer.cancel()
+    _timers.clear()
+    for signum in SIGNALS:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)

@@ -1,0 +1,201 @@
+"""Runtime faults through the real launcher on CPU: a worker that dies or hangs inside a stage on
+shared devices, and SIGTERM / SIGINT on the driver. Each run is the tiny e2e pipeline (2 colocated
+slots) in a subprocess, with ``ROLL_INJECT_FAULT`` in ``system_envs`` making one worker fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_pipeline_e2e import config_dict, write_data  # noqa: E402
+from tiny_models import build_tiny_model_dir  # noqa: E402
+
+from roll.distributed.executor.faults import Fault, parse_fault  # noqa: E402
+from roll.pipeline.rlvr.checkpoint import read_state  # noqa: E402
+from roll.pipeline.signals import RunInterrupted, interruption, release_signals, take_signals  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("faults")
+    model = build_tiny_model_dir(tmp / "model", seed=0)
+    write_data(tmp / "train.jsonl", 8)
+    write_data(tmp / "val.jsonl", 2, offset=50)
+    return tmp, model
+
+
+def launch(tmp: Path, model: Path, name: str, **overrides) -> tuple[subprocess.Popen, Path]:
+    """Start ``examples/start_rlvr_pipeline.py`` on the tiny config (no validation, no checkpoints
+    unless asked); returns the process and its output_dir."""
+    out = tmp / name
+    cfg = config_dict(tmp, model, out, **{"max_steps": 1, "save_steps": 0, "eval_steps": 0, **overrides})
+    cfg.pop("validation")
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "examples/start_rlvr_pipeline.py"), "--config_name", name]
+    proc = subprocess.Popen(
+        [*cmd, "--config_path", str(tmp)],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job has
+    )
+    return proc, out
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, list[str]]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.splitlines()
+
+
+def roll_lines(err: list[str], prefix: str) -> list[str]:
+    return [line for line in err if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        (
+            "actor_train:1:train_step:exit",
+            "WorkerError: actor_train rank 1: ActorDiedError: the worker process died",
+        ),
+        (
+            "reference:0:compute_log_probs:raise",
+            "WorkerError: reference rank 0: RuntimeError: injected fault",
+        ),
+    ],
+    ids=["dies", "raises"],
+)
+def test_worker_failing_in_a_colocated_stage_is_one_line(tiny, fault, expected):
+    tmp, model = tiny
+    proc, out = launch(tmp, model, f"dies-{fault.split(':')[0]}", system_envs={"ROLL_INJECT_FAULT": fault})
+    code, err = finish(proc)
+    assert code == 1, err[-20:]
+    assert len(roll_lines(err, "WorkerError")) == 1, err[-20:]
+    assert err[-1].startswith(expected), err[-20:]  # the last line
+    assert not any("Traceback" in line for line in err), err[-30:]
+    log = (out / "run.log").read_text()
+    assert "worker traceback:" in log and "driver traceback:" in log
+    assert "Traceback (most recent call last)" in log  # the driver's, and the worker's when it raised
+    if fault.endswith("raise"):
+        assert 'raise RuntimeError(f"injected fault' in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hung_worker_is_named_within_its_timeout(tiny):
+    tmp, model = tiny
+    proc, _ = launch(
+        tmp,
+        model,
+        "hangs",
+        system_envs={"ROLL_INJECT_FAULT": "actor_infer:1:generate:hang"},
+        worker_timeouts={"generate_s": 5},
+    )
+    code, err = finish(proc)
+    assert code == 1, err[-20:]
+    assert (
+        roll_lines(err, "WorkerTimeout")
+        == err[-1:]
+        == [
+            "WorkerTimeout: actor_infer rank 1: generate did not answer within 5 s (worker_timeouts.generate_s); "
+            "the workers were stopped (raise worker_timeouts.generate_s for slower calls)"
+        ]
+    ), err[-20:]
+    assert not any("Traceback" in line for line in err), err[-30:]
+
+
+def worker_pids(mark: str) -> list[int]:
+    """Processes whose environment holds ``ROLL_TEST_RUN=<mark>`` (the run's Ray workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"ROLL_TEST_RUN={mark}".encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "signum, code, group",
+    [(signal.SIGTERM, 143, False), (signal.SIGTERM, 143, True), (signal.SIGINT, 130, True)],
+    # to the driver (a scheduler), to its process group (`timeout`, systemd: Ray's own processes
+    # die too), Ctrl-C (the terminal signals the whole foreground group; Ray ignores SIGINT)
+    ids=["SIGTERM-driver", "SIGTERM-group", "SIGINT-group"],
+)
+def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code, group):
+    tmp, model = tiny
+    mark = uuid.uuid4().hex
+    name = f"signal-{signum}-{group}"
+    proc, out = launch(tmp, model, name, max_steps=50, save_steps=1, system_envs={"ROLL_TEST_RUN": mark})
+    checkpoint = out / "checkpoints" / "step_1"
+    deadline = time.monotonic() + 300
+    while not (checkpoint / "pipeline_state.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            "the run ended before its first checkpoint"
+        )
+        time.sleep(0.5)
+    assert worker_pids(mark)  # the marker reaches the workers
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    rc, err = finish(proc, timeout=120)
+    assert rc == code, err[-20:]
+    assert not any("Traceback" in line or "SIGTERM received" in line for line in err), err[-30:]
+    assert err[-1].startswith(
+        f"roll: stopped by {signal.Signals(signum).name}; the workers were stopped; "
+        f"last checkpoint: {out / 'checkpoints'}/step_"
+    ), err[-10:]
+    time.sleep(2)
+    assert worker_pids(mark) == []
+    assert read_state(checkpoint)["step"] == 1
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint / "actor_train", tmp / f"{name}.pt")
+    weights = torch.load(tmp / f"{name}.pt", weights_only=False)["model"]
+    assert weights and all(torch.isfinite(t).all() for t in weights.values() if torch.is_tensor(t))
+
+
+@pytest.mark.parametrize(
+    "signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
+def test_signals_raise_run_interrupted(signum, code):
+    take_signals()
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:  # what Ray's waits let through
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises here, in the main thread
+    finally:
+        release_signals()  # also cancels the clean-up deadline
+    assert isinstance(info.value, RunInterrupted)
+    stop = interruption()  # the signal, also when Ray re-raised a plain KeyboardInterrupt
+    assert (stop.exit_code, str(stop)) == (code, f"stopped by {signal.Signals(signum).name}")
+
+
+def test_fault_spec_names_the_variable_when_malformed():
+    assert parse_fault("rewards.math:0:compute_rewards:hang") == Fault(
+        "rewards.math", 0, "compute_rewards", "hang"
+    )
+    with pytest.raises(ValueError, match="^ROLL_INJECT_FAULT='actor_train:x:train_step:exit': expected"):
+        parse_fault("actor_train:x:train_step:exit")
+    with pytest.raises(ValueError, match="action one of \\['exit', 'hang', 'raise'\\]"):
+        parse_fault("actor_train:0:train_step:explode")
