@@ -9,13 +9,16 @@ of order 1 (the load tests check that the old weights fail this).
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
 from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import WorkerContext
+from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
 
 MEAN_TOL, MAX_TOL = 0.02, 0.25
@@ -106,3 +109,88 @@ def make_strategy(name: str, model_dir: Path, rank: int = 0, **cfg):
 def free_gib() -> float:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info(0)[0] / 2**30
+
+
+# ------------------------------------------------------------------ checks both engines pass
+# Each takes an initialised strategy (``engine``) and the two saved models of ``save_tiny_model``.
+
+
+def check_generate_n_samples_layout_and_logprobs_match_hf(engine, models) -> None:
+    batch = prompt_batch(models[0])
+    out = engine.generate(batch, SamplingParams(n=4, max_new_tokens=24, temperature=1.0, seed=3))
+    assert out["responses"].shape == (len(PROMPTS) * 4, 24)
+    assert torch.equal(out["prompts"], batch["prompts"].repeat_interleave(4, dim=0))
+    lengths = out["response_mask"].sum(1)
+    assert lengths.min() >= 1 and lengths.float().mean() > 4, lengths
+    samples = out["responses"].view(len(PROMPTS), 4, -1)
+    assert any(not torch.equal(samples[i, 0], samples[i, 1]) for i in range(len(PROMPTS)))
+    assert_close(
+        out["infer_logprobs"], hf_logprobs(hf_model(models[0]), out), out["response_mask"], "generate"
+    )
+
+
+def check_sampling_params_top_k_stop_ids_and_min_tokens(engine, models) -> None:
+    batch = prompt_batch(models[0])
+    greedy = engine.generate(batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, logprobs=False))
+    top1 = engine.generate(batch, SamplingParams(n=2, max_new_tokens=16, top_k=1, seed=5, logprobs=False))
+    assert torch.equal(top1["responses"][::2], greedy["responses"])
+    assert torch.equal(top1["responses"][1::2], greedy["responses"])
+    stop = int(greedy["responses"][0, 2])
+    stopped = engine.generate(
+        batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, stop_token_ids=[stop])
+    )
+    first = (greedy["responses"][0] == stop).nonzero()[0].item()
+    assert stopped["response_mask"][0].sum().item() == first + 1
+    longer = engine.generate(
+        batch, SamplingParams(n=1, max_new_tokens=16, min_new_tokens=12, stop_token_ids=[stop], seed=1)
+    )
+    assert longer["response_mask"].sum(1).min().item() >= 12
+
+
+def check_compute_log_probs_matches_hf(engine, models) -> None:
+    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=11))
+    scored = engine.compute_log_probs(out)["log_probs"]
+    assert_close(scored, hf_logprobs(hf_model(models[0]), out), out["response_mask"], "prompt scoring")
+    assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
+
+
+def check_generate_one_and_abort_from_another_thread(engine, models) -> None:
+    prompt = prompt_batch(models[0], PROMPTS[:1])["prompts"][0]
+    ids = [int(t) for t in prompt if t != 0]
+    done = engine.generate_one(ids, SamplingParams(n=2, max_new_tokens=8, seed=1))
+    assert len(done) == 2 and all(c.finish_reason in ("stop", "length") for c in done)
+    result = {}
+    long = SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True)  # stopped at the context
+
+    def run() -> None:
+        try:
+            result["out"] = engine.generate_one(ids, long, request_id="job")
+        except Exception as exc:  # re-raised below, on the test's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not engine.registry.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.abort(["job"]), "nothing was in flight to abort"
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    if "error" in result:
+        raise result["error"]
+    assert [c.finish_reason for c in result["out"]] == ["abort"] * 3
+
+
+def check_load_weights_changes_scores_to_the_new_model(engine, models) -> None:
+    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=2))
+    new = hf_model(models[1])
+    want = hf_logprobs(new, out)
+    with pytest.raises(AssertionError):  # the old weights do not pass the tolerance
+        assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "old weights")
+    engine.load_weights((name, t) for name, t in new.state_dict().items())
+    assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "after load_weights")
+    old = hf_model(models[0])
+    engine.load_weights((name, t) for name, t in old.state_dict().items())
+    assert_close(
+        engine.compute_log_probs(out)["log_probs"], hf_logprobs(old, out), out["response_mask"], "restored"
+    )

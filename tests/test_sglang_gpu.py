@@ -18,9 +18,6 @@ bf16 tolerance: see tests/engine_gpu.py.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
@@ -31,8 +28,12 @@ pytestmark = [
 ]
 
 from engine_gpu import (  # noqa: E402
-    PROMPTS,
     assert_close,
+    check_compute_log_probs_matches_hf,
+    check_generate_n_samples_layout_and_logprobs_match_hf,
+    check_generate_one_and_abort_from_another_thread,
+    check_load_weights_changes_scores_to_the_new_model,
+    check_sampling_params_top_k_stop_ids_and_min_tokens,
     free_gib,
     hf_logprobs,
     hf_model,
@@ -61,84 +62,23 @@ def engine(models):
 
 
 def test_generate_n_samples_layout_and_logprobs_match_hf(engine, models):
-    batch = prompt_batch(models[0])
-    out = engine.generate(batch, SamplingParams(n=4, max_new_tokens=24, temperature=1.0, seed=3))
-    assert out["responses"].shape == (len(PROMPTS) * 4, 24)
-    assert torch.equal(out["prompts"], batch["prompts"].repeat_interleave(4, dim=0))
-    lengths = out["response_mask"].sum(1)
-    assert lengths.min() >= 1 and lengths.float().mean() > 4, lengths
-    samples = out["responses"].view(len(PROMPTS), 4, -1)
-    assert any(not torch.equal(samples[i, 0], samples[i, 1]) for i in range(len(PROMPTS)))
-    assert_close(
-        out["infer_logprobs"], hf_logprobs(hf_model(models[0]), out), out["response_mask"], "generate"
-    )
+    check_generate_n_samples_layout_and_logprobs_match_hf(engine, models)
 
 
 def test_sampling_params_top_k_stop_ids_and_min_tokens(engine, models):
-    batch = prompt_batch(models[0])
-    greedy = engine.generate(batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, logprobs=False))
-    top1 = engine.generate(batch, SamplingParams(n=2, max_new_tokens=16, top_k=1, seed=5, logprobs=False))
-    assert torch.equal(top1["responses"][::2], greedy["responses"])
-    assert torch.equal(top1["responses"][1::2], greedy["responses"])
-    stop = int(greedy["responses"][0, 2])
-    stopped = engine.generate(
-        batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, stop_token_ids=[stop])
-    )
-    first = (greedy["responses"][0] == stop).nonzero()[0].item()
-    assert stopped["response_mask"][0].sum().item() == first + 1
-    longer = engine.generate(
-        batch, SamplingParams(n=1, max_new_tokens=16, min_new_tokens=12, stop_token_ids=[stop], seed=1)
-    )
-    assert longer["response_mask"].sum(1).min().item() >= 12
+    check_sampling_params_top_k_stop_ids_and_min_tokens(engine, models)
 
 
 def test_compute_log_probs_matches_hf(engine, models):
-    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=11))
-    scored = engine.compute_log_probs(out)["log_probs"]
-    assert_close(scored, hf_logprobs(hf_model(models[0]), out), out["response_mask"], "prompt scoring")
-    assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
+    check_compute_log_probs_matches_hf(engine, models)
 
 
 def test_generate_one_and_abort_from_another_thread(engine, models):
-    prompt = prompt_batch(models[0], PROMPTS[:1])["prompts"][0]
-    ids = [int(t) for t in prompt if t != 0]
-    done = engine.generate_one(ids, SamplingParams(n=2, max_new_tokens=8, seed=1))
-    assert len(done) == 2 and all(c.finish_reason in ("stop", "length") for c in done)
-    result = {}
-    long = SamplingParams(n=3, max_new_tokens=4000, ignore_eos=True)  # stopped at the context
-
-    def run() -> None:
-        try:
-            result["out"] = engine.generate_one(ids, long, request_id="job")
-        except Exception as exc:  # re-raised below, on the test's thread
-            result["error"] = exc
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    deadline = time.monotonic() + 30
-    while not engine.registry.in_flight() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert engine.abort(["job"]), "nothing was in flight to abort"
-    worker.join(timeout=60)
-    assert not worker.is_alive()
-    if "error" in result:
-        raise result["error"]
-    assert [c.finish_reason for c in result["out"]] == ["abort"] * 3
+    check_generate_one_and_abort_from_another_thread(engine, models)
 
 
 def test_load_weights_changes_scores_to_the_new_model(engine, models):
-    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=2))
-    new = hf_model(models[1])
-    want = hf_logprobs(new, out)
-    with pytest.raises(AssertionError):  # the old weights do not pass the tolerance
-        assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "old weights")
-    engine.load_weights((name, t) for name, t in new.state_dict().items())
-    assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "after load_weights")
-    old = hf_model(models[0])
-    engine.load_weights((name, t) for name, t in old.state_dict().items())
-    assert_close(
-        engine.compute_log_probs(out)["log_probs"], hf_logprobs(old, out), out["response_mask"], "restored"
-    )
+    check_load_weights_changes_scores_to_the_new_model(engine, models)
 
 
 def test_release_frees_memory_and_a_model_update_brings_the_weights_back(engine, models):

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -35,8 +33,12 @@ pytestmark = [
 ]
 
 from engine_gpu import (  # noqa: E402
-    PROMPTS,
     assert_close,
+    check_compute_log_probs_matches_hf,
+    check_generate_n_samples_layout_and_logprobs_match_hf,
+    check_generate_one_and_abort_from_another_thread,
+    check_load_weights_changes_scores_to_the_new_model,
+    check_sampling_params_top_k_stop_ids_and_min_tokens,
     free_gib,
     hf_logprobs,
     hf_model,
@@ -73,44 +75,15 @@ def engine(models):
 
 
 def test_generate_n_samples_layout_and_logprobs_match_hf(engine, models):
-    batch = prompt_batch(models[0])
-    out = engine.generate(batch, SamplingParams(n=4, max_new_tokens=24, temperature=1.0, seed=3))
-    assert out["responses"].shape == (len(PROMPTS) * 4, 24)
-    assert torch.equal(out["prompts"], batch["prompts"].repeat_interleave(4, dim=0))
-    lengths = out["response_mask"].sum(1)
-    assert lengths.min() >= 1 and lengths.float().mean() > 4, lengths
-    samples = out["responses"].view(len(PROMPTS), 4, -1)
-    assert any(not torch.equal(samples[i, 0], samples[i, 1]) for i in range(len(PROMPTS)))
-    assert_close(
-        out["infer_logprobs"], hf_logprobs(hf_model(models[0]), out), out["response_mask"], "generate"
-    )
+    check_generate_n_samples_layout_and_logprobs_match_hf(engine, models)
 
 
 def test_sampling_params_top_k_stop_ids_and_min_tokens(engine, models):
-    batch = prompt_batch(models[0])
-    greedy = engine.generate(batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, logprobs=False))
-    top1 = engine.generate(batch, SamplingParams(n=2, max_new_tokens=16, top_k=1, seed=5, logprobs=False))
-    assert torch.equal(top1["responses"][::2], greedy["responses"])
-    assert torch.equal(top1["responses"][1::2], greedy["responses"])
-    # Stop on the token greedy decoding emits third in row 0: that row ends right there.
-    stop = int(greedy["responses"][0, 2])
-    stopped = engine.generate(
-        batch, SamplingParams(n=1, max_new_tokens=16, temperature=0.0, stop_token_ids=[stop])
-    )
-    first = (greedy["responses"][0] == stop).nonzero()[0].item()
-    assert stopped["response_mask"][0].sum().item() == first + 1
-    longer = engine.generate(
-        batch, SamplingParams(n=1, max_new_tokens=16, min_new_tokens=12, stop_token_ids=[stop], seed=1)
-    )
-    assert longer["response_mask"].sum(1).min().item() >= 12
+    check_sampling_params_top_k_stop_ids_and_min_tokens(engine, models)
 
 
 def test_compute_log_probs_matches_hf(engine, models):
-    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=11))
-    scored = engine.compute_log_probs(out)["log_probs"]
-    want = hf_logprobs(hf_model(models[0]), out)
-    assert_close(scored, want, out["response_mask"], "prompt scoring")
-    assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
+    check_compute_log_probs_matches_hf(engine, models)
 
 
 def test_seeds_reproduce_and_differ_per_dp_rank(engine, models):
@@ -124,21 +97,7 @@ def test_seeds_reproduce_and_differ_per_dp_rank(engine, models):
 
 
 def test_generate_one_and_abort_from_another_thread(engine, models):
-    prompt = prompt_batch(models[0], PROMPTS[:1])["prompts"][0]
-    ids = [int(t) for t in prompt if t != 0]
-    done = engine.generate_one(ids, SamplingParams(n=2, max_new_tokens=8, seed=1))
-    assert len(done) == 2 and all(c.finish_reason in ("stop", "length") for c in done)
-    result = {}
-    long = SamplingParams(n=3, max_new_tokens=100_000, ignore_eos=True)
-    worker = threading.Thread(
-        target=lambda: result.update(out=engine.generate_one(ids, long, request_id="job"))
-    )
-    worker.start()
-    time.sleep(1.0)
-    assert engine.abort(["job"]), "nothing was in flight to abort"
-    worker.join(timeout=60)
-    assert not worker.is_alive()
-    assert [c.finish_reason for c in result["out"]] == ["abort"] * 3
+    check_generate_one_and_abort_from_another_thread(engine, models)
 
 
 def test_sleep_frees_memory_and_wake_restores_outputs(engine, models):
@@ -156,18 +115,7 @@ def test_sleep_frees_memory_and_wake_restores_outputs(engine, models):
 
 
 def test_load_weights_in_process_changes_scores_to_the_new_model(engine, models):
-    out = engine.generate(prompt_batch(models[0]), SamplingParams(n=2, max_new_tokens=20, seed=2))
-    new = hf_model(models[1])
-    want = hf_logprobs(new, out)
-    with pytest.raises(AssertionError):  # the old weights do not pass the tolerance
-        assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "old weights")
-    engine.load_weights((name, t) for name, t in new.state_dict().items())
-    assert_close(engine.compute_log_probs(out)["log_probs"], want, out["response_mask"], "after load_weights")
-    old = hf_model(models[0])
-    engine.load_weights((name, t) for name, t in old.state_dict().items())  # back, for the other tests
-    assert_close(
-        engine.compute_log_probs(out)["log_probs"], hf_logprobs(old, out), out["response_mask"], "restored"
-    )
+    check_load_weights_changes_scores_to_the_new_model(engine, models)
 
 
 @pytest.mark.multigpu

@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import re
 import sys
-import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,7 @@ import yaml
 
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError, did_you_mean, join_path
-from roll.configs.ranges import check_fields, check_raw_values
+from roll.configs.ranges import check_fields, check_raw_values, strip_optional
 from roll.configs.roll_compat import translate_roll_keys
 
 T = TypeVar("T")
@@ -174,7 +173,7 @@ def _build_field(tp: Any, value: Any, path: str, name: str) -> Any:
         return parse_device_mapping(value, path)
     if value is None:
         return None
-    tp = _strip_optional(tp)
+    tp = strip_optional(tp)
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, path)
     if typing.get_origin(tp) is dict:
@@ -184,14 +183,6 @@ def _build_field(tp: Any, value: Any, path: str, name: str) -> Any:
                 raise ConfigError(path, f"expected a mapping of names to {value_tp.__name__} sections")
             return {k: build_dataclass(value_tp, v, join_path(path, k)) for k, v in value.items()}
     return value
-
-
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
 
 
 def _to_float(value: Any) -> Any:

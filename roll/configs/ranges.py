@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -186,3 +188,12 @@ if __name__ == "__main__":
         update_doc(sys.argv[2])
     else:
         print(markdown(), end="")
+
+
+def strip_optional(tp: Any) -> Any:
+    """``X`` for an annotation ``X | None`` (``Optional[X]``); any other annotation as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
