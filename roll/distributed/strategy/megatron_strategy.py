@@ -13,8 +13,11 @@ count, though every rank returns the same outputs.
 
 Each micro-batch runs through ``get_forward_backward_func()`` (1F1B, interleaved with VPP); on the
 last stage the response log-probs and entropies are computed vocab-parallel and handed to the
-pipeline's ``LossFn`` as {"log_probs", "entropy"} [b, R]; the schedule scales each micro-batch loss
-by 1 / len(micro_batches) and DDP averages across DP. Then gradients are clipped to
+pipeline's ``LossFn`` as {"log_probs", "entropy"} [b, R]. Micro-batches are packed rows by default
+and re-formed by ``max_tokens_per_microbatch`` when set (``roll.models.packing``,
+``roll.models.microbatch``); each micro-batch loss is weighted by its share of the mini-batch's
+``loss_agg_mode`` normaliser over all DP ranks (``loss_weights``), so the step's gradient is that of
+the loss aggregated over the whole mini-batch. Then gradients are clipped to
 ``max_grad_norm``, the LR set from ``roll.utils.lr_schedule`` and the optimizer steps. A value head
 (critic) is not supported here: use fsdp2_train for the critic.
 """
@@ -34,6 +37,7 @@ from roll.models.megatron import dist_checkpoint, parallel
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
+    packing_enabled,
     response_logprobs,
     run_schedule,
     seq_multiple_for,
@@ -48,6 +52,7 @@ from roll.models.megatron.runtime import (
     forward_log_probs,
     megatron_config,
 )
+from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
 
 
@@ -115,9 +120,18 @@ class MegatronTrainStrategy:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
         )
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, dp_group)
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_group)
         packed = pack_micro_batches(
-            micro_batches, seq_multiple_for(self.config), device, shape_sync_group(self.config)
+            micro_batches,
+            seq_multiple_for(self.config),
+            device,
+            shape_sync_group(self.config),
+            packed=packing_enabled(self.config),
         )
+        for mb, weight in zip(packed, weights):
+            mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count
         temperature = batch_temperature(micro_batches[0])
         tp_group = ps.get_tensor_model_parallel_group()
         vocab = self.hf_config.vocab_size
@@ -125,7 +139,8 @@ class MegatronTrainStrategy:
         def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
             outputs = response_logprobs(logits, mb, tp_group, temperature, vocab)
             loss, metrics = loss_fn(outputs, mb.batch)
-            return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+            payload = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+            return loss * mb.loss_scale, payload
 
         _check_micro_batch_count(len(packed), len(self.model))
         payloads = run_schedule(self.model, packed, loss_maker, forward_only=False)
