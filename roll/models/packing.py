@@ -67,8 +67,8 @@ def packed_length(batches: list[Batch], multiple: int) -> int:
 
 def pack_rows(batch: Batch, multiple: int = 1, length: int | None = None) -> PackedRow:
     """Pack the rows of ``batch`` into one row of ``length`` tokens (default: the real token
-    count rounded up to ``multiple``); raises if they do not fit."""
-    input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    count rounded up to ``multiple``); raises if they do not fit. Built on the CPU (``.to(device)``)."""
+    input_ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
     width = batch["responses"].shape[1]
     prompt_cols = input_ids.shape[1] - width
     prompt_len = mask[:, :prompt_cols].sum(1)

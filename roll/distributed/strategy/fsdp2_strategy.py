@@ -50,6 +50,7 @@ from roll.distributed.strategy.base import LossFn, WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
@@ -142,13 +143,24 @@ class FSDP2TrainStrategy:
         return isinstance(self.model, ValueModel)
 
     # ----------------------------------------------------------------------------- compute
+    @property
+    def packing(self) -> bool:
+        """``sequence_packing`` (null: on; every attention implementation transformers offers
+        confines attention to each packed sequence)."""
+        return self.config.sequence_packing is not False
+
+    def _group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if self.ctx.world_size > 1 else None
+
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         if self.is_value_model:
-            return {"values": response_values(self.model, batch)}
-        return response_log_probs(self.model, batch, batch_temperature(batch))
+            return {"values": response_values(self.model, batch, self.packing)}
+        return response_log_probs(self.model, batch, batch_temperature(batch), packed=self.packing)
 
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
-        """Forward/backward each micro-batch (loss / len), clip, AdamW + LR step.
+        """Forward/backward each micro-batch, clip, AdamW + LR step. Micro-batches are re-formed by
+        ``max_tokens_per_microbatch`` when set; each loss is weighted by its share of the
+        mini-batch's ``loss_agg_mode`` normaliser over all ranks (``roll.models.microbatch``).
 
         Returns the micro-batch average of ``loss`` and of loss_fn's metrics (this rank's), plus the
         global ``grad_norm`` (before clipping) and the ``lr`` the step used. A non-finite gradient
@@ -159,11 +171,13 @@ class FSDP2TrainStrategy:
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
+        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, self._group())
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), self._group())
         totals: dict[str, float] = {}
-        for micro in micro_batches:
+        for micro, weight in zip(micro_batches, weights):
             micro = micro.to(self.ctx.device)
             loss, metrics = loss_fn(self._forward(micro), micro)
-            (loss / len(micro_batches)).backward()
+            (loss * weight).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         out = {key: value / len(micro_batches) for key, value in totals.items()}
@@ -187,14 +201,18 @@ class FSDP2TrainStrategy:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``."""
+        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``
+        rows or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
         self.model.eval()
-        parts = [
-            self._forward(m.to(self.ctx.device))
-            for m in batch.split(max(1, self.role_config.infer_batch_size))
-        ]
+        budget, order = self.config.infer_max_tokens_per_microbatch, None
+        if budget is None:
+            micro = batch.split(max(1, self.role_config.infer_batch_size))
+        else:
+            micro, order = split_by_tokens(batch, budget, self._group())
+        parts = [self._forward(m.to(self.ctx.device)) for m in micro]
         self.model.train()
-        return {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
+        out = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
+        return out if order is None else {key: value[invert(order)] for key, value in out.items()}
 
     # ----------------------------------------------------------------------------- offload
     def offload_states(self) -> None:
