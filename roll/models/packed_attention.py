@@ -9,7 +9,7 @@ its own segment and itself), so the choice is one of speed only:
   each call gets SDPA's fused causal kernels (flash / memory-efficient on CUDA) and memory grows
   with the sum of squared segment lengths, never with T^2. Exact on every device and dtype.
 - ``"flex"``: one FlexAttention call with a document mask (compiled on CUDA, where the block mask
-  also skips the blocks between segments; eager, unfused, on CPU).
+  also skips the blocks between segments; eager, unfused and forward-only on CPU).
 
 >>> out = packed_attention(q, k, v, cu_seqlens, scale=d ** -0.5, kind="sdpa")
 """
@@ -43,6 +43,8 @@ def packed_attention(
     if kind == "flex":
         if dropout > 0:
             raise ValueError("packing_attention 'flex' has no attention dropout; use 'sdpa'")
+        if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+            raise ValueError("packing_attention 'flex' has no backward on CPU in torch; use 'sdpa'")
         return _flex(query, key, value, cu_seqlens, scale)
     raise ValueError(f"packing_attention: expected one of {list(PACKED_ATTENTION_KINDS)}, got {kind!r}")
 
