@@ -21,6 +21,7 @@ from test_fsdp2_strategy import free_port, make_strategy
 from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 from torch.distributed.tensor import DTensor
 
+from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.pipeline.rlvr.algorithms.losses import actor_loss, critic_loss
@@ -177,3 +178,14 @@ def test_two_ranks_any_split_give_the_one_rank_gradient(policy, model_dir, tmp_p
         for key, value in two.items():
             if key.startswith(f"{mode}/"):
                 assert_close(one, value, f"2 ranks {key}")
+
+
+def test_packing_follows_what_transformers_can_do(model_dir, policy, monkeypatch) -> None:
+    import roll.distributed.strategy.fsdp2_strategy as fsdp2
+
+    policy.config.sequence_packing = None
+    assert policy.packing  # null = on with this transformers
+    monkeypatch.setattr(fsdp2, "transformers_detects_packing", lambda: False)
+    assert not policy.packing
+    with pytest.raises(ConfigError, match="strategy_config.sequence_packing"):
+        make_strategy(model_dir, 0, 1, sequence_packing=True)

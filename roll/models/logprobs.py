@@ -88,6 +88,16 @@ def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     return out.logits[:, -width - 1 : -1]
 
 
+def transformers_detects_packing() -> bool:
+    """Whether the installed transformers confines attention to each sequence of a packed row
+    given restarting position ids and no attention mask (``masking_utils``, transformers >= 4.54)."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def packed_response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     """``response_logits`` with the rows packed into one (``roll.models.packing``): position ids
     restart per sequence and no attention mask is given, so transformers confines attention to

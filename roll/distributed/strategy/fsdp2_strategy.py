@@ -20,6 +20,10 @@ shard=1) mesh ("no_shard": full replicas, gradients all-reduced, i.e. DDP). With
 ``model_args.dtype`` with fp32 gradient reduction; without it everything is ``model_args.dtype``.
 ``cpu_offload`` (CUDA only) keeps sharded parameters, gradients and optimizer state in CPU memory.
 
+Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models.packing``), are
+re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
+gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
+
 LR schedule: ``roll.utils.lr_schedule``; its total step count is max_steps x ppo_epochs x
 mini-batches per step (``total_optimizer_steps``) when the pipeline config is known, or whatever
 ``set_total_steps`` sets (needed for linear/cosine schedules without a pipeline config).
@@ -43,13 +47,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import LossFn, WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
-from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
@@ -76,6 +81,11 @@ class FSDP2TrainStrategy:
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
         """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
+        if self.config.sequence_packing and not transformers_detects_packing():
+            raise ConfigError(
+                "strategy_args.strategy_config.sequence_packing",
+                "this transformers version cannot confine attention to packed sequences; set it false",
+            )
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
         _ensure_process_group(self.ctx)
@@ -145,9 +155,12 @@ class FSDP2TrainStrategy:
     # ----------------------------------------------------------------------------- compute
     @property
     def packing(self) -> bool:
-        """``sequence_packing`` (null: on; every attention implementation transformers offers
-        confines attention to each packed sequence)."""
-        return self.config.sequence_packing is not False
+        """``sequence_packing``; null: on where transformers confines attention to each packed
+        sequence (its packed-sequence detection from restarting position ids, or flash-attention
+        varlen kernels)."""
+        if self.config.sequence_packing is None:
+            return transformers_detects_packing()
+        return self.config.sequence_packing
 
     def _group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD if self.ctx.world_size > 1 else None
