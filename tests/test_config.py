@@ -62,6 +62,10 @@ BAD_CASES = {
         "actor_train.strategy_args.strategy_config.sequence_packing",
         "attention_backend: sdpa",
     ),
+    "cp_on_generation": (
+        "actor_infer.strategy_args.strategy_config.context_parallel_size",
+        "generation has no context parallelism",
+    ),
     "token_budget_without_packing": (
         "actor_train.strategy_args.strategy_config.infer_max_tokens_per_microbatch",
         "needs sequence_packing",

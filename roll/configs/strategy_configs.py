@@ -233,6 +233,12 @@ class MegatronConfig(PackingOptions):
                 f"{path}.packing_attention",
                 f"expected one of {list(PACKING_ATTENTION)}, got {self.packing_attention!r}",
             )
+        if cp > 1 and (self.sequence_packing is False or self.attention_backend != "sdpa"):
+            raise ConfigError(
+                f"{path}.context_parallel_size",
+                "context parallelism runs on packed rows: needs sequence_packing (true or null) and "
+                "attention_backend: sdpa",
+            )
         if self.sequence_packing and self.attention_backend != "sdpa":
             raise ConfigError(
                 f"{path}.sequence_packing",

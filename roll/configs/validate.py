@@ -61,6 +61,11 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     typed = build_dataclass(spec.config_cls, role.strategy_args.strategy_config or {}, cfg_path)
     typed.validate(len(role.device_mapping), cfg_path)
     _check_token_budgets(typed, config, cfg_path)
+    if name == "actor_infer" and getattr(typed, "context_parallel_size", 1) > 1:
+        raise ConfigError(
+            f"{cfg_path}.context_parallel_size",
+            "generation has no context parallelism; use it on other roles",
+        )
     role.strategy_args.config = typed
     if not role.model_args.model_name_or_path:
         raise ConfigError(

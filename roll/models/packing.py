@@ -60,41 +60,51 @@ def round_up(value: int, multiple: int) -> int:
     return max(multiple, math.ceil(value / multiple) * multiple)
 
 
-def packed_length(batches: list[Batch], multiple: int) -> int:
-    """The common packed row length of ``batches``: the largest token total, rounded up to ``multiple``."""
-    return round_up(max(int(sequence_lengths(b).sum()) for b in batches), multiple)
+def packed_length(batches: list[Batch], multiple: int, segment_multiple: int = 1) -> int:
+    """The common packed row length of ``batches``: the largest token total (each sequence rounded
+    up to ``segment_multiple``), rounded up to ``multiple``."""
+    totals = [_segment_lengths(sequence_lengths(b), segment_multiple).sum() for b in batches]
+    return round_up(int(max(totals)), multiple)
 
 
-def pack_rows(batch: Batch, multiple: int = 1, length: int | None = None) -> PackedRow:
-    """Pack the rows of ``batch`` into one row of ``length`` tokens (default: the real token
-    count rounded up to ``multiple``); raises if they do not fit. Built on the CPU (``.to(device)``)."""
+def _segment_lengths(lengths: torch.Tensor, segment_multiple: int) -> torch.Tensor:
+    return (lengths + segment_multiple - 1) // segment_multiple * segment_multiple
+
+
+def pack_rows(
+    batch: Batch, multiple: int = 1, length: int | None = None, segment_multiple: int = 1
+) -> PackedRow:
+    """Pack the rows of ``batch`` into one row of ``length`` tokens (default: the token count
+    rounded up to ``multiple``); raises if they do not fit. ``segment_multiple``: every sequence's
+    segment is padded (after its last token) to a multiple of it, as context parallelism needs;
+    ``length`` must then be a multiple of it too. Built on the CPU (``.to(device)``)."""
     input_ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
     width = batch["responses"].shape[1]
     prompt_cols = input_ids.shape[1] - width
     prompt_len = mask[:, :prompt_cols].sum(1)
     lengths = mask.sum(1)
-    total = int(lengths.sum())
+    segments = _segment_lengths(lengths, segment_multiple)
+    total = int(segments.sum())
     length = round_up(total, multiple) if length is None else length
-    if total > length:
+    if total > length or (length - total) % segment_multiple:
         raise ValueError(f"pack_rows: {total} tokens do not fit in a packed row of {length}")
+    offsets = torch.cumsum(segments, 0) - segments  # where each sequence starts in the packed row
     rows = torch.arange(len(lengths)).repeat_interleave(lengths)
-    offsets = torch.cumsum(lengths, 0) - lengths  # where each sequence starts in the packed row
-    positions = torch.arange(total) - offsets[rows]
-    columns = (prompt_cols - prompt_len)[rows] + positions
+    within = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[rows]
     ids = torch.zeros(length, dtype=input_ids.dtype)
-    ids[:total] = input_ids[rows, columns]
-    position_ids = torch.cat([positions, torch.arange(length - total)])
-    ends = torch.cumsum(lengths[lengths > 0], 0)
-    bounds = [torch.zeros(1, dtype=torch.long), ends] + ([torch.tensor([length])] if length > total else [])
-    cu_seqlens = torch.cat(bounds).to(torch.int32)
+    ids[offsets[rows] + within] = input_ids[rows, (prompt_cols - prompt_len)[rows] + within]
+    sizes = torch.cat([segments[segments > 0], torch.tensor([length - total])])
+    sizes = sizes[sizes > 0]
+    position_ids = torch.cat([torch.arange(int(n)) for n in sizes])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(sizes, 0)]).to(torch.int32)
     window = offsets.unsqueeze(1) + prompt_len.unsqueeze(1) - 1 + torch.arange(width).unsqueeze(0)
     return PackedRow(
         input_ids=ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         cu_seqlens=cu_seqlens,
-        max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        max_seqlen=int(sizes.max()),
         window=window.clamp(0, length - 1),
-        num_tokens=total,
+        num_tokens=int(lengths.sum()),
     )
 
 

@@ -212,7 +212,6 @@ def test_grouped_experts_match_the_loop_and_router_needs_no_te(megatron_world) -
 @pytest.mark.parametrize(
     ("cfg", "key"),
     [
-        (MegatronConfig(context_parallel_size=2), "context_parallel_size"),
         (MegatronConfig(transformer_config_kwargs={"fp8": "hybrid"}), "transformer_config_kwargs.fp8"),
         (MegatronConfig(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type"),
     ],

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from roll.distributed.scheduler.batch import Batch
+from roll.models.context_parallel import sum_over_ranks, zigzag_indices
 from roll.models.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from roll.models.packing import pack_rows, packed_length
 
@@ -54,6 +55,7 @@ class PackedMicroBatch:
     batch: Batch  # the caller's micro-batch on the device (given to the loss function)
     packed_seq_params: Any = None  # megatron PackedSeqParams (qkv_format "thd") when packed
     loss_scale: float = 1.0  # what the training loss is multiplied by
+    cp_owned: torch.Tensor | None = None  # [B, R] context parallelism: this rank holds window[i, t]
 
 
 def _lengths(batch: Batch) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -94,27 +96,47 @@ def _shift_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> P
     )
 
 
-def _pack_one(batch: Batch, seq_len: int, device: torch.device) -> PackedMicroBatch:
+def _pack_one(
+    batch: Batch, seq_len: int, device: torch.device, cp_size: int, cp_rank: int
+) -> PackedMicroBatch:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    row = pack_rows(batch, length=seq_len).to(device)
+    row = pack_rows(batch, length=seq_len, segment_multiple=2 * cp_size if cp_size > 1 else 1)
+    input_ids, position_ids, window, owned = row.input_ids, row.position_ids, row.window, None
+    if cp_size > 1:  # this rank's zig-zag share; the window points into it where it holds the column
+        local = zigzag_indices(row.cu_seqlens, cp_size, cp_rank)
+        where = torch.full((seq_len,), -1, dtype=torch.long)
+        where[local] = torch.arange(len(local))
+        input_ids, position_ids = input_ids[:, local], position_ids[:, local]
+        owned, window = (where[window] >= 0).to(device), where[window].clamp(min=0)
+    cu_seqlens = row.cu_seqlens.to(device)
     params = PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=row.cu_seqlens,
-        cu_seqlens_kv=row.cu_seqlens,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=row.max_seqlen,
         max_seqlen_kv=row.max_seqlen,
     )
     return PackedMicroBatch(
-        input_ids=row.input_ids,
-        position_ids=row.position_ids,
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
         row_index=torch.zeros(len(batch), dtype=torch.long, device=device),
-        window=row.window,
+        window=window.to(device),
         targets=batch["responses"].to(device),
         response_mask=_lengths(batch)[2].to(device),
         batch=batch.to(device),
         packed_seq_params=params,
+        cp_owned=owned,
     )
+
+
+def _context_parallel() -> tuple[int, int]:
+    """(CP size, CP rank); (1, 0) outside megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
 
 
 def pack_micro_batches(
@@ -133,8 +155,10 @@ def pack_micro_batches(
     """
     if not batches:
         raise ValueError("no micro-batches to run")
-    if packed:
-        seq_len, rows = packed_length(batches, seq_multiple), 1
+    cp_size, cp_rank = _context_parallel() if packed else (1, 0)
+    if packed:  # under CP every sequence splits into 2 x CP chunks and each rank's share into seq_multiple
+        segment = 2 * cp_size if cp_size > 1 else 1
+        seq_len, rows = packed_length(batches, seq_multiple * cp_size, segment), 1
     else:
         seq_len, rows = packed_seq_len(batches, seq_multiple), max(len(b) for b in batches)
     if sync_group is not None and dist.get_world_size(sync_group) > 1:
@@ -147,13 +171,14 @@ def pack_micro_batches(
                 "every data-parallel rank of an MoE model must run the same number"
             )
     if packed:
-        return [_pack_one(b, seq_len, device) for b in batches]
+        return [_pack_one(b, seq_len, device, cp_size, cp_rank) for b in batches]
     return [_shift_one(b, seq_len, rows, device) for b in batches]
 
 
 def packing_enabled(megatron_cfg: Any) -> bool:
     """``sequence_packing``, or when null: on where it is exact, i.e. the plain-torch spec with
-    SDPA core attention (which confines attention to each packed sequence)."""
+    SDPA core attention (which confines attention to each packed sequence). Context parallelism
+    runs on packed rows only."""
     from roll.models.megatron.layer_spec import HAVE_TE
 
     if megatron_cfg.sequence_packing is not None:
@@ -185,7 +210,15 @@ def response_logprobs(
     )
     mask = packed.response_mask
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    return {"log_probs": torch.where(mask, log_probs, zero), "entropy": torch.where(mask, entropy, zero)}
+    if packed.cp_owned is None:
+        return {"log_probs": torch.where(mask, log_probs, zero), "entropy": torch.where(mask, entropy, zero)}
+    from megatron.core import parallel_state as ps
+
+    mask, group = mask & packed.cp_owned, ps.get_context_parallel_group()
+    return {
+        "log_probs": sum_over_ranks(torch.where(mask, log_probs, zero), group),
+        "entropy": sum_over_ranks(torch.where(mask, entropy, zero), group),
+    }
 
 
 def _forward_step(loss_maker: Callable, data_iterator, model):

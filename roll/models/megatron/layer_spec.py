@@ -11,7 +11,8 @@ weight tables in ``weight_mapping.py`` rely on that), with these modules swapped
 - ``SDPAttention``: core attention on ``F.scaled_dot_product_attention`` (causal, GQA, megatron's
   ``[s, b, heads, dim]`` layout and boolean "True = masked" attention masks), and on packed rows
   (``thd``) attention confined to each sequence by ``packing_attention``
-  (``roll.models.packed_attention``);
+  (``roll.models.packed_attention``), with context parallelism over a zig-zag split and a K/V
+  all-gather (``roll.models.context_parallel``);
 - ``TorchTopKRouter``: megatron's top-k router with the gating GEMM in plain torch (0.16.1 calls
   an undefined ``te_general_gemm`` when TE is absent);
 - ``TorchGroupedMLP`` (``moe_grouped_gemm: true``): the local ``SequentialMLP`` parameters, computed
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
+from roll.models.context_parallel import cp_packed_attention
 from roll.models.packed_attention import packed_attention
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -131,8 +133,6 @@ class SDPAttention(torch.nn.Module):
         super().__init__()
         from megatron.core.transformer.enums import AttnMaskType
 
-        if config.context_parallel_size > 1:
-            raise ConfigError(f"{_PATH}.context_parallel_size", "context parallelism needs TransformerEngine")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ConfigError(
                 f"{_PATH}.transformer_config_kwargs",
@@ -187,7 +187,16 @@ class SDPAttention(torch.nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         kind = self.packing_attention
 
+        cp = self.config.context_parallel_size > 1
+        if cp and dropout > 0:
+            raise ValueError("SDPAttention: no attention dropout under context parallelism")
+
         def run() -> torch.Tensor:
+            if cp:
+                from megatron.core import parallel_state as ps
+
+                group = ps.get_context_parallel_group()
+                return cp_packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, group)
             return packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, kind, dropout)
 
         if dropout > 0:
@@ -287,7 +296,6 @@ def _grouped_mlp_class() -> type:
 # -------------------------------------------------------------------------------------- TE options
 # (MegatronConfig field or TransformerConfig attribute, predicate on its value, what it is)
 _TE_ONLY: tuple[tuple[str, Any, str], ...] = (
-    ("context_parallel_size", lambda v: v > 1, "context parallelism"),
     ("fp8", lambda v: bool(v), "fp8 training"),
     ("fp4", lambda v: bool(v), "fp4 training"),
     ("tp_comm_overlap", lambda v: bool(v), "TP communication overlap"),
