@@ -55,9 +55,10 @@ def check_attention() -> list[str]:
     return bad
 
 
-def check_strategy(path: str) -> list[str]:
+def check_strategy(path: str, base: dict | None = None) -> list[str]:
+    """CP=2 against CP=1, both with the ``base`` layout (the remaining ranks are DP)."""
     batch, bad, results = ragged_batch(3), [], {}
-    for layout in ({}, {"context_parallel_size": 2}):
+    for layout in (dict(base or {}), {**(base or {}), "context_parallel_size": 2}):
         strategy = train_strategy(path, layout)
         out = {"logp": log_probs(strategy, batch, sequence_packing=True)}
         out["logp budget"] = log_probs(
@@ -92,6 +93,33 @@ def _worker(rank: int, port: int, path: str, scratch: str) -> None:
         Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
     finally:
         dist.destroy_process_group()
+
+
+def _four_rank_worker(rank: int, port: int, path: str, scratch: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    compat.apply()
+    try:
+        with cuda_on_cpu():
+            bad = check_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
+        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
+def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
+    """TP2 + SP x CP2 against TP2 + SP x DP2 on four ranks."""
+    import torch.multiprocessing as mp
+
+    from roll.distributed.model_update.process_group import free_port
+
+    path = save_tiny_qwen2(tmp_path / "model", layers=2)
+    mp.spawn(_four_rank_worker, args=(free_port(), path, str(tmp_path)), nprocs=4, join=True)
+    bad = [f"rank {r}: {x}" for r in range(4) for x in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
+    assert not bad, "TP2 x CP2 differs from TP2 x DP2:\n" + "\n".join(bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
