@@ -1,7 +1,8 @@
 """Context parallelism on the plain-torch spec equals CP=1 (fp32, CPU, two gloo ranks, the shims).
 
 The zig-zag attention against the one-process packed attention (outputs and gradients); then
-megatron_train with CP=2 against CP=1 (DP=2 with both ranks given the same rows, so its reduced
+megatron_train with CP=2 against CP=1 (two ranks; and TP2 + SP x CP2 against TP2 + SP x DP2 on four
+ranks, marked slow) (DP=2 with both ranks given the same rows, so its reduced
 gradient is the whole batch's): log-probs, and one step's reduced gradients for two
 ``loss_agg_mode``s, with row micro-batches and with a token budget. The optimizer step is replaced
 by a capture of the gradients, so every run starts from the same weights.
@@ -109,6 +110,7 @@ def _four_rank_worker(rank: int, port: int, path: str, scratch: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # four processes: about 90 s on two cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
     """TP2 + SP x CP2 against TP2 + SP x DP2 on four ranks."""
