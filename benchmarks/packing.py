@@ -12,6 +12,11 @@ loss, token-mean) per timing, random weights of the chosen architecture, one pro
 
     python benchmarks/packing.py --device cuda                        # Qwen2.5-1.5B shape, 1 GPU
     python benchmarks/packing.py --device cpu                         # a tiny model, seconds
+    torchrun --nproc_per_node 2 benchmarks/packing.py --context-parallel --preset qwen2.5-7b \
+        --rows 1 --fixed --max-response 65024                           # one 64k sequence, CP=2
+
+Under torchrun every rank gets the same batch: DP over the ranks, or CP with ``--context-parallel``
+(packed paths only).
 
 On CPU (gloo) it uses the test-only shims of ``tests/megatron`` that let megatron-core run without
 CUDA; timings there only show the shape of the gain, not GPU numbers.
@@ -60,11 +65,13 @@ def tiny_config() -> transformers.PretrainedConfig:
     )
 
 
-def ragged_batch(rows: int, prompt: int, max_response: int, vocab: int, seed: int = 0) -> Batch:
+def ragged_batch(
+    rows: int, prompt: int, max_response: int, vocab: int, fixed: bool = False, seed: int = 0
+) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     median = max_response / 8
     draws = torch.exp(math.log(median) + torch.randn(rows, generator=gen))
-    lengths = draws.clamp(16, max_response).long().tolist()
+    lengths = [max_response] * rows if fixed else draws.clamp(16, max_response).long().tolist()
     prompts = torch.randint(3, vocab, (rows, prompt), generator=gen)
     responses = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     base = Batch.from_dict({"prompts": prompts, "prompt_mask": torch.ones_like(prompts)})
@@ -115,14 +122,16 @@ def run(args: argparse.Namespace, hf_config, device: torch.device) -> list[dict]
     from roll.distributed.strategy.megatron_strategy import MegatronTrainStrategy
 
     cuda = device.type == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = {"context_parallel_size": world} if args.context_parallel else {}
     role = RoleConfig(
         model_args=ModelArgs(dtype="bf16" if cuda else "fp32"),
         training_args=TrainingArgs(learning_rate=1e-7),
-        strategy_args=StrategyArgs("megatron_train", {}),
+        strategy_args=StrategyArgs("megatron_train", layout),
     )
-    strategy = MegatronTrainStrategy(role, WorkerContext("actor_train", 0, 1, 0, device))
+    strategy = MegatronTrainStrategy(role, WorkerContext("actor_train", rank, world, rank, device))
     strategy.initialize(hf_config=hf_config)
-    batch = ragged_batch(args.rows, args.prompt, args.max_response, hf_config.vocab_size)
+    batch = ragged_batch(args.rows, args.prompt, args.max_response, hf_config.vocab_size, args.fixed)
     real = int(sequence_lengths(batch).sum())
     budget = args.budget or args.prompt + args.max_response
     paths = {
@@ -130,13 +139,19 @@ def run(args: argparse.Namespace, hf_config, device: torch.device) -> list[dict]
         "packed": (True, batch.split(args.rows_per_micro)),
         f"packed + budget {budget}": (True, rebudget([batch], budget)),
     }
+    if args.context_parallel:
+        del paths["padded"]  # context parallelism runs on packed rows only
     rows = []
     for name, (packed, micro) in paths.items():
         strategy.config.sequence_packing = packed
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step_s = time_step(strategy, micro, args.steps, cuda)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")])
+        if cuda and world > 1:
+            peak = peak.to(device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peak = float(peak)
         computed = computed_tokens(micro, packed)
         rows.append(dict(path=name, micro=len(micro), computed=computed, real=real, step_s=step_s, peak=peak))
     return rows
@@ -152,15 +167,17 @@ def table(rows: list[dict]) -> str:
 
 
 def _init(device: torch.device) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    """One process, or the ranks torchrun started (RANK / WORLD_SIZE / MASTER_* set)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     else:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def main() -> None:
@@ -179,12 +196,14 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=int, default=None, help="max_tokens_per_microbatch (default: prompt + max response)"
     )
+    parser.add_argument("--fixed", action="store_true", help="every response --max-response tokens")
+    parser.add_argument("--context-parallel", action="store_true", help="CP over the torchrun ranks")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3 on CUDA, 1 on CPU)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    defaults = (
-        dict(rows=16, prompt=512, max_response=8192) if cuda else dict(rows=16, prompt=32, max_response=512)
-    )
+    defaults = dict(rows=16, prompt=512, max_response=8192, steps=3)
+    if not cuda:
+        defaults = dict(rows=8, prompt=32, max_response=256, steps=1)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -193,7 +212,8 @@ def main() -> None:
     else:
         hf_config = preset_config("qwen2.5-1.5b", args.layers) if cuda else tiny_config()
     warnings.filterwarnings("ignore")
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     _init(device)
     if cuda:
         rows = run(args, hf_config, device)
@@ -205,10 +225,11 @@ def main() -> None:
         compat.apply()
         with cuda_on_cpu():
             rows = run(args, hf_config, device)
-    print(
-        f"{args.rows} rows, prompt {args.prompt}, responses 16..{args.max_response} (log-normal), {args.device}"
-    )
-    print(table(rows))
+    if dist.get_rank() == 0:
+        shape = f"{args.max_response}" if args.fixed else f"16..{args.max_response} (log-normal)"
+        cp = f", CP={dist.get_world_size()}" if args.context_parallel else ""
+        print(f"{args.rows} rows, prompt {args.prompt}, responses {shape}, {args.device}{cp}")
+        print(table(rows))
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ local query chunk against its sequence's keys up to that chunk's end (causal, lo
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -77,10 +78,12 @@ def sum_over_ranks(local: torch.Tensor, group: Any) -> torch.Tensor:
     return _SumKeepGrad.apply(local, group)
 
 
-def _global_order(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """For the all-gathered (rank-major) tokens, the index that puts them in packed-row order."""
-    held = torch.cat([zigzag_indices(cu_seqlens, cp_size, r) for r in range(cp_size)])
-    return torch.argsort(held)
+@lru_cache(maxsize=64)
+def _global_order(bounds: tuple[int, ...], cp_size: int) -> torch.Tensor:
+    """For the all-gathered (rank-major) tokens, the index that puts them in packed-row order
+    (cached: every layer of a micro-batch asks for the same one)."""
+    cu = torch.tensor(bounds)
+    return torch.argsort(torch.cat([zigzag_indices(cu, cp_size, r) for r in range(cp_size)]))
 
 
 def cp_packed_attention(
@@ -97,7 +100,7 @@ def cp_packed_attention(
 
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     cu = cu_seqlens.cpu()
-    order = _global_order(cu, cp_size).to(key.device)
+    order = _global_order(tuple(cu.tolist()), cp_size).to(key.device)
     keys = _GatherAlongFirstDim.apply(key, group)[order]
     values = _GatherAlongFirstDim.apply(value, group)[order]
     gqa = query.shape[1] != key.shape[1]
