@@ -149,3 +149,6 @@ def test_roll_packing_keys_map_onto_packing_options():
     vllm = {"actor_infer": {"use_sequence_packing": True, "strategy_args": {"strategy_name": "vllm"}}}
     with pytest.raises(ConfigError, match="roll packs in fsdp2_train"):
         translate_roll_keys(vllm)
+    more = {"use_sequence_packing": True, "sequence_packing_args": {"min_num_micro_batches_train": 4}}
+    with pytest.raises(ConfigError, match="min_num_micro_batches_train=4"):
+        translate_roll_keys({"actor_train": more})

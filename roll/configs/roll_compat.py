@@ -320,6 +320,9 @@ def _roll_packing_keys(role: dict[str, Any]) -> tuple[dict[str, Any], list[tuple
     if role.pop("use_sequence_packing", None):
         wanted["sequence_packing"] = True
         args.pop("algorithm", None)  # roll's planner is LPT bin packing
+        for side in ("train", "forward"):  # roll's minimum is 1 (the budget decides the rest)
+            if args.get(f"min_num_micro_batches_{side}") in (None, 1):
+                args.pop(f"min_num_micro_batches_{side}", None)
         for name, key in _PACKING_ARGS.items():
             if args.get(name) is not None:
                 wanted.setdefault(key, args.pop(name))
