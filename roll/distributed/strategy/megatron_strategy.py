@@ -117,22 +117,8 @@ class MegatronTrainStrategy:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
-        )
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, dp_group)
-        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_group)
-        packed = pack_micro_batches(
-            micro_batches,
-            seq_multiple_for(self.config),
-            device,
-            shape_sync_group(self.config),
-            packed=packing_enabled(self.config),
-        )
-        for mb, weight in zip(packed, weights):
-            mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count
-        temperature = batch_temperature(micro_batches[0])
+        packed = self._prepare(micro_batches, loss_fn)
+        temperature = batch_temperature(packed[0].batch)
         tp_group = ps.get_tensor_model_parallel_group()
         vocab = self.hf_config.vocab_size
 
@@ -152,6 +138,28 @@ class MegatronTrainStrategy:
             metrics = {k: sum(p[k] for p in payloads) / len(payloads) for k in payloads[0]}
         metrics = broadcast_metrics(metrics)
         return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def _prepare(self, micro_batches: list[Batch], loss_fn: LossFn) -> list[PackedMicroBatch]:
+        """Micro-batches re-formed by the token budget, laid out for the model, each with the loss
+        weight that keeps the mini-batch's ``loss_agg_mode`` over micro-batches and DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
+        )
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, dp_group)
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_group)
+        packed = pack_micro_batches(
+            micro_batches,
+            seq_multiple_for(self.config),
+            device,
+            shape_sync_group(self.config),
+            packed=packing_enabled(self.config),
+        )
+        for mb, weight in zip(packed, weights):
+            mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count
+        return packed
 
     def _apply_lr(self) -> float:
         """LR (and weight decay, 0 for biases and norms via megatron's ``wd_mult``) of this step,
