@@ -131,6 +131,8 @@ def test_plan_errors_name_the_key() -> None:
         plan_micro_batches([3, 9], 8)
     with pytest.raises(ValueError, match="3 non-empty micro-batches from 2 rows"):
         plan_micro_batches([3, 4], 8, 3)
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch: a sequence of 5 tokens"):
+        split_by_tokens(small_batch(), max_tokens=4)
 
 
 def test_split_by_tokens_and_invert_restore_the_order() -> None:

@@ -105,8 +105,12 @@ def split_by_tokens(
     lengths = sequence_lengths(batch).tolist()
     needed = min_micro_batches(lengths, max_tokens) if max(lengths) <= max_tokens else 1
     needed = max(needed, min(min_count, len(lengths)))
-    count, fewest = _all_reduce([float(needed), -float(len(lengths))], dist.ReduceOp.MAX, group)
-    if count > -fewest:  # raised on every rank alike, so none is left waiting in a collective
+    agreed = [float(needed), -float(len(lengths)), float(max(lengths))]
+    count, fewest, longest = _all_reduce(agreed, dist.ReduceOp.MAX, group)
+    # Errors are raised on every rank alike, so none is left waiting in a collective.
+    if longest > max_tokens:
+        plan_micro_batches([int(longest)], max_tokens)  # raises the budget error
+    if count > -fewest:
         raise ValueError(
             f"max_tokens_per_microbatch: {int(count)} micro-batches are needed, but a data-parallel "
             f"rank has only {int(-fewest)} rows; raise the budget"
