@@ -17,7 +17,7 @@ its own segment and itself), so the choice is one of speed only:
 from __future__ import annotations
 
 import warnings
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -74,16 +74,24 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _flex(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+@lru_cache(maxsize=8)
+def _document_mask(bounds: tuple[int, ...], device: str) -> Any:
+    """The block mask of a packed row (built once per micro-batch, reused by every layer)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    segments = segment_ids(cu_seqlens)
-    total = q.shape[0]
+    segments = segment_ids(torch.tensor(bounds, device=device))
+    total = bounds[-1]
 
     def document_causal(b, h, q_idx, kv_idx):
         return (segments[q_idx] == segments[kv_idx]) & (q_idx >= kv_idx)
 
-    block_mask = create_block_mask(document_causal, None, None, total, total, device=q.device)
+    return create_block_mask(document_causal, None, None, total, total, device=device)
+
+
+def _flex(q, k, v, cu_seqlens, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = _document_mask(tuple(cu_seqlens.tolist()), str(q.device))
     args = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cuda":
