@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
+from roll.models.microbatch import rebudget
 from roll.pipeline.rlvr.algorithms.losses import actor_loss, critic_loss
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -50,6 +51,7 @@ def ragged_batch(seed: int = 0, rows: int = 6) -> Batch:
     out.tensors["old_log_probs"] = -torch.rand(rows, 8, generator=gen) * 6
     out.tensors["ref_log_probs"] = -torch.rand(rows, 8, generator=gen) * 6
     out.tensors["returns"] = torch.randn(rows, 8, generator=gen)
+    out.tensors["row_id"] = torch.arange(rows)
     return out
 
 
@@ -165,6 +167,11 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, out: str) -> None:
             )
     if rank == 0:
         torch.save(result, f"{out}/grads.pt")
+    parts = rebudget([batch.index(UNEVEN[0][rank])], 24, dist.group.WORLD)  # 1 row vs 5 rows
+    rows = [p["row_id"].tolist() for p in parts]
+    torch.save(
+        {"rows": rows, "tokens": [int(p["attention_mask"].sum()) for p in parts]}, f"{out}/balance{rank}.pt"
+    )
     dist.destroy_process_group()
 
 
@@ -178,6 +185,13 @@ def test_two_ranks_any_split_give_the_one_rank_gradient(policy, model_dir, tmp_p
         for key, value in two.items():
             if key.startswith(f"{mode}/"):
                 assert_close(one, value, f"2 ranks {key}")
+    # A token budget exchanges rows: both ranks get as many micro-batches and about the same tokens.
+    balance = [torch.load(tmp_path / f"balance{r}.pt") for r in range(2)]
+    assert sorted(i for b in balance for part in b["rows"] for i in part) == list(range(6))
+    assert len(balance[0]["rows"]) == len(balance[1]["rows"])
+    assert all(t <= 24 for b in balance for t in b["tokens"])
+    longest = int(batch["attention_mask"].sum(1).max())
+    assert abs(sum(balance[0]["tokens"]) - sum(balance[1]["tokens"])) <= longest
 
 
 def test_packing_follows_what_transformers_can_do(model_dir, policy, monkeypatch) -> None:

@@ -15,6 +15,7 @@ from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models.megatron.forward import packing_enabled
 from roll.models.microbatch import (
+    deal,
     invert,
     loss_agg_mode_of,
     loss_weights,
@@ -133,6 +134,17 @@ def test_plan_errors_name_the_key() -> None:
         plan_micro_batches([3, 4], 8, 3)
     with pytest.raises(ValueError, match="max_tokens_per_microbatch: a sequence of 5 tokens"):
         split_by_tokens(small_batch(), max_tokens=4)
+
+
+def test_deal_gives_every_rank_as_many_micro_batches_and_about_the_same_tokens() -> None:
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(8, 60), rng.randint(200, 512)]) for _ in range(96)]
+    plan = plan_micro_batches(lengths, 1024, 4 * 6)
+    loads = [sum(lengths[i] for i in part) for part in plan]
+    owner = deal(loads, ranks=4, per_rank=6)
+    assert [owner.count(r) for r in range(4)] == [6] * 4
+    totals = [sum(load for load, r in zip(loads, owner) if r == rank) for rank in range(4)]
+    assert max(totals) - min(totals) <= max(loads)
 
 
 def test_split_by_tokens_and_invert_restore_the_order() -> None:

@@ -2,8 +2,10 @@
 
 ``plan_micro_batches`` sorts rows longest first and gives each to the least-loaded micro-batch
 (LPT greedy bin packing), so micro-batches carry about the same number of tokens and none exceeds
-``max_tokens``. The number of micro-batches is the smallest that fits on any data-parallel rank
-(agreed by an all-reduce), so every rank runs the same number of forwards/backwards and none waits.
+``max_tokens``. A train step (``rebudget``) plans the rows of all data-parallel ranks together and
+deals the micro-batches out (``deal``): every rank runs the same number of forwards/backwards with
+about the same tokens, so none waits. Log-prob passes (``split_by_tokens``) keep each rank's rows
+(their results go back in order) and agree on the number of micro-batches by an all-reduce.
 
 ``loss_weights`` replaces the old ``1 / len(micro_batches)`` scaling: micro-batch ``i``'s loss
 (aggregated by ``loss_agg_mode`` over its own rows) is weighted by its share of the mini-batch's
@@ -120,11 +122,41 @@ def split_by_tokens(
     return [batch.index(part) for part in plan], order
 
 
+def deal(loads: Sequence[int], ranks: int, per_rank: int) -> list[int]:
+    """The rank of each micro-batch: heaviest first, each to the least-loaded rank that still has
+    room, so every rank gets ``per_rank`` micro-batches and about the same tokens."""
+    totals, counts, owner = [0] * ranks, [0] * ranks, [0] * len(loads)
+    for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        rank = min((r for r in range(ranks) if counts[r] < per_rank), key=lambda r: (totals[r], r))
+        owner[i], totals[rank], counts[rank] = rank, totals[rank] + loads[i], counts[rank] + 1
+    return owner
+
+
+def _balanced(batch: Batch, max_tokens: int, group: Any) -> list[Batch]:
+    """This rank's micro-batches planned over the rows of every rank of ``group`` (exchanged)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, batch.to("cpu"), group=group)
+    rows = Batch.concat(everyone)
+    lengths = sequence_lengths(rows).tolist()
+    ranks = len(everyone)
+    per_rank = math.ceil(min_micro_batches(lengths, max_tokens) / ranks) if max(lengths) <= max_tokens else 1
+    plan = plan_micro_batches(lengths, max_tokens, per_rank * ranks)  # raises on every rank alike
+    owner = deal([sum(lengths[i] for i in part) for part in plan], ranks, per_rank)
+    mine = dist.get_rank(group)
+    return [rows.index(part) for part, rank in zip(plan, owner) if rank == mine]
+
+
 def rebudget(batches: list[Batch], max_tokens: int | None, group: Any = None) -> list[Batch]:
-    """A train step's micro-batches re-formed by ``max_tokens`` (unchanged when None)."""
+    """A train step's micro-batches re-formed by ``max_tokens`` (unchanged when None). Over a
+    ``group`` of data-parallel ranks (each holding different rows) the rows of all ranks are
+    planned together and exchanged: every rank gets the same number of micro-batches with about
+    the same number of tokens, so none waits for a busier one."""
     if max_tokens is None:
         return batches
-    return split_by_tokens(Batch.concat(batches), max_tokens, group)[0]
+    batch = Batch.concat(batches)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return split_by_tokens(batch, max_tokens)[0]
+    return _balanced(batch, max_tokens, group)
 
 
 def invert(order: Sequence[int]) -> torch.Tensor:

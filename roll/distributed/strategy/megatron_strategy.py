@@ -147,9 +147,12 @@ class MegatronTrainStrategy:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
         )
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, dp_group)
-        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_group)
+        # Rows are exchanged over DP only (CP peers hold the same rows); the loss weights count over
+        # DP x CP, as DDP averages over it (megatron scales each loss by the CP size).
+        budget = self.config.max_tokens_per_microbatch
+        micro_batches = rebudget(micro_batches, budget, ps.get_data_parallel_group())
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_cp)
         packed = pack_micro_batches(
             micro_batches,
             seq_multiple_for(self.config),
