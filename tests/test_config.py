@@ -55,6 +55,22 @@ BAD_CASES = {
         "actor_train.strategy_args.strategy_config.tensor_model_parallel_size",
         "does not divide",
     ),
+    "token_budget_too_small": (
+        "actor_train.strategy_args.strategy_config.max_tokens_per_microbatch",
+        "prompt_length + response_length = 48",
+    ),
+    "packing_with_local_attention": (
+        "actor_train.strategy_args.strategy_config.sequence_packing",
+        "attention_backend: sdpa",
+    ),
+    "cp_on_generation": (
+        "actor_infer.strategy_args.strategy_config.context_parallel_size",
+        "generation has no context parallelism",
+    ),
+    "token_budget_without_packing": (
+        "actor_train.strategy_args.strategy_config.infer_max_tokens_per_microbatch",
+        "needs sequence_packing",
+    ),
     "unknown_strategy_option": (
         "actor_infer.strategy_args.strategy_config.gpu_memory_utilisation",
         "did you mean 'gpu_memory_utilization'",

@@ -124,3 +124,35 @@ def test_roll_keys_at_their_off_value_are_dropped():
     assert translate_roll_keys(raw) == {}
     # roll has async_generation_ratio itself (same meaning): it passes through untouched.
     assert translate_roll_keys({"async_generation_ratio": 1}) == {"async_generation_ratio": 1}
+
+
+def test_roll_packing_keys_map_onto_packing_options():
+    raw = {
+        "actor_train": {
+            "use_dynamic_batching_in_train": True,
+            "max_tokens_per_microbatch_in_train": 8192,
+            "sequence_length_round_in_train": 128,
+            "strategy_args": {"strategy_name": "megatron_train", "strategy_config": {}},
+        },
+        "reference": {
+            "use_sequence_packing": True,
+            "sequence_packing_args": {
+                "algorithm": "load_balance",
+                "max_packed_sequence_length_forward": 16384,
+            },
+            "strategy_args": {"strategy_name": "megatron_infer", "strategy_config": {}},
+        },
+    }
+    out = translate_roll_keys(raw)
+    assert out["actor_train"]["strategy_args"]["strategy_config"] == {"max_tokens_per_microbatch": 8192}
+    assert out["reference"]["strategy_args"]["strategy_config"] == {
+        "sequence_packing": True,
+        "infer_max_tokens_per_microbatch": 16384,
+    }
+    assert "use_sequence_packing" not in out["reference"]
+    vllm = {"actor_infer": {"use_sequence_packing": True, "strategy_args": {"strategy_name": "vllm"}}}
+    with pytest.raises(ConfigError, match="roll packs in fsdp2_train"):
+        translate_roll_keys(vllm)
+    more = {"use_sequence_packing": True, "sequence_packing_args": {"min_num_micro_batches_train": 4}}
+    with pytest.raises(ConfigError, match="min_num_micro_batches_train=4"):
+        translate_roll_keys({"actor_train": more})

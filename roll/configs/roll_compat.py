@@ -34,7 +34,6 @@ class Unsupported:
 
 
 _OFF0 = (None, False, 0, 0.0)
-_NO_PACKING = "remove it; roll pads each micro-batch (no sequence packing or token-budget batching)"
 # Key path patterns ('*' is one role or reward name) -> what a user must do to run without them.
 UNSUPPORTED: dict[str, Unsupported] = {
     "difficulty_loss_weight": Unsupported(
@@ -49,14 +48,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.pg_variant": Unsupported(
         "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
     ),
-    "*.use_dynamic_batching_in_train": Unsupported(_NO_PACKING),
-    "*.use_dynamic_batching_in_infer": Unsupported(_NO_PACKING),
-    "*.max_tokens_per_microbatch_in_train": Unsupported(_NO_PACKING, ()),
-    "*.max_tokens_per_microbatch_in_infer": Unsupported(_NO_PACKING, ()),
-    "*.sequence_length_round_in_train": Unsupported(_NO_PACKING, ()),
-    "*.sequence_length_round_in_infer": Unsupported(_NO_PACKING, ()),
-    "*.use_sequence_packing": Unsupported(_NO_PACKING),
-    "*.sequence_packing_args": Unsupported(_NO_PACKING, ()),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
         "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
@@ -293,9 +284,92 @@ def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
             notes.append(f"{role}.model_args.model_name_or_path <- {source}")
 
 
+# ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
+PACKING_STRATEGIES = ("fsdp2_train", "megatron_train", "megatron_infer")
+_BUDGETS = {
+    "train": (
+        "use_dynamic_batching_in_train",
+        "max_tokens_per_microbatch_in_train",
+        "max_tokens_per_microbatch",
+    ),
+    "infer": (
+        "use_dynamic_batching_in_infer",
+        "max_tokens_per_microbatch_in_infer",
+        "infer_max_tokens_per_microbatch",
+    ),
+}
+_PACKING_ARGS = {
+    "max_packed_sequence_length_train": "max_tokens_per_microbatch",
+    "max_packed_sequence_length_forward": "infer_max_tokens_per_microbatch",
+}
+
+
+def _roll_packing_keys(role: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Pop ROLL's packing keys of a role: ({roll strategy_config key: value}, [(key=value, advice)])."""
+    wanted: dict[str, Any] = {}
+    bad: list[tuple[str, str]] = []
+    for switch, budget, key in _BUDGETS.values():
+        on, tokens = role.pop(switch, None), role.pop(budget, None)
+        if on and tokens is None:
+            bad.append((f"{switch}={on!r}", f"set {budget} too (roll: strategy_config.{key})"))
+        elif on:
+            wanted[key] = tokens
+    for side in ("train", "infer"):
+        role.pop(f"sequence_length_round_in_{side}", None)  # roll rounds to 8 (x TP)
+    args = dict(role.pop("sequence_packing_args", None) or {})
+    if role.pop("use_sequence_packing", None):
+        wanted["sequence_packing"] = True
+        args.pop("algorithm", None)  # roll's planner is LPT bin packing
+        for side in ("train", "forward"):  # roll's minimum is 1 (the budget decides the rest)
+            if args.get(f"min_num_micro_batches_{side}") in (None, 1):
+                args.pop(f"min_num_micro_batches_{side}", None)
+        for name, key in _PACKING_ARGS.items():
+            if args.get(name) is not None:
+                wanted.setdefault(key, args.pop(name))
+        bad += [
+            (f"sequence_packing_args.{k}={v!r}", "remove it; roll has no such option")
+            for k, v in args.items()
+        ]
+    return wanted, bad
+
+
+def _map_packing(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """ROLL's dynamic batching and sequence packing onto roll's packing options."""
+    wanted, bad = _roll_packing_keys(role)
+    role_path = path.rsplit(".", 1)[0]
+    for key, advice in bad:
+        problems.add(f"{role_path}.{key}", advice)
+    if not wanted:
+        return
+    args = role.get("strategy_args") or {}
+    if args.get("strategy_name") not in PACKING_STRATEGIES:
+        problems.add(f"{role_path} packing keys", f"roll packs in {', '.join(PACKING_STRATEGIES)} only")
+        return
+    config = args.setdefault("strategy_config", {}) or {}
+    args["strategy_config"] = config
+    for key, value in wanted.items():
+        if config.setdefault(key, value) != value:
+            problems.add(f"{role_path}: {key}={value!r}", f"conflicts with strategy_config.{key}")
+        else:
+            notes.append(f"{role_path}: ROLL packing keys -> strategy_config.{key}: {value!r}")
+
+
 ROLE_MAPPERS: dict[str, Callable[..., None]] = {
     "num_gpus_per_worker": _map_num_gpus_per_worker,
     "strategy_args": _map_strategy,
+    **{
+        key: _map_packing
+        for key in (
+            "use_dynamic_batching_in_train",
+            "use_dynamic_batching_in_infer",
+            "use_sequence_packing",
+            "max_tokens_per_microbatch_in_train",
+            "max_tokens_per_microbatch_in_infer",
+            "sequence_length_round_in_train",
+            "sequence_length_round_in_infer",
+            "sequence_packing_args",
+        )
+    },
 }
 
 

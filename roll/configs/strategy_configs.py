@@ -68,8 +68,33 @@ class HFInferConfig(_DataParallelOnly):
     offload_to_cpu: bool = True
 
 
+PACKING_ATTENTION = ("sdpa", "flex")
+
+
 @dataclass
-class FSDP2Config(_DataParallelOnly):
+class PackingOptions:
+    """Sequence packing and token-budget micro-batches of a training strategy (docs/packing.md).
+
+    ``sequence_packing``: several sequences per row, attention confined to each; None turns it on
+    wherever the strategy's attention path is exact with it. ``max_tokens_per_microbatch``: train
+    micro-batches formed by real-token count (None: the rows the worker gives,
+    ``per_device_train_batch_size`` each); ``infer_max_tokens_per_microbatch`` likewise for
+    log-prob passes (None: ``infer_batch_size`` rows). Budgets need packing.
+    """
+
+    sequence_packing: bool | None = None
+    max_tokens_per_microbatch: int | None = bounded(None, ge=1)
+    infer_max_tokens_per_microbatch: int | None = bounded(None, ge=1)
+
+    def __post_init__(self) -> None:
+        for key in ("max_tokens_per_microbatch", "infer_max_tokens_per_microbatch"):
+            value = getattr(self, key)
+            if value is not None and self.sequence_packing is False:
+                raise ValueError(f"{key}: a token budget needs sequence_packing (set it true or null)")
+
+
+@dataclass
+class FSDP2Config(PackingOptions, _DataParallelOnly):
     """torch FSDP2 (fully_shard) on GPU; on CPU the same API over gloo."""
 
     reshard_after_forward: bool = True
@@ -85,7 +110,7 @@ TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(PackingOptions):
     """megatron-core options (names as in Megatron-LM's arguments)."""
 
     tensor_model_parallel_size: int = bounded(1, ge=1)
@@ -119,6 +144,8 @@ class MegatronConfig:
     offload_optimizer: bool = True
     # Attention kernel for the plain-torch layer spec: "sdpa" or "local" (megatron-core's unfused one).
     attention_backend: str = one_of("sdpa", "sdpa", "local")
+    # Attention over packed rows (roll.models.packed_attention): "sdpa" (per sequence) or "flex".
+    packing_attention: str = one_of("sdpa", *PACKING_ATTENTION)
     # Passed through to megatron-core's TransformerConfig untouched (advanced use).
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -170,6 +197,18 @@ class MegatronConfig:
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{path}.sequence_parallel", "needs tensor_model_parallel_size > 1")
         self._validate_recompute(path)
+        if cp > 1 and (self.sequence_packing is False or self.attention_backend != "sdpa"):
+            raise ConfigError(
+                f"{path}.context_parallel_size",
+                "context parallelism runs on packed rows: needs sequence_packing (true or null) and "
+                "attention_backend: sdpa",
+            )
+        if self.sequence_packing and self.attention_backend != "sdpa":
+            raise ConfigError(
+                f"{path}.sequence_packing",
+                "packed rows need attention_backend: sdpa (megatron's local attention cannot confine "
+                "attention to each sequence)",
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
 

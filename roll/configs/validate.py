@@ -9,6 +9,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.loader import build_dataclass
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
+from roll.configs.strategy_configs import PackingOptions
 
 TRAIN_ROLES = ("actor_train", "critic")
 # Largest share of a device a vLLM engine may claim next to a training role (see _check_colocation).
@@ -59,11 +60,31 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
     cfg_path = f"{name}.strategy_args.strategy_config"
     typed = build_dataclass(spec.config_cls, role.strategy_args.strategy_config or {}, cfg_path)
     typed.validate(len(role.device_mapping), cfg_path)
+    _check_token_budgets(typed, config, cfg_path)
+    if name == "actor_infer" and getattr(typed, "context_parallel_size", 1) > 1:
+        raise ConfigError(
+            f"{cfg_path}.context_parallel_size",
+            "generation has no context parallelism; use it on other roles",
+        )
     role.strategy_args.config = typed
     if not role.model_args.model_name_or_path:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
         )
+
+
+def _check_token_budgets(typed: object, config: RLVRConfig, path: str) -> None:
+    """A token budget must hold the longest sequence a step can have (prompt + response)."""
+    if not isinstance(typed, PackingOptions):
+        return
+    longest = config.prompt_length + config.response_length
+    for key in ("max_tokens_per_microbatch", "infer_max_tokens_per_microbatch"):
+        budget = getattr(typed, key)
+        if budget is not None and budget < longest:
+            raise ConfigError(
+                f"{path}.{key}",
+                f"{budget} tokens cannot hold one sequence of prompt_length + response_length = {longest}",
+            )
 
 
 def _check_reward(name: str, role: RewardConfig) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from roll.distributed.scheduler.batch import Batch
+from roll.models.packing import pack_rows
 
 TEMPERATURE_KEY = "temperature"
 # Rows of [N, V] logits turned into fp32 at once: bounds the fp32 copy to ~256 MiB for any vocabulary.
@@ -87,15 +88,45 @@ def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     return out.logits[:, -width - 1 : -1]
 
 
+def transformers_detects_packing() -> bool:
+    """Whether the installed transformers confines attention to each sequence of a packed row
+    given restarting position ids and no attention mask (``masking_utils``, transformers >= 4.54)."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def packed_response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """``response_logits`` with the rows packed into one (``roll.models.packing``): position ids
+    restart per sequence and no attention mask is given, so transformers confines attention to
+    each sequence (its packed-sequence detection; flash-attention kernels read the position ids).
+    Only the window's columns go through the LM head."""
+    row = pack_rows(batch).to(batch["input_ids"].device)
+    out = model(
+        input_ids=row.input_ids,
+        position_ids=row.position_ids,
+        use_cache=False,
+        logits_to_keep=row.window.reshape(-1),
+    )
+    return out.logits[0].view(*row.window.shape, -1)
+
+
 def response_log_probs(
-    model: nn.Module, batch: Batch, temperature: float = 1.0, with_entropy: bool = True
+    model: nn.Module,
+    batch: Batch,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """{"log_probs": [B, R], "entropy": [B, R]} (fp32, 0 on response padding) of ``logits / temperature``.
 
     Pass the temperature the responses were sampled with (``batch_temperature(batch)``); 0 or
-    negative means greedy and scores the raw logits (T = 1).
+    negative means greedy and scores the raw logits (T = 1). ``packed``: one packed row instead
+    of padded rows (same values; see ``packed_response_logits``).
     """
-    logits = response_logits(model, batch)
+    logits = packed_response_logits(model, batch) if packed else response_logits(model, batch)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     mask = batch["response_mask"].bool()

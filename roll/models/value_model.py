@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from roll.distributed.scheduler.batch import Batch
+from roll.models.packing import pack_rows
 
 HEAD_PREFIX = "value_head."
 
@@ -81,9 +82,14 @@ class ValueModel(nn.Module):
         return self.value_head.weight.dtype
 
 
-def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
+def response_values(model: nn.Module, batch: Batch, packed: bool = False) -> torch.Tensor:
     """Values [B, R] for the response window: position t is the value of the state before
-    ``responses[:, t]`` (column P + t - 1), 0 on response padding."""
+    ``responses[:, t]`` (column P + t - 1), 0 on response padding. ``packed``: the rows packed
+    into one (``roll.models.packing``), same values."""
+    if packed:
+        row = pack_rows(batch).to(batch["input_ids"].device)
+        values = model(input_ids=row.input_ids, position_ids=row.position_ids)
+        return torch.where(batch["response_mask"].bool(), values[0][row.window], 0.0)
     width = batch["responses"].shape[1]
     values = model(
         input_ids=batch["input_ids"],

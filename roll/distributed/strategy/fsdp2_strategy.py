@@ -20,6 +20,10 @@ shard=1) mesh ("no_shard": full replicas, gradients all-reduced, i.e. DDP). With
 ``model_args.dtype`` with fp32 gradient reduction; without it everything is ``model_args.dtype``.
 ``cpu_offload`` (CUDA only) keeps sharded parameters, gradients and optimizer state in CPU memory.
 
+Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models.packing``), are
+re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
+gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
+
 LR schedule: ``roll.utils.lr_schedule``; its total step count is max_steps x ppo_epochs x
 mini-batches per step (``total_optimizer_steps``) when the pipeline config is known, or whatever
 ``set_total_steps`` sets (needed for linear/cosine schedules without a pipeline config).
@@ -43,13 +47,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import LossFn, WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
-from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
+from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
@@ -75,6 +81,11 @@ class FSDP2TrainStrategy:
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
         """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
+        if self.config.sequence_packing and not transformers_detects_packing():
+            raise ConfigError(
+                "strategy_args.strategy_config.sequence_packing",
+                "this transformers version cannot confine attention to packed sequences; set it false",
+            )
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
         _ensure_process_group(self.ctx)
@@ -142,13 +153,27 @@ class FSDP2TrainStrategy:
         return isinstance(self.model, ValueModel)
 
     # ----------------------------------------------------------------------------- compute
+    @property
+    def packing(self) -> bool:
+        """``sequence_packing``; null: on where transformers confines attention to each packed
+        sequence (its packed-sequence detection from restarting position ids, or flash-attention
+        varlen kernels)."""
+        if self.config.sequence_packing is None:
+            return transformers_detects_packing()
+        return self.config.sequence_packing
+
+    def _group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if self.ctx.world_size > 1 else None
+
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         if self.is_value_model:
-            return {"values": response_values(self.model, batch)}
-        return response_log_probs(self.model, batch, batch_temperature(batch))
+            return {"values": response_values(self.model, batch, self.packing)}
+        return response_log_probs(self.model, batch, batch_temperature(batch), packed=self.packing)
 
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
-        """Forward/backward each micro-batch (loss / len), clip, AdamW + LR step.
+        """Forward/backward each micro-batch, clip, AdamW + LR step. Micro-batches are re-formed by
+        ``max_tokens_per_microbatch`` when set; each loss is weighted by its share of the
+        mini-batch's ``loss_agg_mode`` normaliser over all ranks (``roll.models.microbatch``).
 
         Returns the micro-batch average of ``loss`` and of loss_fn's metrics (this rank's), plus the
         global ``grad_norm`` (before clipping) and the ``lr`` the step used. A non-finite gradient
@@ -159,11 +184,13 @@ class FSDP2TrainStrategy:
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
+        micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, self._group())
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), self._group())
         totals: dict[str, float] = {}
-        for micro in micro_batches:
+        for micro, weight in zip(micro_batches, weights):
             micro = micro.to(self.ctx.device)
             loss, metrics = loss_fn(self._forward(micro), micro)
-            (loss / len(micro_batches)).backward()
+            (loss * weight).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         out = {key: value / len(micro_batches) for key, value in totals.items()}
@@ -187,14 +214,18 @@ class FSDP2TrainStrategy:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``."""
+        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``
+        rows or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
         self.model.eval()
-        parts = [
-            self._forward(m.to(self.ctx.device))
-            for m in batch.split(max(1, self.role_config.infer_batch_size))
-        ]
+        budget, order = self.config.infer_max_tokens_per_microbatch, None
+        if budget is None:
+            micro = batch.split(max(1, self.role_config.infer_batch_size))
+        else:
+            micro, order = split_by_tokens(batch, budget, self._group())
+        parts = [self._forward(m.to(self.ctx.device)) for m in micro]
         self.model.train()
-        return {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
+        out = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
+        return out if order is None else {key: value[invert(order)] for key, value in out.items()}
 
     # ----------------------------------------------------------------------------- offload
     def offload_states(self) -> None:

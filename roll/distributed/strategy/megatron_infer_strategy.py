@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.strategy.base import SamplingParams, WorkerContext
@@ -78,6 +79,11 @@ class MegatronInferStrategy:
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
         prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
+        if self.config.context_parallel_size > 1:
+            raise ConfigError(
+                "strategy_args.strategy_config.context_parallel_size",
+                "megatron_infer generates without context parallelism; use CP for log-prob passes only",
+            )
         self._ensure_loaded()
         width = response_width(self.ctx, params)
         params = capped(params, width)

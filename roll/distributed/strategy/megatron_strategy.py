@@ -13,8 +13,11 @@ count, though every rank returns the same outputs.
 
 Each micro-batch runs through ``get_forward_backward_func()`` (1F1B, interleaved with VPP); on the
 last stage the response log-probs and entropies are computed vocab-parallel and handed to the
-pipeline's ``LossFn`` as {"log_probs", "entropy"} [b, R]; the schedule scales each micro-batch loss
-by 1 / len(micro_batches) and DDP averages across DP. Then gradients are clipped to
+pipeline's ``LossFn`` as {"log_probs", "entropy"} [b, R]. Micro-batches are packed rows by default
+and re-formed by ``max_tokens_per_microbatch`` when set (``roll.models.packing``,
+``roll.models.microbatch``); each micro-batch loss is weighted by its share of the mini-batch's
+``loss_agg_mode`` normaliser over all DP ranks (``loss_weights``), so the step's gradient is that of
+the loss aggregated over the whole mini-batch. Then gradients are clipped to
 ``max_grad_norm``, the LR set from ``roll.utils.lr_schedule`` and the optimizer steps. A value head
 (critic) is not supported here: use fsdp2_train for the critic.
 """
@@ -34,6 +37,7 @@ from roll.models.megatron import dist_checkpoint, parallel
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
+    packing_enabled,
     response_logprobs,
     run_schedule,
     seq_multiple_for,
@@ -48,6 +52,7 @@ from roll.models.megatron.runtime import (
     forward_log_probs,
     megatron_config,
 )
+from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
 
 
@@ -112,20 +117,16 @@ class MegatronTrainStrategy:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
-        )
-        packed = pack_micro_batches(
-            micro_batches, seq_multiple_for(self.config), device, shape_sync_group(self.config)
-        )
-        temperature = batch_temperature(micro_batches[0])
+        packed = self._prepare(micro_batches, loss_fn)
+        temperature = batch_temperature(packed[0].batch)
         tp_group = ps.get_tensor_model_parallel_group()
         vocab = self.hf_config.vocab_size
 
         def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
             outputs = response_logprobs(logits, mb, tp_group, temperature, vocab)
             loss, metrics = loss_fn(outputs, mb.batch)
-            return loss, {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+            payload = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+            return loss * mb.loss_scale, payload
 
         _check_micro_batch_count(len(packed), len(self.model))
         payloads = run_schedule(self.model, packed, loss_maker, forward_only=False)
@@ -137,6 +138,31 @@ class MegatronTrainStrategy:
             metrics = {k: sum(p[k] for p in payloads) / len(payloads) for k in payloads[0]}
         metrics = broadcast_metrics(metrics)
         return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def _prepare(self, micro_batches: list[Batch], loss_fn: LossFn) -> list[PackedMicroBatch]:
+        """Micro-batches re-formed by the token budget, laid out for the model, each with the loss
+        weight that keeps the mini-batch's ``loss_agg_mode`` over micro-batches and DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.ctx.is_cuda else torch.device("cpu")
+        )
+        # Rows are exchanged over DP only (CP peers hold the same rows); the loss weights count over
+        # DP x CP, as DDP averages over it (megatron scales each loss by the CP size).
+        budget = self.config.max_tokens_per_microbatch
+        micro_batches = rebudget(micro_batches, budget, ps.get_data_parallel_group())
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), dp_cp)
+        packed = pack_micro_batches(
+            micro_batches,
+            seq_multiple_for(self.config),
+            device,
+            shape_sync_group(self.config),
+            packed=packing_enabled(self.config),
+        )
+        for mb, weight in zip(packed, weights):
+            mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count
+        return packed
 
     def _apply_lr(self) -> float:
         """LR (and weight decay, 0 for biases and norms via megatron's ``wd_mult``) of this step,

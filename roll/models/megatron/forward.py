@@ -1,16 +1,22 @@
 """Running a roll Batch through megatron GPT model chunks: packing, the schedule, response log-probs.
 
 Prompts are LEFT-padded and responses RIGHT-padded (see ``roll.distributed.strategy.base``), so a
-row's real tokens are one contiguous run. ``pack_micro_batches`` shifts each row left so that run
-starts at column 0 (pads end up at the tail): plain causal attention is then exact for every real
-token (no mask, so SDPA's fused causal kernels apply), position ids are ``arange``, and RoPE sees
-the same positions as HF with ``position_ids = cumsum(mask) - 1``. Every micro-batch of a call is
-padded to the same [rows, seq] so pipeline stages exchange fixed-shape tensors.
+row's real tokens are one contiguous run. Two layouts:
 
-The log-prob of ``responses[:, t]`` is read at column ``prompt_len - 1 + t`` of the logits,
-vocab-parallel (no full-vocab gather), and is 0 where ``response_mask`` is 0.
+- packed (``sequence_packing``, the default where exact): each micro-batch's runs concatenated into
+  one row (``roll.models.packing``) and handed to megatron as ``qkv_format="thd"``
+  ``PackedSeqParams``: RoPE restarts per sequence (megatron's thd path) and the plain-torch spec's
+  ``SDPAttention`` confines attention to each sequence (``roll.models.packed_attention``).
+- shifted: each row shifted left so its run starts at column 0 (pads end up at the tail): plain
+  causal attention is then exact for every real token (no mask, so SDPA's fused causal kernels
+  apply), position ids are ``arange``, and RoPE sees the same positions as HF with
+  ``position_ids = cumsum(mask) - 1``.
 
->>> packed = pack_micro_batches(micro_batches, seq_multiple=8, device=device)
+Every micro-batch of a call is padded to the same [rows, seq] so pipeline stages exchange
+fixed-shape tensors. The log-prob of ``responses[:, t]`` is read at ``window[i, t]`` of sequence
+i's logits row, vocab-parallel (no full-vocab gather), and is 0 where the response is padding.
+
+>>> packed = pack_micro_batches(micro_batches, seq_multiple=8, device=device, packed=True)
 >>> losses = run_schedule(model_chunks, packed, make_loss_func, forward_only=False)
 """
 
@@ -26,20 +32,30 @@ import torch
 import torch.distributed as dist
 
 from roll.distributed.scheduler.batch import Batch
+from roll.models.context_parallel import sum_over_ranks, zigzag_indices
 from roll.models.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from roll.models.packing import pack_rows, packed_length
 
 
 @dataclass
 class PackedMicroBatch:
-    """One micro-batch in the shifted layout, padded to the call's common [rows, seq]."""
+    """One micro-batch as the model sees it, padded to the call's common [rows, seq].
+
+    Shifted layout: one sequence per row (``rows`` = the call's most rows; missing rows repeat row
+    0). Packed layout (``packed_seq_params`` set): every sequence in ONE row (see
+    ``roll.models.packing``), position ids restarting per sequence.
+    """
 
     input_ids: torch.Tensor  # [rows, seq]
     position_ids: torch.Tensor  # [rows, seq]
-    window: torch.Tensor  # [rows, R] logits column that scores responses[:, t]
-    targets: torch.Tensor  # [rows, R] the response tokens
-    response_mask: torch.Tensor  # [rows, R] bool
-    num_rows: int  # real rows (the rest repeat row 0 and are dropped)
+    row_index: torch.Tensor  # [B] the row of the logits holding sequence i
+    window: torch.Tensor  # [B, R] logits column (in that row) that scores responses[:, t]
+    targets: torch.Tensor  # [B, R] the response tokens
+    response_mask: torch.Tensor  # [B, R] bool
     batch: Batch  # the caller's micro-batch on the device (given to the loss function)
+    packed_seq_params: Any = None  # megatron PackedSeqParams (qkv_format "thd") when packed
+    loss_scale: float = 1.0  # what the training loss is multiplied by
+    cp_owned: torch.Tensor | None = None  # [B, R] context parallelism: this rank holds window[i, t]
 
 
 def _lengths(batch: Batch) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -51,12 +67,12 @@ def _lengths(batch: Batch) -> tuple[int, torch.Tensor, torch.Tensor]:
 
 
 def packed_seq_len(batches: list[Batch], seq_multiple: int) -> int:
-    """The common sequence length: the longest real row, rounded up to ``seq_multiple``."""
+    """The common sequence length of the shifted layout: the longest real row, rounded up."""
     longest = max(int(b["attention_mask"].sum(1).max()) for b in batches)
     return max(seq_multiple, math.ceil(longest / seq_multiple) * seq_multiple)
 
 
-def _pack_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> PackedMicroBatch:
+def _shift_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> PackedMicroBatch:
     prompt_cols, prompt_len, resp_mask = _lengths(batch)
     input_ids = batch["input_ids"]
     shift = (prompt_cols - prompt_len).unsqueeze(1)
@@ -68,25 +84,70 @@ def _pack_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> Pa
     window = (prompt_len.unsqueeze(1) - 1 + torch.arange(resp_len).unsqueeze(0)).clamp(0, seq_len - 1)
     n = len(batch)
     pad = [0] * (rows - n)
-
-    def fill(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t[pad]]) if pad else t
-
+    filled = torch.cat([ids, ids[pad]]) if pad else ids
     return PackedMicroBatch(
-        input_ids=fill(ids).to(device),
+        input_ids=filled.to(device),
         position_ids=torch.arange(seq_len).expand(rows, seq_len).contiguous().to(device),
-        window=fill(window).to(device),
-        targets=fill(batch["responses"]).to(device),
-        response_mask=fill(resp_mask).to(device),
-        num_rows=n,
+        row_index=torch.arange(n, device=device),
+        window=window.to(device),
+        targets=batch["responses"].to(device),
+        response_mask=resp_mask.to(device),
         batch=batch.to(device),
     )
 
 
+def _pack_one(
+    batch: Batch, seq_len: int, device: torch.device, cp_size: int, cp_rank: int
+) -> PackedMicroBatch:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    row = pack_rows(batch, length=seq_len, segment_multiple=2 * cp_size if cp_size > 1 else 1)
+    input_ids, position_ids, window, owned = row.input_ids, row.position_ids, row.window, None
+    if cp_size > 1:  # this rank's zig-zag share; the window points into it where it holds the column
+        local = zigzag_indices(row.cu_seqlens, cp_size, cp_rank)
+        where = torch.full((seq_len,), -1, dtype=torch.long)
+        where[local] = torch.arange(len(local))
+        input_ids, position_ids = input_ids[:, local], position_ids[:, local]
+        owned, window = (where[window] >= 0).to(device), where[window].clamp(min=0)
+    cu_seqlens = row.cu_seqlens.to(device)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=row.max_seqlen,
+        max_seqlen_kv=row.max_seqlen,
+    )
+    return PackedMicroBatch(
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        row_index=torch.zeros(len(batch), dtype=torch.long, device=device),
+        window=window.to(device),
+        targets=batch["responses"].to(device),
+        response_mask=_lengths(batch)[2].to(device),
+        batch=batch.to(device),
+        packed_seq_params=params,
+        cp_owned=owned,
+    )
+
+
+def _context_parallel() -> tuple[int, int]:
+    """(CP size, CP rank); (1, 0) outside megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
 def pack_micro_batches(
-    batches: list[Batch], seq_multiple: int, device: torch.device, sync_group: Any = None
+    batches: list[Batch],
+    seq_multiple: int,
+    device: torch.device,
+    sync_group: Any = None,
+    packed: bool = False,
 ) -> list[PackedMicroBatch]:
-    """Shift and pad every micro-batch to a common [max rows, seq] (see the module docstring).
+    """Every micro-batch in the shifted layout padded to a common [max rows, seq], or (``packed``)
+    packed into one row each, padded to a common length (see the module docstring).
 
     ``sync_group``: ranks that must run identical shapes (expert-parallel MoE layers all-gather
     tokens across data-parallel ranks): the shape is agreed on by all-reduce, and the number of
@@ -94,8 +155,12 @@ def pack_micro_batches(
     """
     if not batches:
         raise ValueError("no micro-batches to run")
-    seq_len = packed_seq_len(batches, seq_multiple)
-    rows = max(len(b) for b in batches)
+    cp_size, cp_rank = _context_parallel() if packed else (1, 0)
+    if packed:  # under CP every sequence splits into 2 x CP chunks and each rank's share into seq_multiple
+        segment = 2 * cp_size if cp_size > 1 else 1
+        seq_len, rows = packed_length(batches, seq_multiple * cp_size, segment), 1
+    else:
+        seq_len, rows = packed_seq_len(batches, seq_multiple), max(len(b) for b in batches)
     if sync_group is not None and dist.get_world_size(sync_group) > 1:
         sizes = torch.tensor([seq_len, rows, len(batches), -len(batches)], device=device)
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=sync_group)
@@ -105,7 +170,20 @@ def pack_micro_batches(
                 f"expert-parallel ranks got {-int(sizes[3])}..{int(sizes[2])} micro-batches; "
                 "every data-parallel rank of an MoE model must run the same number"
             )
-    return [_pack_one(b, seq_len, rows, device) for b in batches]
+    if packed:
+        return [_pack_one(b, seq_len, device, cp_size, cp_rank) for b in batches]
+    return [_shift_one(b, seq_len, rows, device) for b in batches]
+
+
+def packing_enabled(megatron_cfg: Any) -> bool:
+    """``sequence_packing``, or when null: on where it is exact, i.e. the plain-torch spec with
+    SDPA core attention (which confines attention to each packed sequence). Context parallelism
+    runs on packed rows only."""
+    from roll.models.megatron.layer_spec import HAVE_TE
+
+    if megatron_cfg.sequence_packing is not None:
+        return bool(megatron_cfg.sequence_packing)
+    return megatron_cfg.attention_backend == "sdpa" and not HAVE_TE
 
 
 def shape_sync_group(megatron_cfg: Any) -> Any:
@@ -124,26 +202,28 @@ def response_logprobs(
     temperature: float = 1.0,
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{"log_probs", "entropy"} [num_rows, R] from this rank's vocab shard of ``logits``
+    """{"log_probs", "entropy"} [B, R] from this rank's vocab shard of ``logits``
     [rows, seq, V/tp]; ``vocab_size`` (the HF one) leaves megatron's vocab padding out."""
-    vocab = logits.shape[-1]
-    index = packed.window.unsqueeze(-1).expand(-1, -1, vocab)
-    window_logits = logits.gather(1, index)  # [rows, R, V/tp]
+    window_logits = logits[packed.row_index.unsqueeze(1), packed.window]  # [B, R, V/tp]
     log_probs, entropy = vocab_parallel_logprobs_entropy(
         window_logits, packed.targets, tp_group, temperature, vocab_size
     )
     mask = packed.response_mask
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    n = packed.num_rows
+    if packed.cp_owned is None:
+        return {"log_probs": torch.where(mask, log_probs, zero), "entropy": torch.where(mask, entropy, zero)}
+    from megatron.core import parallel_state as ps
+
+    mask, group = mask & packed.cp_owned, ps.get_context_parallel_group()
     return {
-        "log_probs": torch.where(mask, log_probs, zero)[:n],
-        "entropy": torch.where(mask, entropy, zero)[:n],
+        "log_probs": sum_over_ranks(torch.where(mask, log_probs, zero), group),
+        "entropy": sum_over_ranks(torch.where(mask, entropy, zero), group),
     }
 
 
 def _forward_step(loss_maker: Callable, data_iterator, model):
     packed: PackedMicroBatch = next(data_iterator)
-    output = model(packed.input_ids, packed.position_ids, None)
+    output = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
     return output, partial(loss_maker, packed)
 
 

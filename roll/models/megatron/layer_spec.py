@@ -9,7 +9,10 @@ weight tables in ``weight_mapping.py`` rely on that), with these modules swapped
   ``finalize_model_grads`` all-reduces its gradient across TP (megatron's ``WrappedTorchNorm``
   refuses ``sequence_parallel=True``);
 - ``SDPAttention``: core attention on ``F.scaled_dot_product_attention`` (causal, GQA, megatron's
-  ``[s, b, heads, dim]`` layout and boolean "True = masked" attention masks);
+  ``[s, b, heads, dim]`` layout and boolean "True = masked" attention masks), and on packed rows
+  (``thd``) attention confined to each sequence by ``packing_attention``
+  (``roll.models.packed_attention``), with context parallelism over a zig-zag split and a K/V
+  all-gather (``roll.models.context_parallel``);
 - ``TorchTopKRouter``: megatron's top-k router with the gating GEMM in plain torch (0.16.1 calls
   an undefined ``te_general_gemm`` when TE is absent);
 - ``TorchGroupedMLP`` (``moe_grouped_gemm: true``): the local ``SequentialMLP`` parameters, computed
@@ -36,6 +39,8 @@ import torch.nn.functional as F
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
+from roll.models.context_parallel import cp_packed_attention
+from roll.models.packed_attention import packed_attention
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 _PATH = "strategy_args.strategy_config"
@@ -123,12 +128,11 @@ class SDPAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        packing_attention: str = "sdpa",
     ):
         super().__init__()
         from megatron.core.transformer.enums import AttnMaskType
 
-        if config.context_parallel_size > 1:
-            raise ConfigError(f"{_PATH}.context_parallel_size", "context parallelism needs TransformerEngine")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ConfigError(
                 f"{_PATH}.transformer_config_kwargs",
@@ -143,6 +147,7 @@ class SDPAttention(torch.nn.Module):
         if config.softmax_scale is not None and softmax_scale is None:
             self.softmax_scale = config.softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.packing_attention = packing_attention
 
     def forward(
         self,
@@ -154,8 +159,10 @@ class SDPAttention(torch.nn.Module):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention: packed sequences and attention bias need TransformerEngine")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention bias needs TransformerEngine")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, dim = query.shape
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         mask, is_causal = _sdpa_mask(
@@ -171,6 +178,35 @@ class SDPAttention(torch.nn.Module):
         else:
             out = self._sdpa(q, k, v, mask, is_causal, 0.0)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+    def _packed(self, query, key, value, params: Any) -> torch.Tensor:
+        """thd layout: ``query [t, heads, d]`` (megatron squeezed the batch dim), attention confined
+        to each sequence of ``params.cu_seqlens_q``; output ``[t, heads * d]``."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention: packed sequences must be 'thd', got {params.qkv_format!r}")
+        dropout = self.dropout_p if self.training else 0.0
+        kind = self.packing_attention
+
+        cp = self.config.context_parallel_size > 1
+        if cp and dropout > 0:
+            raise ValueError("SDPAttention: no attention dropout under context parallelism")
+
+        def run() -> torch.Tensor:
+            if cp:
+                from megatron.core import parallel_state as ps
+
+                group = ps.get_context_parallel_group()
+                return cp_packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, group)
+            return packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, kind, dropout)
+
+        if dropout > 0:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = run()
+        else:
+            out = run()
+        return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, mask, is_causal: bool, dropout: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
@@ -260,7 +296,6 @@ def _grouped_mlp_class() -> type:
 # -------------------------------------------------------------------------------------- TE options
 # (MegatronConfig field or TransformerConfig attribute, predicate on its value, what it is)
 _TE_ONLY: tuple[tuple[str, Any, str], ...] = (
-    ("context_parallel_size", lambda v: v > 1, "context parallelism"),
     ("fp8", lambda v: bool(v), "fp8 training"),
     ("fp4", lambda v: bool(v), "fp4 training"),
     ("tp_comm_overlap", lambda v: bool(v), "TP communication overlap"),
@@ -310,6 +345,7 @@ def _plain_torch_layer(
 ):
     """Swap our modules into a copy of megatron's local layer spec (names unchanged)."""
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(spec)
     sub = spec.submodules
@@ -317,7 +353,9 @@ def _plain_torch_layer(
     sub.pre_mlp_layernorm = TorchNorm
     attn = sub.self_attention.submodules
     if megatron_cfg.attention_backend == "sdpa":
-        attn.core_attention = SDPAttention
+        attn.core_attention = ModuleSpec(
+            module=SDPAttention, params={"packing_attention": megatron_cfg.packing_attention}
+        )
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attn, name, IdentityOp) is not IdentityOp:
             setattr(attn, name, TorchNorm)

@@ -21,6 +21,7 @@ from roll.models.logprobs import batch_temperature
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
+    packing_enabled,
     response_logprobs,
     run_schedule,
     seq_multiple_for,
@@ -28,6 +29,7 @@ from roll.models.megatron.forward import (
     split_for_pipeline,
 )
 from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
+from roll.models.microbatch import invert, split_by_tokens
 
 
 def megatron_config(role_config: RoleConfig) -> MegatronConfig:
@@ -130,15 +132,23 @@ def forward_log_probs(
     vocab_size: int,
     micro_batch_size: int,
 ) -> dict[str, torch.Tensor]:
-    """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank."""
+    """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank.
+
+    Micro-batches of ``micro_batch_size`` rows, or formed by ``infer_max_tokens_per_microbatch``
+    tokens when set; packed rows when ``packing_enabled``."""
     from megatron.core import parallel_state as ps
 
     temperature = batch_temperature(batch)
-    vpp = len(chunks)
-    micro = split_for_pipeline(
-        batch, micro_batch_size, ps.get_pipeline_model_parallel_world_size() if vpp > 1 else 1
+    min_count = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    order = None
+    if cfg.infer_max_tokens_per_microbatch is not None:
+        budget = cfg.infer_max_tokens_per_microbatch
+        micro, order = split_by_tokens(batch, budget, shape_sync_group(cfg), min_count)
+    else:
+        micro = split_for_pipeline(batch, micro_batch_size, min_count)
+    packed = pack_micro_batches(
+        micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg), packed=packing_enabled(cfg)
     )
-    packed = pack_micro_batches(micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg))
     tp_group = ps.get_tensor_model_parallel_group()
 
     def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
@@ -157,6 +167,9 @@ def forward_log_probs(
     result = None
     if payloads:
         result = {k: torch.cat([p[k] for p in payloads]) for k in ("log_probs", "entropy")}
+        if order is not None:
+            back = invert(order).to(result["log_probs"].device)
+            result = {k: v[back] for k, v in result.items()}
     result = broadcast_from_last_stage(result, {k: (shape, torch.float32) for k in ("log_probs", "entropy")})
     return {k: v.float().cpu() for k, v in result.items()}
 
