@@ -135,3 +135,22 @@ def test_sft_run_validates_checkpoints_resumes_and_exports(tokenizer, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(resumed / "hf_model")
     for (name, a), b in zip(exported.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_sft_run_with_megatron_tp2(tokenizer, tmp_path, shimmed_ray):
+    model = tmp_path / "model"
+    save_model_and_tokenizer(build_tiny_qwen2(tokenizer, SMALL, seed=0), tokenizer, model)
+    rows = [{"messages": chat(q, f"The sum is {eval(q[8:-1].replace('plus', '+'))}.")} for q in QUESTIONS]
+    write_rows(tmp_path / "train.jsonl", rows[:24])
+    write_rows(tmp_path / "val.jsonl", rows[24:])
+    raw = config_dict(tmp_path, model, tmp_path / "mega", save_steps=0)
+    raw["actor_train"]["strategy_args"] = {
+        "strategy_name": "megatron_train",
+        "strategy_config": {"tensor_model_parallel_size": 2},
+    }
+    run_dir = run_sft_pipeline(load(tmp_path, "mega", raw))
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
+    assert metrics[4]["val/loss"] < metrics[0]["val/loss"]
+    AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
