@@ -84,7 +84,10 @@ def test_bad_rows_name_the_file_and_line(tokenizer, tmp_path):
 def config_dict(tmp: Path, model: Path, out: Path, **top) -> dict:
     raw = yaml.safe_load(Path("examples/config/sft_config.yaml").read_text())
     raw.pop("generation_eval")
-    raw.update(output_dir=str(out), max_steps=4, eval_steps=2, save_steps=2, track_with="none", **top)
+    raw.update(
+        {"output_dir": str(out), "max_steps": 4, "eval_steps": 2, "save_steps": 2, "track_with": "none"}
+    )
+    raw.update(top)
     raw["data"] = {"train_files": [str(tmp / "train.jsonl")], "val_files": [str(tmp / "val.jsonl")]}
     raw["actor_train"]["model_args"]["model_name_or_path"] = str(model)
     raw["actor_train"]["training_args"].update(per_device_train_batch_size=4, warmup_steps=1)
@@ -154,3 +157,48 @@ def test_sft_run_with_megatron_tp2(tokenizer, tmp_path, shimmed_ray):
     assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
     assert metrics[4]["val/loss"] < metrics[0]["val/loss"]
     AutoModelForCausalLM.from_pretrained(run_dir / "hf_model")
+
+
+RECIPES = {
+    "qwen3-235B-A22B-sft_megatron_32gpus": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=4096,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_hidden_layers=94,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1536,
+            intermediate_size=12288,
+            vocab_size=151936,
+        ),
+    ),
+    "mixtral-8x7B-sft_megatron_8gpus": (
+        "MixtralConfig",
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_hidden_layers=32,
+            num_local_experts=8,
+            intermediate_size=14336,
+            vocab_size=32000,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_configs_plan_and_fit_their_model(name, capsys):
+    import transformers
+
+    from roll.models.megatron.families import check_model_fits
+    from roll.pipeline.sft.launcher import main
+
+    assert main(["--config_name", name, "--dry_run"]) == 0
+    assert "megatron_train" in capsys.readouterr().out
+    config = load_sft_config(Path("examples/config") / f"{name}.yaml", check_files=False)
+    cls, shape = RECIPES[name]
+    check_model_fits(getattr(transformers, cls)(**shape), config.actor_train.strategy_args.config)

@@ -85,8 +85,9 @@ class SFTPipelineConfig:
         return {"actor_train": self.actor_train}
 
 
-def validate_sft_config(config: SFTPipelineConfig) -> None:
-    """Role and strategy (as the RLVR checks do), placement, data files and the tracker."""
+def validate_sft_config(config: SFTPipelineConfig, check_files: bool = True) -> None:
+    """Role and strategy (as the RLVR checks do), placement, the tracker and (``check_files``)
+    the data files."""
     from roll.configs.validate import _check_devices_exist, _check_role, _check_tracker
     from roll.distributed.scheduler.placement import plan_placement
 
@@ -95,6 +96,8 @@ def validate_sft_config(config: SFTPipelineConfig) -> None:
     _check_tracker(config)
     if not config.data.train_files:
         raise ConfigError("data.train_files", "is required: JSONL files of chat rows")
+    if not check_files:
+        return
     for key in ("train_files", "val_files"):
         for i, name in enumerate(getattr(config.data, key)):
             if not Path(name).is_file():
@@ -104,8 +107,11 @@ def validate_sft_config(config: SFTPipelineConfig) -> None:
         raise ConfigError("generation_eval.file_name", f"{gen.file_name}: no such file")
 
 
-def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTPipelineConfig:
-    """Read, override, interpolate, build and validate an SFT config file."""
+def load_sft_config(
+    path: str | Path, overrides: list[str] | None = None, check_files: bool = True
+) -> SFTPipelineConfig:
+    """Read, override, interpolate, build and validate an SFT config file (``check_files=False``:
+    without looking for the data files, as ``--dry_run`` plans a cluster's run elsewhere)."""
     from roll.configs.loader import (
         IGNORED_TOP_LEVEL,
         apply_overrides,
@@ -121,5 +127,5 @@ def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFT
                 f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
             )
     config = build_dataclass(SFTPipelineConfig, interpolate(apply_overrides(raw, overrides or [])))
-    validate_sft_config(config)
+    validate_sft_config(config, check_files)
     return config

@@ -2,7 +2,8 @@
 
     python examples/start_sft_pipeline.py --config_name sft_config [--config_path DIR] [--dry_run] [key.sub=value ...]
 
-Exit codes as for the RLVR launcher: 2 for a ``ConfigError`` (one line naming the key or file),
+``--dry_run`` checks the keys, strategies and placement and prints the plan without looking for
+the model or data files (so a cluster's config plans anywhere). Exit codes as for the RLVR launcher: 2 for a ``ConfigError`` (one line naming the key or file),
 3 for a checkpoint or run file that cannot be trusted or written, 1 for a failed worker.
 """
 
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         from roll.configs.sft_config import load_sft_config
         from roll.distributed.scheduler.placement import format_plan, plan_placement
 
-        config = load_sft_config(config_file(args.config_path, args.config_name), args.overrides)
+        path = config_file(args.config_path, args.config_name)
+        config = load_sft_config(path, args.overrides, check_files=not args.dry_run)
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan_placement(config), device_kind=kind))
