@@ -116,6 +116,10 @@ class MegatronConfig:
     num_layers_in_last_pipeline_stage: int | None = bounded(None, ge=1)
     # MoE: the routers' weights (and expert bias) get no gradient and no optimizer state.
     freeze_moe_router: bool = False
+    # A directory written by `python -m roll.models.megatron.convert hf-to-mcore` for this model
+    # and TP size: the weights load from its dist checkpoint (no HF safetensors are read; the
+    # directory holds config.json and the tokenizer, so model_name_or_path may point at it too).
+    mcore_checkpoint: str | None = None
     # The embedding/output vocab is padded to a multiple of this x TP (as Megatron-LM does); the
     # padding is dropped again on export to HF.
     make_vocab_size_divisible_by: int = bounded(128, ge=1)

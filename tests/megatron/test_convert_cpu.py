@@ -1,6 +1,8 @@
 """``roll.models.megatron.convert`` on two CPU ranks (gloo, fp32, the CPU shims): HF -> mcore dist
 checkpoint -> HF gives every original tensor bit for bit, for each family roll knows and several
-layouts; a layout the model cannot split and a checkpoint of another family are one-line errors."""
+layouts; megatron_train starts from the dist checkpoint (``mcore_checkpoint``) with the same weights
+as from HF; a layout the model cannot split and a checkpoint of another family / TP are one-line
+errors."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytest.importorskip("megatron.core")
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
-from two_rank_training import run_two_ranks  # noqa: E402
+from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.models.megatron import convert  # noqa: E402
@@ -84,6 +86,24 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
+def _strategy_checks(scratch: str) -> list[str]:
+    """megatron_train started from the TP2 dist checkpoint (model_name_or_path = that directory,
+    which holds no safetensors) has exactly the weights of one started from HF; a TP1 layout
+    refuses the TP2 checkpoint with one line naming the key."""
+    mcore = str(Path(scratch, "qwen2-tp2-pp1-ep1-vppNone", "mcore"))
+    from_hf = raw_params(train_strategy(str(Path(scratch, "qwen2")), {"tensor_model_parallel_size": 2}))
+    layout = {"tensor_model_parallel_size": 2, "mcore_checkpoint": mcore}
+    from_mcore = raw_params(train_strategy(mcore, layout))
+    bad = [f"mcore start: {n} differs" for n in from_hf if not torch.equal(from_hf[n], from_mcore[n])]
+    try:
+        train_strategy(mcore, {"mcore_checkpoint": mcore})
+        bad.append("a TP1 layout loaded the TP2 checkpoint")
+    except ConfigError as exc:
+        if "mcore_checkpoint" not in exc.path or "written for TP=2" not in exc.message:
+            bad.append(f"TP1 load: {exc}")
+    return bad
+
+
 def _worker(rank: int, port: int, scratch: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
@@ -107,6 +127,7 @@ def _worker(rank: int, port: int, scratch: str) -> None:
                         for n in original.keys() & again.keys()
                         if not torch.equal(original[n], again[n])
                     ]
+            bad += _strategy_checks(scratch)
         Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
     finally:
         dist.destroy_process_group()
