@@ -107,6 +107,11 @@ def test_config_errors_name_the_key(tokenizer, tmp_path):
     raw["data"]["shuffle"] = True
     with pytest.raises(ConfigError, match=r"data.shuffle: unknown key"):
         load(tmp_path, "c", raw)
+    del raw["data"]["shuffle"]
+    write_rows(tmp_path / "train.jsonl", [{"messages": chat("Hi", "1")}])
+    write_rows(tmp_path / "val.jsonl", [{"messages": chat("Hi", "1")}])
+    with pytest.raises(ConfigError, match=r"actor_train.model_args.model_name_or_path: .*no config.json"):
+        load(tmp_path, "c", raw)
 
 
 @pytest.mark.slow

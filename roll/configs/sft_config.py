@@ -105,6 +105,11 @@ def validate_sft_config(config: SFTPipelineConfig, check_files: bool = True) -> 
     gen = config.generation_eval
     if gen is not None and (not gen.file_name or not Path(gen.file_name).is_file()):
         raise ConfigError("generation_eval.file_name", f"{gen.file_name}: no such file")
+    from roll.configs.preflight import check_model_dir
+
+    check_model_dir(
+        config.actor_train.model_args.model_name_or_path, "actor_train.model_args.model_name_or_path"
+    )
 
 
 def load_sft_config(
