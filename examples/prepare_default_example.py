@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 from examples.tasks.arithmetic import write_task  # noqa: E402
 from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer  # noqa: E402
 from roll.pipeline.sft.evaluate import accuracy  # noqa: E402
-from roll.pipeline.sft.sft import SFTConfig, encode_examples, train_sft  # noqa: E402
+from roll.pipeline.sft.warm_start import warm_start  # noqa: E402
 
 RESPONSE_LENGTH = 32  # the longest worked solution is 31 tokens plus the end token
 
@@ -83,22 +84,26 @@ def make_base_model(out: Path, sft_rows: list[dict], train_rows: list[dict], see
     return path
 
 
-def make_sft_model(out: Path, base: Path, sft_rows: list[dict], config: SFTConfig, force: bool) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def make_sft_model(
+    out: Path, base: Path, sft_file: Path, steps: int, seed: int, threads: int, force: bool
+) -> Path:
+    """The warm start through the SFT pipeline (``roll.pipeline.sft.warm_start``); its run
+    directory (metrics.jsonl, curves) stays under ``out/sft_run``."""
     path = out / "sft_model"
     if not force and (path / "config.json").exists():
         print(f"sft: {path} exists, skipping")
         return path
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    examples = encode_examples(tokenizer, [r["messages"] for r in sft_rows], [r["target"] for r in sft_rows])
     start = time.time()
-    losses = train_sft(model, examples, config, tokenizer.pad_token_id)
+    exported = warm_start(base, sft_file, out / "sft_run", steps, seed, threads)
+    losses = [
+        row["train/loss"] for row in read_jsonl(out / "sft_run" / "metrics.jsonl") if "train/loss" in row
+    ]
     print(
-        f"sft: {config.steps} steps in {time.time() - start:.0f} s, final loss {sum(losses[-20:]) / 20:.3f}"
+        f"sft: {steps} steps in {time.time() - start:.0f} s, final loss {sum(losses[-20:]) / len(losses[-20:]):.3f}"
     )
-    save_model_and_tokenizer(model, tokenizer, path)
+    if path.exists():
+        shutil.rmtree(path)
+    shutil.copytree(exported, path)
     return path
 
 
@@ -121,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="output/default_example")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft_steps", type=int, default=SFTConfig.steps)
+    parser.add_argument("--sft_steps", type=int, default=800)
     parser.add_argument(
         "--threads", type=int, default=2, help="torch CPU threads (results depend on it slightly)"
     )
@@ -134,7 +139,7 @@ def main() -> None:
     paths = make_data(out, args.seed, args.force)
     sft_rows, train_rows, val_rows = (read_jsonl(paths[name]) for name in ("sft", "train", "val"))
     base = make_base_model(out, sft_rows, train_rows, args.seed, args.force)
-    sft = make_sft_model(out, base, sft_rows, SFTConfig(steps=args.sft_steps, seed=args.seed), args.force)
+    sft = make_sft_model(out, base, paths["sft"], args.sft_steps, args.seed, args.threads, args.force)
     report_accuracy(sft, val_rows, args.seed)
     print(f"done in {time.time() - start:.0f} s; RL starts from {sft}")
 

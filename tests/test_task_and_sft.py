@@ -1,4 +1,5 @@
-"""The default example's generated task, tokenizer, tiny model and supervised warm start."""
+"""The default example's generated task, tokenizer, tiny model and accuracy evaluation (the warm start
+itself is the SFT pipeline: tests/test_sft_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from examples.tasks.arithmetic import Problem, column_steps, make_splits, sft_ro
 from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer
 from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
 from roll.pipeline.sft.evaluate import accuracy, generate_responses
-from roll.pipeline.sft.sft import SFTConfig, collate, encode_examples, train_sft
 
 torch.set_num_threads(1)
 SMALL = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
@@ -106,26 +106,8 @@ def test_tokenizer_round_trip_and_chat_template(tokenizer, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
 
 
-def test_sft_lowers_loss_deterministically(splits, tokenizer):
-    problems = splits["sft"][:64]
-    examples = encode_examples(
-        tokenizer,
-        [[{"role": "user", "content": p.question}] for p in problems],
-        [p.solution for p in problems],
-    )
-    batch = collate(examples[:2], tokenizer.pad_token_id)
-    n0 = len(examples[0].prompt_ids)
-    assert batch["labels"][0, :n0].eq(-100).all()  # no loss on the prompt
-    assert batch["labels"][0, n0 : n0 + len(examples[0].target_ids)].tolist() == examples[0].target_ids
-    assert examples[0].target_ids[-1] == tokenizer.eos_token_id
-
-    config = SFTConfig(steps=40, batch_size=16, learning_rate=3e-3, warmup_steps=5, seed=3, log_every=0)
+def test_generation_accuracy_matches_the_rule_reward(splits, tokenizer):
     model = build_tiny_qwen2(tokenizer, SMALL, seed=0)
-    losses = train_sft(model, examples, config, tokenizer.pad_token_id)
-    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
-    again = train_sft(build_tiny_qwen2(tokenizer, SMALL, seed=0), examples, config, tokenizer.pad_token_id)
-    assert again == losses
-
     val = [
         {"messages": [{"role": "user", "content": p.question}], "ground_truth": str(p.answer)}
         for p in splits["val"][:8]

@@ -135,6 +135,16 @@ class MegatronConfig(PackingOptions):
     moe_aux_loss_coeff: float = bounded(0.0, ge=0)
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # Uneven pipeline split: the first / last stage holds this many decoder layers, the other
+    # stages share the rest evenly (megatron-core's TransformerConfig options of the same names).
+    num_layers_in_first_pipeline_stage: int | None = bounded(None, ge=1)
+    num_layers_in_last_pipeline_stage: int | None = bounded(None, ge=1)
+    # MoE: the routers' weights (and expert bias) get no gradient and no optimizer state.
+    freeze_moe_router: bool = False
+    # A directory written by `python -m roll.models.megatron.convert hf-to-mcore` for this model
+    # and TP size: the weights load from its dist checkpoint (no HF safetensors are read; the
+    # directory holds config.json and the tokenizer, so model_name_or_path may point at it too).
+    mcore_checkpoint: str | None = None
     # The embedding/output vocab is padded to a multiple of this x TP (as Megatron-LM does); the
     # padding is dropped again on export to HF.
     make_vocab_size_divisible_by: int = bounded(128, ge=1)
@@ -194,6 +204,9 @@ class MegatronConfig(PackingOptions):
                 f"{path}.virtual_pipeline_model_parallel_size",
                 "needs pipeline_model_parallel_size > 1",
             )
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            if getattr(self, key) is not None and pp == 1:
+                raise ConfigError(f"{path}.{key}", "needs pipeline_model_parallel_size > 1")
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{path}.sequence_parallel", "needs tensor_model_parallel_size > 1")
         self._validate_recompute(path)

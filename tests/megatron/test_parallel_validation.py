@@ -32,6 +32,10 @@ def moe(**kwargs) -> transformers.PretrainedConfig:
     return transformers.Qwen3MoeConfig(**{**base, **kwargs}, num_hidden_layers=4, head_dim=16)
 
 
+FIRST = "num_layers_in_first_pipeline_stage"
+LAST = "num_layers_in_last_pipeline_stage"
+
+
 def error_key(call) -> str:
     with pytest.raises(ConfigError) as info:
         call()
@@ -58,6 +62,8 @@ def error_key(call) -> str:
         ({"moe_token_dispatcher_type": "all2all"}, 1, "moe_token_dispatcher_type"),
         ({"overlap_param_gather": True}, 1, "overlap_param_gather"),
         ({"make_vocab_size_divisible_by": 0}, 1, "make_vocab_size_divisible_by"),
+        ({"num_layers_in_first_pipeline_stage": 2}, 2, "num_layers_in_first_pipeline_stage"),
+        ({"num_layers_in_last_pipeline_stage": 0}, 2, "num_layers_in_last_pipeline_stage"),
     ],
 )
 def test_validate_rejects(kwargs: dict, devices: int, key: str) -> None:
@@ -119,6 +125,29 @@ def test_validate_accepts(kwargs: dict, devices: int) -> None:
         (dense(), {"moe_grouped_gemm": True}, "moe_grouped_gemm"),
         (dense(), {"moe_token_dispatcher_type": "alltoall"}, "moe_token_dispatcher_type"),
         (dense(), {"moe_layer_recompute": True}, "moe_layer_recompute"),
+        (dense(), {"freeze_moe_router": True}, "freeze_moe_router"),
+        # Uneven stages: 4 layers, first 3 of PP 3 leaves 1 for 2 stages; first + last > layers;
+        # PP 2 with only the first given must leave exactly the rest to the last stage (it does),
+        # but with VPP 2 the first stage's 3 layers do not split into 2 chunks.
+        (dense(), {"pipeline_model_parallel_size": 3, "num_layers_in_first_pipeline_stage": 3}, FIRST),
+        (
+            dense(),
+            {
+                "pipeline_model_parallel_size": 2,
+                "num_layers_in_first_pipeline_stage": 3,
+                "num_layers_in_last_pipeline_stage": 2,
+            },
+            LAST,
+        ),
+        (
+            dense(layers=5),
+            {
+                "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": 2,
+                "num_layers_in_first_pipeline_stage": 3,
+            },
+            FIRST,
+        ),
         # 4 experts over EP 3; expert ffn 32 over expert-TP 3.
         (moe(), {"expert_model_parallel_size": 3}, "expert_model_parallel_size"),
         (moe(moe_intermediate_size=30), {"expert_tensor_parallel_size": 4}, "expert_tensor_parallel_size"),
@@ -138,6 +167,16 @@ def test_check_model_fits_rejects(hf, kwargs: dict, key: str) -> None:
             {"pipeline_model_parallel_size": 2, "account_for_embedding_in_pipeline_split": True},
         ),
         (moe(), {"expert_model_parallel_size": 4, "moe_token_dispatcher_type": "alltoall"}),
+        (moe(), {"expert_model_parallel_size": 2, "freeze_moe_router": True}),
+        (dense(layers=3), {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 2}),
+        (
+            dense(layers=6),
+            {
+                "pipeline_model_parallel_size": 3,
+                "num_layers_in_first_pipeline_stage": 1,
+                "num_layers_in_last_pipeline_stage": 1,
+            },
+        ),
         (moe(), {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
     ],
 )

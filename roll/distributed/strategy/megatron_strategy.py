@@ -77,6 +77,8 @@ class MegatronTrainStrategy:
         ``hf_config``'s architecture when given, for benchmarks), DDP, optimizer."""
         check_policy_model(self.role_config, "megatron_train")
         self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
+        if self.config.freeze_moe_router:
+            freeze_routers(chunks)
         self.model = _wrap_ddp(chunks, self.config)
         self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
         _configure_schedule(self.model)
@@ -269,6 +271,19 @@ def _check_micro_batch_count(count: int, chunks: int) -> None:
             f"virtual pipeline parallelism needs at least PP={pp} micro-batches per step, got {count}; "
             "lower per_device_train_batch_size or raise gradient_accumulation_steps"
         )
+
+
+def freeze_routers(chunks: list[torch.nn.Module]) -> int:
+    """``freeze_moe_router``: the MoE routers' parameters stop requiring gradients before DDP and
+    the optimizer are built, so they get no gradient buffer, no Adam state and never change.
+    Returns how many tensors were frozen."""
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.router." in name:
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
 
 
 def _wrap_ddp(chunks: list[torch.nn.Module], cfg: Any) -> list[torch.nn.Module]:

@@ -217,6 +217,7 @@ _MOE_ONLY = (
     ("moe_grouped_gemm", lambda c: c.moe_grouped_gemm),
     ("moe_token_dispatcher_type", lambda c: c.moe_token_dispatcher_type != "allgather"),
     ("moe_layer_recompute", lambda c: c.moe_layer_recompute),
+    ("freeze_moe_router", lambda c: c.freeze_moe_router),
 )
 
 
@@ -227,6 +228,10 @@ def _divides(size: int, value: int, what: str, key: str) -> None:
 
 def _check_pipeline_split(hf: Any, cfg: MegatronConfig, path: str) -> None:
     pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        _check_uneven_split(hf.num_hidden_layers, pp, vpp, first, last, path)
+        return
     layers = hf.num_hidden_layers
     extra = int(cfg.account_for_embedding_in_pipeline_split) + int(cfg.account_for_loss_in_pipeline_split)
     if (layers + extra) % (pp * vpp):
@@ -235,6 +240,30 @@ def _check_pipeline_split(hf: Any, cfg: MegatronConfig, path: str) -> None:
         raise ConfigError(
             f"{path}.{key}", f"the model's {counted} do not split evenly into PP x VPP = {pp} x {vpp} chunks"
         )
+
+
+def _check_uneven_split(
+    layers: int, pp: int, vpp: int, first: int | None, last: int | None, path: str
+) -> None:
+    """First/last stages of the given sizes; the middle stages share the rest evenly (and every
+    stage's layers split into VPP chunks)."""
+    fixed = {k: v for k, v in (("first", first), ("last", last)) if v is not None}
+    middle_stages = pp - len(fixed)
+    rest = layers - sum(fixed.values())
+    key = f"{path}.num_layers_in_{'last' if 'last' in fixed else 'first'}_pipeline_stage"
+    if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % (middle_stages * vpp)):
+        raise ConfigError(
+            key,
+            f"the model's {layers} layers cannot split into PP={pp} stages with "
+            + ", ".join(f"{n} {v}" for n, v in fixed.items())
+            + f" layers: {rest} remain for {middle_stages} middle stage(s) x VPP {vpp}",
+        )
+    for name, value in fixed.items():
+        if value % vpp:
+            raise ConfigError(
+                f"{path}.num_layers_in_{name}_pipeline_stage",
+                f"{value} layers do not split into VPP={vpp} chunks",
+            )
 
 
 def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = STRATEGY_PATH) -> None:

@@ -42,6 +42,8 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
         "recompute_num_layers": cfg.recompute_num_layers,
         "account_for_embedding_in_pipeline_split": cfg.account_for_embedding_in_pipeline_split,
         "account_for_loss_in_pipeline_split": cfg.account_for_loss_in_pipeline_split,
+        "num_layers_in_first_pipeline_stage": cfg.num_layers_in_first_pipeline_stage,
+        "num_layers_in_last_pipeline_stage": cfg.num_layers_in_last_pipeline_stage,
         # With two pipeline stages the previous and the next stage are the same rank, and the
         # interleaved schedule's steady state sends an activation and a gradient of the same shape
         # to it in one batched call: batched point-to-point ops pair sends and receives per peer in

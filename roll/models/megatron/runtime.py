@@ -49,7 +49,7 @@ def build_chunks(
     role_config: RoleConfig, ctx: WorkerContext, cfg: MegatronConfig, hf_config: Any = None
 ) -> tuple[Any, list[torch.nn.Module]]:
     """Parallel state + this rank's GPTModel chunks (one per virtual pipeline stage) with the
-    weights of ``model_name_or_path``; or, given ``hf_config`` (benchmarks), that architecture with
+    weights of ``model_name_or_path`` (or of ``cfg.mcore_checkpoint``, a converted dist checkpoint); or, given ``hf_config`` (benchmarks), that architecture with
     random weights."""
     from transformers import AutoConfig
 
@@ -69,7 +69,15 @@ def build_chunks(
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role_config.model_args.trust_remote_code)
     chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
     mark_tensor_parallel_params(chunks)
-    load_hf_weights(chunks, path)
+    if cfg.mcore_checkpoint:
+        from roll.models.megatron.convert import check_compatible, load_mcore_weights
+
+        check_compatible(
+            cfg.mcore_checkpoint, hf_config, cfg, "strategy_args.strategy_config.mcore_checkpoint"
+        )
+        load_mcore_weights(chunks, cfg.mcore_checkpoint)
+    else:
+        load_hf_weights(chunks, path)
     _to_device(chunks, ctx)
     return hf_config, chunks
 

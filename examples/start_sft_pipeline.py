@@ -1,0 +1,11 @@
+"""Start an SFT run: ``python examples/start_sft_pipeline.py --config_name sft_config``."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from roll.pipeline.sft.launcher import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Top-level SFT run configuration: one YAML file maps onto ``SFTPipelineConfig``.
+
+    config = load_sft_config("examples/config/sft_config.yaml", overrides=["max_steps=3"])
+
+One role, ``actor_train`` (``fsdp2_train`` or ``megatron_train``, any ``device_mapping``; device ids
+are CPU slots with ``device: cpu``). A step is one optimizer step over
+``per_device_train_batch_size x gradient_accumulation_steps x DP`` conversations.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from roll.configs.errors import ConfigError
+from roll.configs.pipeline_config import MAX_SEED, CheckpointConfig
+from roll.configs.ranges import bounded, one_of
+from roll.configs.role import RoleConfig
+
+
+@dataclass
+class SFTDataConfig:
+    # JSONL files of {"messages": [{"role", "content"}, ...]} rows (see roll.pipeline.sft.chat_data).
+    train_files: list[str] = field(default_factory=list)
+    # Held-out conversations for the validation loss; empty: no validation loss.
+    val_files: list[str] = field(default_factory=list)
+    messages_key: str = "messages"
+    # A string field appended to each row's messages as the final assistant turn (None: the
+    # messages already hold the assistant turns).
+    response_key: str | None = None
+    # Conversations are cut to this many tokens.
+    max_length: int = bounded(1024, ge=2)
+
+
+@dataclass
+class SFTGenerationEval:
+    """Optional accuracy of sampled answers, scored by a rule reward (on the driver, HF generate)."""
+
+    # JSONL rows with messages (the prompt) and a ground-truth field.
+    file_name: str | None = None
+    ground_truth: str = "ground_truth"
+    reward_fn: str = "math_rule"
+    max_new_tokens: int = bounded(256, ge=1)
+    temperature: float = bounded(0.0, ge=0)
+    max_samples: int | None = bounded(None, ge=1)
+
+
+@dataclass
+class SFTPipelineConfig:
+    """Every key of an SFT YAML file. Unknown keys are errors (see roll.configs.loader)."""
+
+    actor_train: RoleConfig
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    generation_eval: SFTGenerationEval | None = None
+
+    exp_name: str = "sft"
+    seed: int = bounded(42, ge=0, le=MAX_SEED)
+    output_dir: str = "./output"
+    overwrite_output_dir: bool = False
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    track_with: str = one_of("tensorboard", "tensorboard", "wandb", "none")
+    tracker_kwargs: dict[str, Any] = field(default_factory=dict)
+    system_envs: dict[str, str] = field(default_factory=dict)
+    num_gpus_per_node: int = bounded(8, ge=1)
+    num_nodes: int | None = bounded(None, ge=1)
+    device: str = one_of("auto", "auto", "cpu", "cuda")
+    pretrain: str | None = None
+
+    max_steps: int = bounded(100, ge=1)
+    save_steps: int = bounded(0, ge=0)
+    logging_steps: int = bounded(1, ge=1)
+    eval_steps: int = bounded(0, ge=0)
+    resume_from_checkpoint: str | bool = False
+
+    # What the shared helpers (placement, checkpoints, LR schedule) read off an RLVR config: no
+    # critic, and one optimizer step per pipeline step (samples // mini-batch = 0 counts as 1).
+    critic = None
+    ppo_epochs = 1
+    num_return_sequences_in_group = 1
+    rollout_batch_size = 0
+
+    def roles(self) -> dict[str, RoleConfig]:
+        return {"actor_train": self.actor_train}
+
+
+def validate_sft_config(config: SFTPipelineConfig, check_files: bool = True) -> None:
+    """Role and strategy (as the RLVR checks do), placement, the tracker and (``check_files``)
+    the data files."""
+    from roll.configs.validate import _check_devices_exist, _check_role, _check_tracker
+    from roll.distributed.scheduler.placement import plan_placement
+
+    _check_role("actor_train", config.actor_train, config)
+    _check_devices_exist(config, plan_placement(config))
+    _check_tracker(config)
+    if not config.data.train_files:
+        raise ConfigError("data.train_files", "is required: JSONL files of chat rows")
+    if not check_files:
+        return
+    for key in ("train_files", "val_files"):
+        for i, name in enumerate(getattr(config.data, key)):
+            if not Path(name).is_file():
+                raise ConfigError(f"data.{key}.{i}", f"{name}: no such file")
+    gen = config.generation_eval
+    if gen is not None and (not gen.file_name or not Path(gen.file_name).is_file()):
+        raise ConfigError("generation_eval.file_name", f"{gen.file_name}: no such file")
+    from roll.configs.preflight import check_model_dir
+
+    check_model_dir(
+        config.actor_train.model_args.model_name_or_path, "actor_train.model_args.model_name_or_path"
+    )
+
+
+def load_sft_config(
+    path: str | Path, overrides: list[str] | None = None, check_files: bool = True
+) -> SFTPipelineConfig:
+    """Read, override, interpolate, build and validate an SFT config file (``check_files=False``:
+    without looking for the data files, as ``--dry_run`` plans a cluster's run elsewhere)."""
+    from roll.configs.loader import (
+        IGNORED_TOP_LEVEL,
+        apply_overrides,
+        build_dataclass,
+        interpolate,
+        read_yaml,
+    )
+
+    raw = read_yaml(path)
+    for key in IGNORED_TOP_LEVEL:
+        if raw.pop(key, None) is not None:
+            print(
+                f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
+            )
+    config = build_dataclass(SFTPipelineConfig, interpolate(apply_overrides(raw, overrides or [])))
+    validate_sft_config(config, check_files)
+    return config

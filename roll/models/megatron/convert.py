@@ -1,0 +1,234 @@
+"""Offline HF <-> megatron-core dist checkpoint conversion.
+
+    python -m roll.models.megatron.convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2 --ep 1 [--vpp 2]
+    python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR
+
+``hf-to-mcore`` starts TP x PP x DP ranks (DP = EP, so the experts split over EP ranks; one process
+per GPU where CUDA exists, gloo on CPU), each building its chunks of the layout, reading only its
+own slices of the HF safetensors (``hf_io.load_hf_weights``) and writing them with megatron's
+``dist_checkpointing`` under ``DIR/mcore``. ``DIR`` also gets the HF ``config.json``, the tokenizer
+and ``roll_mcore.json`` (model type, layout, padded vocab). ``mcore-to-hf`` loads such a checkpoint
+into the layout it was written with and writes the HF safetensors back (``hf_io.save_hf_checkpoint``,
+one part per exporting rank). The conversion is exact: an HF -> mcore -> HF round trip gives the
+original tensors bit for bit.
+
+The per-rank halves (``write_mcore``, ``read_mcore``) are what the CLI's ranks run; they are
+collective over the default process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll.configs.errors import ConfigError
+from roll.configs.strategy_configs import MegatronConfig
+
+MANIFEST = "roll_mcore.json"
+SUBDIR = "mcore"
+LAYOUT_KEYS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size",
+}
+
+
+def layout_config(tp: int, pp: int, ep: int, vpp: int | None = None) -> MegatronConfig:
+    return MegatronConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+
+
+def world_size(cfg: MegatronConfig) -> int:
+    """TP x PP x DP ranks with DP = EP: the smallest world whose stages hold EP expert groups."""
+    return cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.expert_model_parallel_size
+
+
+def check_layout(hf_dir: str | Path, cfg: MegatronConfig) -> Any:
+    """The HF config, after checking that the model splits into ``cfg`` (ConfigError naming --tp etc.)."""
+    from transformers import AutoConfig
+
+    from roll.models.megatron.families import check_model_fits
+
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise ConfigError(str(hf_dir), "not a Hugging Face model directory (no config.json)")
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    try:
+        cfg.validate(world_size(cfg), "convert")
+        check_model_fits(hf_config, cfg, "convert")
+    except ConfigError as exc:
+        key = exc.path.rsplit(".", 1)[-1]
+        flag = next((f"--{k}" for k, v in LAYOUT_KEYS.items() if v == key), exc.path)
+        raise ConfigError(flag, exc.message) from None
+    return hf_config
+
+
+def _chunks(hf_config: Any, cfg: MegatronConfig, dtype: torch.dtype) -> list[Any]:
+    from roll.distributed.strategy.base import WorkerContext
+    from roll.models.megatron.model_builder import build_model_chunks
+    from roll.models.megatron.parallel import init_parallel
+    from roll.models.megatron.runtime import mark_tensor_parallel_params
+
+    rank = torch.distributed.get_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    init_parallel(WorkerContext("convert", rank, torch.distributed.get_world_size(), rank, device), cfg)
+    chunks = build_model_chunks(hf_config, cfg, dtype)
+    mark_tensor_parallel_params(chunks)
+    return [c.to(device) for c in chunks]
+
+
+def _sharded(chunks: list[Any]) -> dict[str, Any]:
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) -> None:
+    """This rank's part of ``hf-to-mcore`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from roll.models.megatron.hf_io import load_hf_weights
+
+    hf_config = check_layout(hf_dir, cfg)
+    dtype = getattr(hf_config, "torch_dtype", None) or torch.float32
+    chunks = _chunks(hf_config, cfg, dtype)
+    load_hf_weights(chunks, hf_dir)
+    out = Path(out_dir)
+    (out / SUBDIR).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(_sharded(chunks), str(out / SUBDIR))
+    if torch.distributed.get_rank() == 0:
+        _write_side_files(Path(hf_dir), out, hf_config, cfg, chunks[0].roll_hf_info.padded_vocab_size, dtype)
+    torch.distributed.barrier()
+
+
+def _write_side_files(
+    hf_dir: Path, out: Path, hf_config: Any, cfg: MegatronConfig, vocab: int, dtype
+) -> None:
+    for path in hf_dir.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+            shutil.copy2(path, out / path.name)
+    layout = {k: getattr(cfg, v) for k, v in LAYOUT_KEYS.items()}
+    manifest = {
+        "model_type": hf_config.model_type,
+        "layout": layout,
+        "padded_vocab_size": vocab,
+        "dtype": str(dtype).removeprefix("torch."),
+        "megatron_config": asdict(cfg),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+
+
+def read_manifest(mcore_dir: str | Path) -> dict[str, Any]:
+    path = Path(mcore_dir) / MANIFEST
+    if not path.is_file():
+        raise ConfigError(str(path), "no such file: not a checkpoint written by `convert hf-to-mcore`")
+    return json.loads(path.read_text())
+
+
+def check_compatible(mcore_dir: str | Path, hf_config: Any, cfg: MegatronConfig, key: str) -> None:
+    """The checkpoint in ``mcore_dir`` must be of this model family and TP size (the padded vocab
+    depends on it); else one ConfigError naming ``key`` and the manifest."""
+    manifest = read_manifest(mcore_dir)
+    where = f"{Path(mcore_dir) / MANIFEST}"
+    if manifest["model_type"] != hf_config.model_type:
+        raise ConfigError(
+            key, f"{where} holds a {manifest['model_type']!r} model, not {hf_config.model_type!r}"
+        )
+    from roll.models.megatron.families import padded_vocab_size
+
+    if manifest["padded_vocab_size"] != padded_vocab_size(hf_config.vocab_size, cfg):
+        raise ConfigError(
+            key,
+            f"{where} was written for TP={manifest['layout']['tp']} (vocab padded to "
+            f"{manifest['padded_vocab_size']}); this layout pads to {padded_vocab_size(hf_config.vocab_size, cfg)}",
+        )
+
+
+def load_mcore_weights(chunks: list[Any], mcore_dir: str | Path) -> None:
+    """Fill this rank's chunks from the dist checkpoint under ``mcore_dir`` (collective; any PP / EP /
+    VPP layout of the same TP)."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(_sharded(chunks), str(Path(mcore_dir) / SUBDIR))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{i}"], strict=True)
+
+
+def read_mcore(mcore_dir: str | Path, out_dir: str | Path) -> None:
+    """This rank's part of ``mcore-to-hf`` (collective over the manifest's layout)."""
+    from transformers import AutoConfig
+
+    from roll.models.megatron.hf_io import save_hf_checkpoint
+
+    manifest = read_manifest(mcore_dir)
+    cfg = layout_config(**manifest["layout"])
+    hf_config = AutoConfig.from_pretrained(mcore_dir)
+    chunks = _chunks(hf_config, cfg, getattr(torch, manifest["dtype"]))
+    load_mcore_weights(chunks, mcore_dir)
+    save_hf_checkpoint(chunks, hf_config, out_dir, tokenizer_dir=str(mcore_dir))
+
+
+def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        (write_mcore if command == "hf-to-mcore" else read_mcore)(*args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from roll.distributed.model_update.process_group import free_port
+
+    parser = argparse.ArgumentParser(description="HF <-> megatron-core dist checkpoint conversion")
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore")
+    to_mcore.add_argument("--hf", required=True)
+    to_mcore.add_argument("--out", required=True)
+    for flag in ("tp", "pp", "ep"):
+        to_mcore.add_argument(f"--{flag}", type=int, default=1)
+    to_mcore.add_argument("--vpp", type=int, default=None)
+    to_hf = sub.add_parser("mcore-to-hf")
+    to_hf.add_argument("--mcore", required=True)
+    to_hf.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            cfg = layout_config(args.tp, args.pp, args.ep, args.vpp)
+            check_layout(args.hf, cfg)
+            call = (args.hf, args.out, cfg)
+        else:
+            cfg = layout_config(**read_manifest(args.mcore)["layout"])
+            call = (args.mcore, args.out)
+    except ConfigError as exc:
+        print(f"ConfigError: {exc}", file=sys.stderr)
+        return 2
+    world = world_size(cfg)
+    mp.spawn(_rank_main, args=(free_port(), world, args.command, call), nprocs=world, join=True)
+    print(f"{args.command}: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

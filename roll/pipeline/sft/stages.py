@@ -1,0 +1,71 @@
+"""The SFT loss and the validation stages (held-out loss, optional sampled accuracy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from roll.distributed.scheduler.batch import Batch
+from roll.pipeline.sft.chat_data import to_sft_batch
+
+if TYPE_CHECKING:
+    from roll.pipeline.sft.run import SFTRun
+
+
+def sft_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean negative log-likelihood of the micro-batch's assistant tokens (``loss_mask``)."""
+    mask = batch["loss_mask"].to(outputs["log_probs"].dtype)
+    tokens = mask.sum().clamp(min=1.0)
+    loss = -(outputs["log_probs"] * mask).sum() / tokens
+    return loss, {}
+
+
+def validation_loss(run: SFTRun, rows_per_call: int = 64) -> float:
+    """Token-mean NLL of the held-out conversations' assistant tokens (no gradient). Calls are
+    padded to a multiple of the DP size with rows whose loss mask is zero."""
+    dp = run.trainer.dp_size
+    size = max(dp, rows_per_call // dp * dp)
+    total = tokens = 0.0
+    for start in range(0, len(run.val), size):
+        examples = run.val[start : start + size]
+        batch = to_sft_batch(examples + examples[:1] * (-len(examples) % dp), run.tokenizer.pad_token_id)
+        batch.tensors["loss_mask"][len(examples) :] = 0
+        log_probs = run.trainer.compute_log_probs(batch)["old_log_probs"]
+        total -= float((log_probs * batch["loss_mask"]).sum())
+        tokens += float(batch["loss_mask"].sum())
+    return total / max(tokens, 1.0)
+
+
+def generation_accuracy(run: SFTRun) -> float:
+    """Mean rule reward of one answer per ``generation_eval`` row, generated with Hugging Face
+    ``generate`` from the trainer's current weights (exported to ``<output_dir>/.eval_model``)."""
+    from transformers import AutoModelForCausalLM
+
+    from roll.pipeline.rlvr.rewards.registry import load_reward_fn
+    from roll.pipeline.sft.evaluate import accuracy
+
+    gen = run.config.generation_eval
+    lines = Path(gen.file_name).read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()][: gen.max_samples]
+    rows = [
+        {"messages": r[run.config.data.messages_key], "ground_truth": str(r[gen.ground_truth])} for r in rows
+    ]
+    path = run.run_dir / ".eval_model"
+    run.trainer.save_hf_checkpoint(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        return accuracy(
+            model,
+            run.tokenizer,
+            rows,
+            gen.temperature,
+            gen.max_new_tokens,
+            run.config.seed,
+            load_reward_fn(gen.reward_fn),
+        )
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

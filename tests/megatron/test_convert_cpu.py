@@ -1,0 +1,169 @@
+"""``roll.models.megatron.convert`` on two CPU ranks (gloo, fp32, the CPU shims): HF -> mcore dist
+checkpoint -> HF gives every original tensor bit for bit, for each family roll knows and several
+layouts; megatron_train starts from the dist checkpoint (``mcore_checkpoint``) with the same weights
+as from HF; a layout the model cannot split and a checkpoint of another family / TP are one-line
+errors."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+pytest.importorskip("megatron.core")
+
+import compat  # noqa: E402
+from cuda_on_cpu import cuda_on_cpu  # noqa: E402
+from tiny_models import build_tiny_tokenizer  # noqa: E402
+from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
+
+from roll.configs.errors import ConfigError  # noqa: E402
+from roll.models.megatron import convert  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=272, max_position_embeddings=64
+)
+MODELS = {
+    "qwen2": ("Qwen2Config", dict(intermediate_size=64, num_hidden_layers=4, tie_word_embeddings=False)),
+    "qwen3": (
+        "Qwen3Config",
+        dict(intermediate_size=64, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True),
+    ),
+    "llama": ("LlamaConfig", dict(intermediate_size=64, num_hidden_layers=2)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            head_dim=8,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    ),
+}
+# (model, tp, pp, ep, vpp) on two ranks
+LAYOUTS = [
+    ("qwen2", 2, 1, 1, None),
+    ("qwen2", 1, 2, 1, 2),
+    ("qwen3", 2, 1, 1, None),
+    ("llama", 1, 2, 1, None),
+    ("qwen3_moe", 1, 1, 2, None),
+    ("mixtral", 1, 1, 2, None),
+    ("mixtral", 2, 1, 1, None),
+]
+
+
+def save_model(path: Path, name: str) -> Path:
+    cls, extra = MODELS[name]
+    config = getattr(transformers, cls)(**SHAPE, **extra, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
+def _strategy_checks(scratch: str) -> list[str]:
+    """megatron_train started from the TP2 dist checkpoint (model_name_or_path = that directory,
+    which holds no safetensors) has exactly the weights of one started from HF; a TP1 layout
+    refuses the TP2 checkpoint with one line naming the key."""
+    mcore = str(Path(scratch, "qwen2-tp2-pp1-ep1-vppNone", "mcore"))
+    from_hf = raw_params(train_strategy(str(Path(scratch, "qwen2")), {"tensor_model_parallel_size": 2}))
+    layout = {"tensor_model_parallel_size": 2, "mcore_checkpoint": mcore}
+    from_mcore = raw_params(train_strategy(mcore, layout))
+    bad = [f"mcore start: {n} differs" for n in from_hf if not torch.equal(from_hf[n], from_mcore[n])]
+    try:
+        train_strategy(mcore, {"mcore_checkpoint": mcore})
+        bad.append("a TP1 layout loaded the TP2 checkpoint")
+    except ConfigError as exc:
+        if "mcore_checkpoint" not in exc.path or "written for TP=2" not in exc.message:
+            bad.append(f"TP1 load: {exc}")
+    return bad
+
+
+def _worker(rank: int, port: int, scratch: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    compat.apply()
+    bad = []
+    try:
+        with cuda_on_cpu():
+            for name, tp, pp, ep, vpp in LAYOUTS:
+                tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
+                mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
+                convert.write_mcore(Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp))
+                convert.read_mcore(mcore, back)
+                if rank == 0:
+                    original, again = _tensors(Path(scratch, name)), _tensors(back)
+                    if original.keys() != again.keys():
+                        bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
+                    bad += [
+                        f"{tag}: {n} differs"
+                        for n in original.keys() & again.keys()
+                        if not torch.equal(original[n], again[n])
+                    ]
+            bad += _strategy_checks(scratch)
+        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
+def test_round_trips_are_bit_exact(tmp_path: Path) -> None:
+    for name in MODELS:
+        save_model(tmp_path / name, name)
+    bad = run_two_ranks(_worker, (str(tmp_path),), tmp_path)
+    assert not bad, "\n".join(bad)
+
+
+def test_layout_the_model_cannot_split_names_the_flag(tmp_path: Path) -> None:
+    save_model(tmp_path / "m", "qwen2")
+    with pytest.raises(ConfigError, match=r"^--tp: 4 does not divide the model's num_key_value_heads"):
+        convert.check_layout(tmp_path / "m", convert.layout_config(4, 1, 1))
+    with pytest.raises(ConfigError, match=r"^--ep: is an MoE option"):
+        convert.check_layout(tmp_path / "m", convert.layout_config(1, 1, 2))
+    assert (
+        convert.main(["hf-to-mcore", "--hf", str(tmp_path / "m"), "--out", str(tmp_path / "o"), "--pp", "3"])
+        == 2
+    )
+
+
+def test_checkpoint_of_another_family_or_tp_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / convert.MANIFEST).write_text(
+        '{"model_type": "mixtral", "layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": null}, "padded_vocab_size": 384}'
+    )
+    qwen = transformers.Qwen2Config(**SHAPE)
+    with pytest.raises(ConfigError, match=r"roll_mcore.json holds a 'mixtral' model, not 'qwen2'"):
+        convert.check_compatible(tmp_path / "ck", qwen, convert.layout_config(1, 1, 1), "key")
+    mixtral = transformers.MixtralConfig(**SHAPE)
+    with pytest.raises(ConfigError, match=r"written for TP=1"):
+        convert.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
+    with pytest.raises(ConfigError, match=r"no such file"):
+        convert.read_manifest(tmp_path)
