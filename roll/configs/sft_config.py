@@ -18,6 +18,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import MAX_SEED, CheckpointConfig
 from roll.configs.ranges import bounded, one_of
 from roll.configs.role import RoleConfig
+from roll.configs.timeouts import WorkerTimeoutsConfig
 
 
 @dataclass
@@ -73,6 +74,8 @@ class SFTPipelineConfig:
     logging_steps: int = bounded(1, ge=1)
     eval_steps: int = bounded(0, ge=0)
     resume_from_checkpoint: str | bool = False
+    # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
+    worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
     # What the shared helpers (placement, checkpoints, LR schedule) read off an RLVR config: no
     # critic, and one optimizer step per pipeline step (samples // mini-batch = 0 counts as 1).

@@ -74,16 +74,19 @@ def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
 
 
 def _check_token_budgets(typed: object, config: RLVRConfig, path: str) -> None:
-    """A token budget must hold the longest sequence a step can have (prompt + response)."""
+    """A token budget must hold the longest sequence a step can have: prompt + response in an RLVR
+    run, ``data.max_length`` in an SFT run."""
     if not isinstance(typed, PackingOptions):
         return
-    longest = config.prompt_length + config.response_length
+    if hasattr(config, "prompt_length"):
+        longest, what = config.prompt_length + config.response_length, "prompt_length + response_length"
+    else:
+        longest, what = config.data.max_length, "data.max_length"
     for key in ("max_tokens_per_microbatch", "infer_max_tokens_per_microbatch"):
         budget = getattr(typed, key)
         if budget is not None and budget < longest:
             raise ConfigError(
-                f"{path}.{key}",
-                f"{budget} tokens cannot hold one sequence of prompt_length + response_length = {longest}",
+                f"{path}.{key}", f"{budget} tokens cannot hold one sequence of {what} = {longest}"
             )
 
 
