@@ -167,3 +167,19 @@ def test_checkpoint_of_another_family_or_tp_is_refused(tmp_path: Path) -> None:
         convert.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
     with pytest.raises(ConfigError, match=r"no such file"):
         convert.read_manifest(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant")
+def test_command_line_round_trip_on_cpu(tmp_path: Path) -> None:
+    """The CLI as a user runs it (its own ranks, no test shims): TP2 there and back, bit-exact."""
+    save_model(tmp_path / "hf", "qwen2")
+    args = ["hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mcore"), "--tp", "2"]
+    assert convert.main(args) == 0
+    assert (
+        convert.main(["mcore-to-hf", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")])
+        == 0
+    )
+    original, again = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[n], again[n]) for n in original)

@@ -19,11 +19,14 @@ collective over the default process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -91,6 +94,21 @@ def _chunks(hf_config: Any, cfg: MegatronConfig, dtype: torch.dtype) -> list[Any
     return [c.to(device) for c in chunks]
 
 
+@contextlib.contextmanager
+def _cpu_safe_sync() -> Iterator[None]:
+    """megatron-core's dist-checkpointing calls ``torch.cuda.synchronize()`` and puts a status flag
+    on ``torch.cuda.current_device()`` unconditionally; on a machine without CUDA there is nothing
+    to wait for and the flag goes to the CPU (for the save/load only)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with (
+        mock.patch.object(torch.cuda, "synchronize", lambda *args, **kwargs: None),
+        mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")),
+    ):
+        yield
+
+
 def _sharded(chunks: list[Any]) -> dict[str, Any]:
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
@@ -107,7 +125,8 @@ def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) ->
     load_hf_weights(chunks, hf_dir)
     out = Path(out_dir)
     (out / SUBDIR).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_sharded(chunks), str(out / SUBDIR))
+    with _cpu_safe_sync():
+        dist_checkpointing.save(_sharded(chunks), str(out / SUBDIR))
     if torch.distributed.get_rank() == 0:
         _write_side_files(Path(hf_dir), out, hf_config, cfg, chunks[0].roll_hf_info.padded_vocab_size, dtype)
     torch.distributed.barrier()
@@ -161,7 +180,8 @@ def load_mcore_weights(chunks: list[Any], mcore_dir: str | Path) -> None:
     VPP layout of the same TP)."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(_sharded(chunks), str(Path(mcore_dir) / SUBDIR))
+    with _cpu_safe_sync():
+        state = dist_checkpointing.load(_sharded(chunks), str(Path(mcore_dir) / SUBDIR))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[f"model{i}"], strict=True)
 
