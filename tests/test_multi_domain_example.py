@@ -12,27 +12,19 @@ from examples.tasks.python_programs import OPERATIONS, write_task
 from roll.pipeline.rlvr.launcher import main
 from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward
 
-REFERENCE = {
-    "sum": "a, b = int(input()), int(input())\nprint(a + b)",
-    "difference": "a, b = int(input()), int(input())\nprint(a - b)",
-    "product": "a, b = int(input()), int(input())\nprint(a * b)",
-    "max": "a, b = int(input()), int(input())\nprint(max(a, b))",
-    "double": "a = int(input())\nprint(2 * a)",
-}
-
 
 def test_generated_programs_score_with_the_sandbox(tmp_path):
-    paths = write_task(tmp_path, seed=0, n_train=10, n_val=5)
+    paths = write_task(tmp_path, seed=0, n_sft=40, n_train=10, n_val=20)
     rows = [json.loads(line) for line in paths["val"].read_text().splitlines()]
     assert {r["operation"] for r in rows} == set(OPERATIONS) and {r["tag"] for r in rows} == {"code"}
     for row in rows:
-        program = f"```python\n{REFERENCE[row['operation']]}\n```"
-        assert code_sandbox_reward(program, row["ground_truth"], reward_type="soft") == 1.0
+        assert code_sandbox_reward(row["solution"], row["ground_truth"], reward_type="hard") == 1.0
         assert code_sandbox_reward("print(0)", row["ground_truth"], reward_type="hard") == 0.0
-    assert (
-        write_task(tmp_path / "again", seed=0, n_train=10, n_val=5)["val"].read_text()
-        == paths["val"].read_text()
-    )
+    sft = [json.loads(line) for line in paths["sft"].read_text().splitlines()]
+    wrong = sum(r["target"] != r["solution"] for r in sft)
+    assert 0 < wrong < len(sft)  # half the warm-start targets are another operation's program
+    again = write_task(tmp_path / "again", seed=0, n_sft=40, n_train=10, n_val=20)
+    assert again["sft"].read_text() == paths["sft"].read_text()
 
 
 def test_multi_domain_config_dry_runs(capsys, tmp_path):
