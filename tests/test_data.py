@@ -224,3 +224,17 @@ def test_to_batch_left_pads_prompts():
     assert batch["prompt_text"].tolist() == ["t0", "t1"]
     with pytest.raises(ValueError, match="f:1 has 3 tokens, more than prompt_length=2"):
         to_batch(rows, 0, 2)
+
+
+def test_domain_probs_keyed_by_reward_role_cover_its_tags():
+    # alibaba/ROLL keys domain_interleave_probs by reward role: math_rule covers both of its tags.
+    ds = make_dataset({"deepmath": 6, "aime": 2, "KodCode": 8})
+    roles = {"math_rule": ["deepmath", "aime"], "code_sandbox": ["KodCode"]}
+    sampler = PromptSampler(ds, 8, 0, {"math_rule": 0.75, "code_sandbox": 0.25}, role_tags=roles)
+    tags = Counter(r.tag for _ in range(4) for r in sampler.next_batch())
+    assert tags["deepmath"] + tags["aime"] == 24 and tags["KodCode"] == 8
+    assert tags["aime"] > 0  # the role's stream draws from both tags' rows
+    with pytest.raises(ConfigError, match=r"\['KodCode'\] have rows but no probability"):
+        PromptSampler(ds, 8, 0, {"math_rule": 1.0}, role_tags=roles)
+    with pytest.raises(ConfigError, match=r"domain_interleave_probs\.math_rule: no prompt rows"):
+        PromptSampler(ds, 8, 0, {"math_rule": 0.5, "KodCode": 0.5})  # no role named math_rule

@@ -42,7 +42,8 @@ def check_before_launch(config: RLVRConfig) -> None:
     if probs:
         from roll.pipeline.rlvr.data.sampler import check_domain_probs
 
-        check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs")
+        role_tags = {name: reward.tag_included for name, reward in config.rewards.items()}
+        check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs", role_tags)
     check_reward_options(config)
     if config.resume_from_checkpoint not in (False, None, ""):
         from roll.pipeline.rlvr.checkpoint import resolve_resume

@@ -131,12 +131,6 @@ def _check_batch_sizes(config: RLVRConfig, plan) -> None:
                 f"mini-batches of per_device_train_batch_size x gradient_accumulation_steps x DP = "
                 f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {dp} = {mini}",
             )
-    infer_dp = plan.roles["actor_infer"].parallel.dp
-    if config.rollout_batch_size % infer_dp:
-        raise ConfigError(
-            "rollout_batch_size",
-            f"{config.rollout_batch_size} prompts do not split across actor_infer's {infer_dp} data-parallel ranks",
-        )
     for name in ("reference", "critic"):
         rp = plan.roles.get(name)
         if rp is not None and samples % rp.parallel.dp:

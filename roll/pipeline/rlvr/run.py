@@ -106,6 +106,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         config.seed,
         config.actor_train.data_args.domain_interleave_probs,
         path="actor_train.data_args.domain_interleave_probs",
+        role_tags={name: reward.tag_included for name, reward in config.rewards.items()},
     )
     val = None
     if config.validation is not None and config.validation.data_args.file_name:

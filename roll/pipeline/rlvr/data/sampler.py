@@ -7,10 +7,11 @@
     sampler.load_state_dict(state)                   # ... and the next batch after resume is the same
 
 Without domain probabilities, batches walk through a fresh permutation of all rows each epoch (a
-batch that crosses the end of an epoch continues into the next one). With them, each domain (= tag)
-is its own stream of permutations, and each slot of a batch goes to the domain furthest below its
-share so far, so after n prompts every domain has round(p * n) of them within one (exact mixing,
-no sampling noise); a probability of 0 leaves a domain out.
+batch that crosses the end of an epoch continues into the next one). With them, each key is its own
+stream of permutations (a key is a tag, or as in alibaba/ROLL the name of a reward role: all the
+tags its ``tag_included`` lists), and each slot of a batch goes to the key furthest below its share
+so far, so after n prompts every key has round(p * n) of them within one (exact mixing, no sampling
+noise); a probability of 0 leaves a key out.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class PromptSampler:
         seed: int,
         domain_interleave_probs: dict[str, float] | None = None,
         path: str = "domain_interleave_probs",
+        role_tags: dict[str, list[str]] | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -72,8 +74,11 @@ class PromptSampler:
         self.batch_size = batch_size
         self.seed = seed
         if domain_interleave_probs:
-            self.probs = check_domain_probs(domain_interleave_probs, dataset.domains(), path)
-            groups = dataset.indices_by_domain()
+            self.probs = check_domain_probs(domain_interleave_probs, dataset.domains(), path, role_tags)
+            key_of = interleave_keys(self.probs, dataset.domains(), role_tags)
+            groups: dict[str, list[int]] = {key: [] for key in self.probs}
+            for domain, indices in dataset.indices_by_domain().items():
+                groups[key_of[domain]].extend(indices)
             self.streams = {d: _Stream(groups[d], seed, i) for i, d in enumerate(sorted(self.probs))}
         else:
             self.probs = {ALL: 1.0}
@@ -115,20 +120,38 @@ class PromptSampler:
             self.streams[domain].restore(epoch, pos)
 
 
-def check_domain_probs(probs: dict[str, float], domains: list[str], path: str) -> dict[str, float]:
-    """The probabilities, checked: every key is one of the data's ``domains``, every domain has
-    one, sum ~1 (also run before launch on the files' tags: roll.configs.preflight)."""
+def interleave_keys(
+    probs: dict[str, Any], domains: list[str], role_tags: dict[str, list[str]] | None = None
+) -> dict[str, str]:
+    """Each domain (tag) -> the key of ``probs`` that covers it: the tag itself, else (ROLL's
+    spelling) the name of the reward role whose ``tag_included`` lists it; a domain no key covers
+    maps to itself."""
+    by_role = {t: name for name, tags in (role_tags or {}).items() for t in tags if name in probs}
+    return {d: d if d in probs else by_role.get(d, d) for d in domains}
+
+
+def check_domain_probs(
+    probs: dict[str, float], domains: list[str], path: str, role_tags: dict[str, list[str]] | None = None
+) -> dict[str, float]:
+    """The probabilities, checked: every key is one of the data's ``domains`` or the name of a
+    reward role (``role_tags``: name -> tag_included) whose tags have rows, every domain is covered
+    by one key, sum ~1 (also run before launch on the files' tags: roll.configs.preflight)."""
+    key_of = interleave_keys(probs, domains, role_tags)
     for key, p in probs.items():
-        if key not in domains:
+        if key not in key_of.values():
             raise ConfigError(
-                f"{path}.{key}", f"no prompt rows have the tag {key!r}; tags in the data: {domains}"
+                f"{path}.{key}",
+                f"no prompt rows have the tag {key!r}, nor a tag that a reward role of that name routes; "
+                f"tags in the data: {domains}",
             )
         if not isinstance(p, (int, float)) or p < 0:
             raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {p!r}")
-    missing = [d for d in domains if d not in probs]
+    missing = [d for d in domains if key_of[d] not in probs]
     if missing:
         raise ConfigError(
-            path, f"domains {missing} have rows but no probability; give each one (0 leaves it out)"
+            path,
+            f"domains {missing} have rows but no probability; give each tag, or its reward role, "
+            "one (0 leaves it out)",
         )
     total = sum(probs.values())
     if abs(total - 1.0) > 1e-6:
