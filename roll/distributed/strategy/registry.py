@@ -35,6 +35,11 @@ class StrategySpec:
     # Releases of the engine package this strategy ran on, as (lowest, first refused) versions;
     # another installed version is a ConfigError before launch (see ``check_engine_version``).
     engine_versions: tuple[str, str] | None = None
+    # Whether ``offload_states``/``reload_states`` do anything on CPU slots. Most strategies only
+    # free device memory, which a CPU slot does not have, so the pipeline skips their calls there
+    # (two Ray round trips per stage saved); megatron's offloader frees and restores storage on
+    # any device, which the CPU pipeline tests exercise, so its calls stay.
+    offloads_on_cpu: bool = False
 
 
 _S = "roll.distributed.strategy"
@@ -50,6 +55,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "train",
             extra="megatron",
             requires=("megatron.core",),
+            offloads_on_cpu=True,
         ),
         StrategySpec(
             "megatron_infer",

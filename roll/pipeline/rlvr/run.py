@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -21,6 +21,9 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+
+if TYPE_CHECKING:
+    from roll.pipeline.rlvr.perf import StageTimer
 
 logger = logging.getLogger("roll")
 
@@ -39,7 +42,8 @@ class RLVRRun:
     val_prompts: Batch | None = None
     val_generating_args: GeneratingArgs | None = None
     val_batch_size: int = 64
-    # Roles that time-share devices with another role: reloaded before use and offloaded after.
+    # Roles that time-share devices with another role: reloaded before use and offloaded after
+    # (on CPU slots only those whose strategy offloads there; see ``startup.offloaded_roles``).
     colocated: set[str] = field(default_factory=set)
     # tag -> reward role name
     tag_routes: dict[str, str] = field(default_factory=dict)
@@ -127,47 +131,37 @@ def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) ->
     return config.max_steps * config.ppo_epochs * max(per_step, 1)
 
 
-def build_clusters(run: RLVRRun) -> None:
-    from roll.distributed.scheduler.cluster import Cluster
-    from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.pipeline.workers.actor_worker import ActorWorker
-    from roll.pipeline.workers.reward_worker import RewardWorker
-
-    config = run.config
-    run.resources = ResourceManager(run.plan, config.device)
-    for name, role in config.roles().items():
-        worker_cls = RewardWorker if name.startswith("rewards.") else ActorWorker
-        run.clusters[name] = Cluster(name, worker_cls, run.resources, run.plan.roles[name], role, config)
-    for name, cluster in run.clusters.items():
-        if name in ("actor_train", "critic"):
-            cluster.initialize(total_optimizer_steps(config, name, run.plan))
-        else:
-            cluster.initialize()
-    # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
-    for name in run.colocated:
-        run.clusters[name].offload_states()
-
-
-def build_run(config: RLVRConfig) -> RLVRRun:
+def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
+    """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
+    records the start-up phases (``startup/*`` metrics)."""
     from roll.models.loading import load_tokenizer
+    from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.rlvr.startup import offloaded_roles, start_clusters
 
+    timer = timer or StageTimer()
     run_dir = Path(config.output_dir)
     setup_logging(run_dir)
     plan = plan_placement(config)
-    tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
-    sampler, val = load_data(config, tokenizer)
+    with timer("data"):
+        tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
+        sampler, val = load_data(config, tokenizer)
     routes, default = build_tag_routes(config)
     run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
     run.val_prompts = val
     if config.validation is not None:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
-    run.colocated = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+    run.colocated = offloaded_roles(config, plan)
     run.reward_routes(
         sampler.dataset.domains()
     )  # fail before any worker starts when a tag has no reward role
-    build_clusters(run)
-    run.model_update = _build_model_update(run)
+    try:
+        start_clusters(run, timer)
+        with timer("model_update_setup"):
+            run.model_update = _build_model_update(run)
+    except BaseException:
+        shutdown(run, graceful=False)  # the caller has no run to shut down yet
+        raise
     return run
 
 
