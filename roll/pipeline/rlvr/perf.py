@@ -50,14 +50,12 @@ def throughput_metrics(run: RLVRRun, batch: Batch, times: dict[str, float]) -> d
 
 def memory_metrics(run: RLVRRun) -> dict[str, float]:
     """Peaks since the previous call, from every model role's ranks (see the module docstring)."""
-    from roll.distributed.scheduler.cluster import get_all
-
     out: dict[str, float] = {}
-    roles = [role for role in run.clusters if not run.plan.roles[role].cpu_only]
-    # One round over every role at once: the workers answer in parallel.
-    answers = get_all(*(run.clusters[role].async_execute_all("memory_stats") for role in roles))
-    for role, stats in zip(roles, answers):
+    for role, cluster in run.clusters.items():
         plan = run.plan.roles[role]
+        if plan.cpu_only:
+            continue
+        stats = cluster.execute_all("memory_stats")
         for key in ("peak_allocated", "peak_reserved", "peak_rss"):
             values = [s[key] for s in stats if key in s]
             if values:
