@@ -1,0 +1,253 @@
+"""The default example on CPU: start-up, per-stage and per-step times, wall time; optionally beside
+TRL's single-process GRPOTrainer on the same task.
+
+    python examples/prepare_default_example.py              # once: data, tokenizer, SFT model
+    python benchmarks/cpu_default.py --steps 20              # runs rlvr_config, prints the table
+    python benchmarks/cpu_default.py --metrics output/rlvr-default/metrics.jsonl   # a finished run
+    python benchmarks/cpu_default.py --steps 20 --trl [--trl_path DIR]   # + TRL, when importable
+
+The roll run is ``examples/config/rlvr_config.yaml`` as shipped, with ``max_steps=--steps``,
+validation and checkpoints off (``eval_steps=0 save_steps=0``, as TRL runs neither) and its own
+``output_dir``. Per stage: the mean over steps 2.. (step 1 holds one-off warm-up), from
+``time/<stage>`` in metrics.jsonl; "step" is ``time/step`` (the stages' sum); start-up is
+``startup/to_first_step_s`` (process start to the first step) and its phases; wall is the
+process's whole life, shutdown included.
+
+The TRL row (``--trl``; trl is not a roll dependency: install it, e.g. into ``--trl_path`` with
+``pip install --target DIR trl``) trains the same SFT model on the same prompts with roll's
+``math_rule`` reward: 16 prompts x 8 samples a step, 32-token responses, lr 1e-4 constant after 10
+warm-up steps, beta (KL) 0.001, one optimizer step on all 128 samples, fp32, one process with
+``torch.set_num_threads(2)``. Its step is the trainer's step (generation, reference, loss,
+optimizer), timed by a callback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "output" / "default_example"
+sys.path.insert(0, str(REPO))
+
+STAGES = ("generate", "reward", "reference", "old_log_probs", "advantages", "train", "model_update")
+PHASES = ("data", "ray", "workers", "initialize", "model_update_setup", "first_sync", "validation")
+
+
+def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float]:
+    """Run the default example for ``steps`` steps; (its metrics.jsonl, wall seconds)."""
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / "start_rlvr_pipeline.py"),
+        "--config_name",
+        "rlvr_config",
+        f"max_steps={steps}",
+        "eval_steps=0",
+        "save_steps=0",
+        "track_with=none",
+        f"output_dir={out}",
+        "overwrite_output_dir=true",
+        *overrides,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=REPO, env=env)
+    return out / "metrics.jsonl", time.perf_counter() - start
+
+
+def summarize_roll(metrics: Path, wall: float | None) -> dict[str, float]:
+    """Start-up phases, per-stage means over steps 2.. (all steps when there is only one), per
+    step mean and wall time from a run's metrics.jsonl."""
+    from roll.utils.tracking import read_metrics
+
+    rows = read_metrics(metrics)
+    steps = [r for r in rows if "time/step" in r]
+    if not steps:
+        raise SystemExit(f"{metrics}: no training steps")
+    timed = steps[1:] or steps
+    out = {f"startup/{p}": v for r in rows for p in PHASES if (v := r.get(f"startup/{p}_s")) is not None}
+    first = next((r["startup/to_first_step_s"] for r in rows if "startup/to_first_step_s" in r), None)
+    if first is not None:
+        out["startup"] = first
+    for stage in (*STAGES, "step"):
+        out[stage] = statistics.mean(r.get(f"time/{stage}", 0.0) for r in timed)
+    out["steps"] = float(len(steps))
+    out["wall"] = wall if wall is not None else steps[-1].get("perf/wall_s", float("nan"))
+    scores = [r["critic/score/mean"] for r in steps if "critic/score/mean" in r]
+    if scores:
+        out["reward_first"], out["reward_last"] = scores[0], statistics.mean(scores[-3:])
+    return out
+
+
+def run_trl(steps: int, trl_path: str | None, model: Path) -> dict[str, float]:
+    """TRL's GRPOTrainer on the same task in its own process (see the module docstring)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (trl_path, str(REPO)) if p)
+    env.pop("OMP_NUM_THREADS", None)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--_trl_child", str(steps), str(model)],
+        check=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result | {"wall": wall}
+
+
+def _dataset(rows: list[dict]):
+    """A ``datasets.Dataset`` of ``rows`` with a random fingerprint: hashing the table failed to
+    pickle a pyarrow type with datasets 5.2 + pyarrow 26 here."""
+    import datasets.arrow_dataset as arrow_dataset
+    import datasets.fingerprint as fingerprint
+
+    arrow_dataset.generate_fingerprint = lambda dataset: fingerprint.generate_random_fingerprint()
+    return arrow_dataset.Dataset.from_list(rows)
+
+
+def _trl_child(steps: int, model_dir: str) -> None:
+    """Inside the TRL process: train, print one JSON line of timings."""
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    rows = [json.loads(line) for line in (EXAMPLE / "data" / "train.jsonl").read_text().splitlines()]
+    dataset = _dataset([{"prompt": r["messages"], "ground_truth": r["ground_truth"]} for r in rows])
+
+    def reward(completions, ground_truth, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [math_rule_reward(t, g) for t, g in zip(texts, ground_truth)]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.begin: list[float] = []
+            self.times: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.begin[-1])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.rewards.append(logs["reward"])
+
+    config = GRPOConfig(
+        output_dir=str(REPO / "output" / "trl-default"),
+        per_device_train_batch_size=128,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=32,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=10,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.001,
+        temperature=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    timer = Timer()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.train()
+    born = psutil.Process().create_time()
+    import trl
+
+    timed = timer.times[1:] or timer.times
+    print(
+        json.dumps(
+            {
+                "startup": timer.begin[0] - time.perf_counter() + (time.time() - born),
+                "step": statistics.mean(timed),
+                "steps": float(len(timer.times)),
+                "reward_first": timer.rewards[0] if timer.rewards else float("nan"),
+                "reward_last": statistics.mean(timer.rewards[-3:]) if timer.rewards else float("nan"),
+                "version": trl.__version__,
+            }
+        )
+    )
+
+
+def table(roll: dict[str, float], trl: dict[str, float] | None) -> str:
+    head = ["", "roll rlvr_config"] + (["TRL GRPOTrainer"] if trl else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(name: str, key: str, fmt: str = "{:.2f}") -> None:
+        if key not in roll and not (trl and key in trl):
+            return
+        cells = [fmt.format(roll[key]) if key in roll else "-"]
+        if trl:
+            cells.append(fmt.format(trl[key]) if key in trl else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("start-up to the first step, s", "startup")
+    for phase in PHASES:
+        row(f"  {phase}, s", f"startup/{phase}")
+    for stage in STAGES:
+        row(f"{stage}, s/step", stage, "{:.3f}")
+    row("**step, s**", "step", "{:.3f}")
+    row("steps", "steps", "{:.0f}")
+    row("wall, s", "wall", "{:.1f}")
+    row("reward, first step", "reward_first", "{:.3f}")
+    row("reward, mean of last 3", "reward_last", "{:.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--_trl_child":
+        _trl_child(int(sys.argv[2]), sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--metrics", type=Path, help="summarize this metrics.jsonl instead of running")
+    parser.add_argument("--out", type=Path, default=REPO / "output" / "bench-cpu-default")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (needs trl)")
+    parser.add_argument("--trl_path", help="a directory holding trl and its dependencies (pip --target)")
+    parser.add_argument("--model", type=Path, default=EXAMPLE / "sft_model", help="both runs' model")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the roll run")
+    args = parser.parse_args()
+    if args.metrics:
+        roll = summarize_roll(args.metrics, None)
+    else:
+        metrics, wall = run_roll(args.steps, args.out, [f"pretrain={args.model}", *args.overrides])
+        roll = summarize_roll(metrics, wall)
+    trl = run_trl(args.steps, args.trl_path, args.model) if args.trl else None
+    if trl:
+        print(f"TRL {trl.pop('version')}")
+    print(table(roll, trl))
+
+
+if __name__ == "__main__":
+    main()
