@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,8 +41,51 @@ STAGES = ("generate", "reward", "reference", "old_log_probs", "advantages", "tra
 PHASES = ("data", "ray", "workers", "initialize", "model_update_setup", "first_sync", "validation")
 
 
-def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float]:
-    """Run the default example for ``steps`` steps; (its metrics.jsonl, wall seconds)."""
+class CpuMeter:
+    """CPU seconds (user + system) of a process and all its descendants (Ray's GCS, raylet and
+    workers are the driver's), sampled every ``period`` s, with the sample times counted from the
+    process's start: a measure of work that other load on the machine does not inflate much."""
+
+    def __init__(self, proc: subprocess.Popen, period: float = 0.25):
+        import psutil
+
+        self.root = psutil.Process(proc.pid)
+        self.born = self.root.create_time()
+        self.samples: list[tuple[float, float]] = []  # (process age, CPU seconds so far)
+        self.per_pid: dict[int, float] = {}
+        self.period = period
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        while True:
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                try:
+                    t = proc.cpu_times()
+                except psutil.Error:
+                    continue
+                used = t.user + t.system + t.children_user + t.children_system
+                self.per_pid[proc.pid] = max(self.per_pid.get(proc.pid, 0.0), used)
+            self.samples.append((time.time() - self.born, sum(self.per_pid.values())))
+            time.sleep(self.period)
+
+    def between(self, start_age: float, end_age: float) -> float:
+        """CPU seconds used between two process ages (the nearest samples)."""
+
+        def at(age: float) -> float:
+            return min(self.samples, key=lambda s: abs(s[0] - age))[1]
+
+        return at(end_age) - at(start_age)
+
+
+def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float, CpuMeter]:
+    """Run the default example for ``steps`` steps; (its metrics.jsonl, wall seconds, CPU meter)."""
     cmd = [
         sys.executable,
         str(REPO / "examples" / "start_rlvr_pipeline.py"),
@@ -57,13 +101,16 @@ def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float]:
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=REPO, env=env)
-    return out / "metrics.jsonl", time.perf_counter() - start
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    meter = CpuMeter(proc)
+    if proc.wait():
+        raise SystemExit(f"the roll run failed (exit code {proc.returncode})")
+    return out / "metrics.jsonl", time.perf_counter() - start, meter
 
 
-def summarize_roll(metrics: Path, wall: float | None) -> dict[str, float]:
+def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = None) -> dict[str, float]:
     """Start-up phases, per-stage means over steps 2.. (all steps when there is only one), per
-    step mean and wall time from a run's metrics.jsonl."""
+    step mean and wall time from a run's metrics.jsonl; CPU seconds per step with ``meter``."""
     from roll.utils.tracking import read_metrics
 
     rows = read_metrics(metrics)
@@ -78,6 +125,9 @@ def summarize_roll(metrics: Path, wall: float | None) -> dict[str, float]:
     for stage in (*STAGES, "step"):
         out[stage] = statistics.mean(r.get(f"time/{stage}", 0.0) for r in timed)
     out["steps"] = float(len(steps))
+    if meter is not None and len(steps) > 1:
+        span = meter.between(steps[0]["perf/wall_s"], steps[-1]["perf/wall_s"])
+        out["cpu_per_step"] = span / (len(steps) - 1)
     out["wall"] = wall if wall is not None else steps[-1].get("perf/wall_s", float("nan"))
     scores = [r["critic/score/mean"] for r in steps if "critic/score/mean" in r]
     if scores:
@@ -91,16 +141,17 @@ def run_trl(steps: int, trl_path: str | None, model: Path) -> dict[str, float]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (trl_path, str(REPO)) if p)
     env.pop("OMP_NUM_THREADS", None)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--_trl_child", str(steps), str(model)],
-        check=True,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    cmd = [sys.executable, __file__, "--_trl_child", str(steps), str(model)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    meter = CpuMeter(proc)
+    stdout, _ = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"the TRL run failed (exit code {proc.returncode})")
     wall = time.perf_counter() - start
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(stdout.strip().splitlines()[-1])
+    ages = result.pop("step_end_ages")
+    if len(ages) > 1:
+        result["cpu_per_step"] = meter.between(ages[0], ages[-1]) / (len(ages) - 1)
     return result | {"wall": wall}
 
 
@@ -123,6 +174,7 @@ def _trl_child(steps: int, model_dir: str) -> None:
 
     from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
 
+    born = psutil.Process().create_time()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     rows = [json.loads(line) for line in (EXAMPLE / "data" / "train.jsonl").read_text().splitlines()]
@@ -137,12 +189,14 @@ def _trl_child(steps: int, model_dir: str) -> None:
             self.begin: list[float] = []
             self.times: list[float] = []
             self.rewards: list[float] = []
+            self.end_ages: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.begin[-1])
+            self.end_ages.append(time.time() - born)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -182,7 +236,6 @@ def _trl_child(steps: int, model_dir: str) -> None:
         callbacks=[timer],
     )
     trainer.train()
-    born = psutil.Process().create_time()
     import trl
 
     timed = timer.times[1:] or timer.times
@@ -195,6 +248,7 @@ def _trl_child(steps: int, model_dir: str) -> None:
                 "reward_first": timer.rewards[0] if timer.rewards else float("nan"),
                 "reward_last": statistics.mean(timer.rewards[-3:]) if timer.rewards else float("nan"),
                 "version": trl.__version__,
+                "step_end_ages": timer.end_ages,
             }
         )
     )
@@ -218,6 +272,7 @@ def table(roll: dict[str, float], trl: dict[str, float] | None) -> str:
     for stage in STAGES:
         row(f"{stage}, s/step", stage, "{:.3f}")
     row("**step, s**", "step", "{:.3f}")
+    row("CPU seconds per step (all processes)", "cpu_per_step", "{:.2f}")
     row("steps", "steps", "{:.0f}")
     row("wall, s", "wall", "{:.1f}")
     row("reward, first step", "reward_first", "{:.3f}")
@@ -241,8 +296,8 @@ def main() -> None:
     if args.metrics:
         roll = summarize_roll(args.metrics, None)
     else:
-        metrics, wall = run_roll(args.steps, args.out, [f"pretrain={args.model}", *args.overrides])
-        roll = summarize_roll(metrics, wall)
+        metrics, wall, meter = run_roll(args.steps, args.out, [f"pretrain={args.model}", *args.overrides])
+        roll = summarize_roll(metrics, wall, meter)
     trl = run_trl(args.steps, args.trl_path, args.model) if args.trl else None
     if trl:
         print(f"TRL {trl.pop('version')}")
