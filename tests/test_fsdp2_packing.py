@@ -22,7 +22,7 @@ from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 from torch.distributed.tensor import DTensor
 
 from roll.configs.errors import ConfigError
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models.microbatch import rebudget
 from roll.pipeline.rlvr.algorithms.losses import actor_loss, critic_loss

@@ -4,7 +4,6 @@ weight export; a GPU run (marked gpu) in bf16 with mixed precision."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,14 @@ from tiny_models import build_tiny_model_dir, encode_prompts
 from transformers import AutoModelForCausalLM
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import WorkerContext
+from roll.core.batch import Batch
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.distributed.strategy.registry import load_strategy_class
+from roll.utils.ports import free_port
 
 torch.set_num_threads(1)
 STEPS = 4  # optimizer steps; the checkpoint is taken after STEPS // 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def global_batch(response_width: int = 6) -> Batch:

@@ -8,8 +8,9 @@ from tiny_models import PAD_ID, build_tiny_model, build_tiny_model_dir, encode_p
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.models.logprobs import response_logits
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import tempfile
 
@@ -41,6 +40,7 @@ from roll.distributed.scheduler.placement import PlacementPlan, plan_role
 from roll.distributed.scheduler.resource_manager import ResourceManager
 from roll.distributed.strategy.registry import get_strategy_spec
 from roll.pipeline.workers.actor_worker import ActorWorker
+from roll.utils.ports import free_port
 
 torch.set_num_threads(1)
 # Ray workers cannot import this test module by name; ship its classes and functions by value.
@@ -150,12 +150,6 @@ def test_checksums_match_per_tensor_and_catch_changes():
 # ------------------------------------------------------------------------------ (b), (c) transports
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def sender_weights(sender: int, version: int) -> list[tuple[str, torch.Tensor]]:
     """Distinct tensors per sender and version; sender 1 sends an oversized tensor; sender 2 nothing."""
     if sender == 2:
@@ -221,7 +215,7 @@ def run_transport(
             name=f"test/{s}",
             sender=s,
             host="127.0.0.1",
-            port=_free_port(),
+            port=free_port(),
             receivers=tuple(range(num_receivers)),
             local=tuple(r in local.get(s, set()) for r in range(num_receivers)),
             backend=backend,
@@ -384,7 +378,7 @@ def run_megatron_to_receivers(tmp_path, backend: str) -> dict[str, list[int]]:
     cases = list(MEGATRON_CASES)
     specs = {
         case: [
-            LinkSpec(f"megatron/{case}/{s}", s, "127.0.0.1", _free_port(), (0, 1), (s == 0, s == 1), backend)
+            LinkSpec(f"megatron/{case}/{s}", s, "127.0.0.1", free_port(), (0, 1), (s == 0, s == 1), backend)
             for s in range(2)
         ]
         for case in cases
@@ -393,7 +387,7 @@ def run_megatron_to_receivers(tmp_path, backend: str) -> dict[str, list[int]]:
     start = START_METHOD if backend == "gloo" else "spawn"
     mp.start_processes(
         _megatron_member,
-        args=(_free_port(), cases, specs, ckpts, out_dir, backend),
+        args=(free_port(), cases, specs, ckpts, out_dir, backend),
         nprocs=4,
         start_method=start,
     )

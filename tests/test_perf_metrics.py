@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.perf import memory_metrics, model_devices, throughput_metrics
 from roll.utils.memory import GIB, DeviceMemoryMonitor, memory_stats
 

@@ -24,6 +24,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import VLLMConfig
 from roll.configs.timeouts import WorkerTimeoutsConfig
+from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import (
     Dispatch,
     DPRank,
@@ -34,7 +35,6 @@ from roll.distributed.executor.dispatch import (
 )
 from roll.distributed.executor.worker import Worker
 from roll.distributed.scheduler import resource_manager
-from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import Cluster
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement, plan_role

@@ -10,7 +10,7 @@ import torch
 import yaml
 from launch_files import make_launch_files
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.launcher import main
 from roll.pipeline.rlvr.stages import dp_call
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
+from roll.core.batch import Batch
 from roll.distributed.executor.faults import inject_fault
-from roll.distributed.scheduler.batch import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "_roll_dispatch"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,10 +34,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from roll.core.worker_context import WorkerContext
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
-from roll.distributed.strategy.base import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
+from roll.utils.ports import free_port
 from roll.utils.tcp_store import open_tcp_store
 
 if TYPE_CHECKING:
@@ -98,10 +98,7 @@ class Worker:
     @register(Dispatch.RANK_ZERO)
     def get_master_address(self) -> tuple[str, int]:
         """This node's IP and a free TCP port for the role's process group rendezvous."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     @register(Dispatch.ONE_TO_ALL)
     def init_process_group(self, master_addr: str, master_port: int, force: bool = False) -> bool:

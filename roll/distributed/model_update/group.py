@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.batch import Batch
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.model_update.link import LinkSpec
 from roll.distributed.model_update.probe import (
@@ -51,7 +52,6 @@ from roll.distributed.model_update.probe import (
     logprob_diff,
     probe_warn_threshold,
 )
-from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.cluster import get_all
 
 PREFIX = "model_update/"

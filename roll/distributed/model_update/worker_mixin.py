@@ -35,14 +35,14 @@ from typing import Any
 import ray
 import torch
 
+from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.model_update.bucket import BucketMeta
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.model_update.link import Link, LinkSpec
-from roll.distributed.model_update.process_group import free_port
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links
 from roll.distributed.model_update.sender import BucketSender
-from roll.distributed.scheduler.batch import Batch
+from roll.utils.ports import free_port
 
 
 class _ModelUpdateWorker:

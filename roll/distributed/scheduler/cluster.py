@@ -26,6 +26,7 @@ import ray
 from ray.exceptions import RayError
 
 from roll.configs.timeouts import WorkerTimeoutsConfig
+from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import (
     Dispatch,
     DPRank,
@@ -35,7 +36,6 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
-from roll.distributed.scheduler.batch import Batch
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager

@@ -4,7 +4,7 @@ A strategy owns the model of one worker (one rank of a role) on its device. It h
 side (every strategy) and, for ``*_train`` strategies, a training side. Strategies are flat classes;
 these Protocols only document the methods the workers call.
 
-Batch layout (shared by every strategy, see ``roll.distributed.scheduler.batch.Batch``):
+Batch layout (shared by every strategy, see ``roll.core.batch.Batch``):
 
 ==================  ===========  =====================================================================
 field               shape        meaning
@@ -33,75 +33,18 @@ Example (what a worker does)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
+from roll.core.loss import LossFn
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 
 if TYPE_CHECKING:
-    from roll.configs.pipeline_config import RLVRConfig
-    from roll.configs.role import GeneratingArgs, RoleConfig
-
-# loss_fn(outputs, micro_batch) -> (scalar loss, metrics). ``outputs`` holds "log_probs" and
-# "entropy" ([b, R]) for policy models, or "values" ([b, R]) for value models.
-LossFn = Callable[[dict[str, torch.Tensor], Batch], "tuple[torch.Tensor, dict[str, float]]"]
-
-
-@dataclass
-class WorkerContext:
-    """Where a strategy runs: its role, its rank in the role's process group, and its device."""
-
-    role: str
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    seed: int = 42
-    # The whole run's config (prompt_length, response_length, ...); None in unit tests.
-    pipeline: RLVRConfig | None = None
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-
-@dataclass
-class SamplingParams:
-    """Engine-neutral sampling parameters; each inference strategy maps them to its engine."""
-
-    n: int = 1
-    max_new_tokens: int = 512
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: bool = True
-    seed: int | None = None
-    # Generate past EOS (benchmarks that need every response at full length); stop ids still apply.
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_generating_args(cls, args: GeneratingArgs, **overrides: Any) -> SamplingParams:
-        greedy = not args.do_sample or args.temperature == 0
-        params = cls(
-            n=args.num_return_sequences,
-            max_new_tokens=args.max_new_tokens,
-            min_new_tokens=args.min_new_tokens,
-            temperature=0.0 if greedy else args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty,
-            stop=list(args.stop_strings) if args.stop_strings else None,
-        )
-        for key, value in overrides.items():
-            setattr(params, key, value)
-        return params
+    from roll.configs.role import RoleConfig
 
 
 class InferenceStrategy(Protocol):

@@ -35,7 +35,6 @@ import copy
 import json
 import math
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,8 +49,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import LossFn, WorkerContext
+from roll.core.batch import Batch
+from roll.core.loss import LossFn
+from roll.core.worker_context import WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
@@ -59,6 +59,7 @@ from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebud
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+from roll.utils.ports import free_port
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -374,9 +375,7 @@ def _ensure_process_group(ctx: WorkerContext) -> None:
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size)
     elif ctx.world_size == 1:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port("127.0.0.1")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     else:
         raise RuntimeError(

@@ -31,8 +31,9 @@ from transformers import (
 
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import HFInferConfig, typed_strategy_config
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import (
     build_generation_batch,
     capped,

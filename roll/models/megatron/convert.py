@@ -77,7 +77,7 @@ def check_layout(hf_dir: str | Path, cfg: MegatronConfig) -> Any:
 
 
 def _chunks(hf_config: Any, cfg: MegatronConfig, dtype: torch.dtype) -> list[Any]:
-    from roll.distributed.strategy.base import WorkerContext
+    from roll.core.worker_context import WorkerContext
     from roll.models.megatron.model_builder import build_model_chunks
     from roll.models.megatron.parallel import init_parallel
     from roll.models.megatron.runtime import mark_tensor_parallel_params
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
-    from roll.distributed.model_update.process_group import free_port
+    from roll.utils.ports import free_port
 
     parser = argparse.ArgumentParser(description="HF <-> megatron-core dist checkpoint conversion")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -16,19 +16,13 @@ copies them from the last stage), so callers may read any rank; the cluster read
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from roll.configs.strategy_configs import MegatronConfig
-from roll.distributed.strategy.base import WorkerContext
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from roll.core.worker_context import WorkerContext
+from roll.utils.ports import free_port
 
 
 def _ensure_process_group(ctx: WorkerContext) -> None:
@@ -42,7 +36,7 @@ def _ensure_process_group(ctx: WorkerContext) -> None:
     if ctx.world_size != 1:
         raise RuntimeError(f"torch.distributed is not initialised for a role of {ctx.world_size} ranks")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     backend = "nccl" if ctx.is_cuda else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, device_id=ctx.device if ctx.is_cuda else None)
 

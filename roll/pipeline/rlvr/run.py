@@ -19,7 +19,7 @@ from tqdm import tqdm
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 
 logger = logging.getLogger("roll")

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
@@ -202,9 +202,7 @@ def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
     and per domain."""
     if run.val_prompts is None:
         return {}
-    params = SamplingParams.from_generating_args(
-        run.val_generating_args, seed=run.config.seed + 10_000_019 + step
-    )
+    params = run.val_generating_args.sampling_params(seed=run.config.seed + 10_000_019 + step)
     chunks = []
     size = run.val_batch_size
     for chunk in run.progress(run.val_prompts.split(size), desc=f"validation@{step}"):

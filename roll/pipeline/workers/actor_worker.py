@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from roll.core.batch import Batch
+from roll.core.loss import LossFn
+from roll.core.sampling import SamplingParams
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
 from roll.distributed.model_update.worker_mixin import ModelUpdateReceiverMixin, ModelUpdateSenderMixin
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import LossFn, SamplingParams
 from roll.utils.rng import rng_state, seed_everything, set_rng_state
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
-from roll.distributed.scheduler.batch import Batch
 from roll.pipeline.rlvr.rewards.registry import get_reward_spec, load_reward_fn
 
 
