@@ -1,14 +1,19 @@
 """``Worker``: the base class of every role's Ray actor (one process per rank).
 
 A role's workers are started by ``roll.distributed.scheduler.cluster.Cluster``; subclasses add the
-role's methods and mark them with ``@register`` so the cluster knows how to call them::
+role's methods and mark them with ``@register`` so the cluster knows how to call them; the role's
+``Cluster`` subclass offers one typed method per worker method::
 
     class RewardWorker(Worker):
         @register(Dispatch.DP_COMPUTE)
         def compute_rewards(self, batch: Batch) -> Batch:
             ...
 
-    rewards = Cluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
+    class RewardCluster(Cluster):
+        def compute_rewards(self, batch: Batch) -> Batch:
+            return self.call(RewardWorker.compute_rewards, batch)
+
+    rewards = RewardCluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
     scored = rewards.compute_rewards(batch)
 
 What the base class does, in order: apply the environment the resource manager chose
@@ -123,7 +128,6 @@ class Worker:
         )
         return True
 
-    @register(Dispatch.ONE_TO_ALL)
     def create_strategy(self) -> None:
         """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""
         args = self.role_config.strategy_args
@@ -136,10 +140,9 @@ class Worker:
     def dp_layout(self) -> DPRank:
         """(dp_rank, dp_size, is_output): the strategy's answer when it has one (Megatron: TP/PP
         ranks share a DP rank and one of them returns output), else every rank is its own DP rank."""
-        layout = getattr(self.strategy, "dp_layout", None)
-        if layout is None:
+        if self.strategy is None:
             return DPRank(self.rank, self.world_size, True)
-        return DPRank(*layout())
+        return DPRank(*self.strategy.dp_layout())
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, object]:

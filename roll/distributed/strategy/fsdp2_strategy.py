@@ -213,10 +213,24 @@ class FSDP2TrainStrategy:
             norm = norm.full_tensor()
         return float(norm)
 
-    @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``
-        rows or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
+        """{"log_probs", "entropy"} [B, R] of a policy model, as the training forward computes them."""
+        if self.is_value_model:
+            raise ValueError(f"{self.ctx.role}: a value model has values, not log-probs (compute_values)")
+        return self._infer(batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values [B, R] of a value model (``model_args.model_type: value``)."""
+        if not self.is_value_model:
+            raise ValueError(
+                f"{self.ctx.role}: compute_values needs a value model (model_args.model_type: value)"
+            )
+        return self._infer(batch)["values"]
+
+    @torch.no_grad()
+    def _infer(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The training forward's outputs without grad, micro-batched by ``infer_batch_size`` rows
+        or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
         self.model.eval()
         budget, order = self.config.infer_max_tokens_per_microbatch, None
         if budget is None:
@@ -325,7 +339,7 @@ class FSDP2TrainStrategy:
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer shards (torch.distributed.checkpoint) and, from rank 0, the step and
         LR scheduler (``trainer_state.json``). The process RNG is the worker's to save (see
-        ``ActorWorker.save_checkpoint``), the same for every strategy."""
+        ``ModelWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
