@@ -37,14 +37,13 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from roll.core.worker_context import WorkerContext
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
 from roll.utils.ports import free_port
-from roll.utils.tcp_store import open_tcp_store
+from roll.utils.process_group import init_default_group
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -117,16 +116,14 @@ class Worker:
             return True
         if self.world_size == 1 and not force:
             return False
-        backend = "nccl" if self.ctx.is_cuda else "gloo"
-        store = open_tcp_store(master_addr, master_port, self.world_size, self.rank == 0, default_pg_timeout)
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            device_id=self.ctx.device if self.ctx.is_cuda else None,
+        return init_default_group(
+            self.rank,
+            self.world_size,
+            self.ctx.device,
+            master_addr=master_addr,
+            master_port=master_port,
+            who=self.role,
         )
-        return True
 
     def create_strategy(self) -> None:
         """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""

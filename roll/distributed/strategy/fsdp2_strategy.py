@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,7 +58,7 @@ from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebud
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
-from roll.utils.ports import free_port
+from roll.utils.process_group import init_default_group
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -89,7 +88,13 @@ class FSDP2TrainStrategy:
             )
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
-        _ensure_process_group(self.ctx)
+        init_default_group(
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.ctx.device,
+            backend="cpu:gloo,cuda:nccl" if self.ctx.is_cuda else "gloo",
+            who=self.ctx.role,
+        )
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
@@ -375,24 +380,3 @@ class FSDP2TrainStrategy:
 def _no_lambdas(value: object) -> None:
     """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
     return None
-
-
-def _ensure_process_group(ctx: WorkerContext) -> None:
-    if dist.is_initialized():
-        if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
-            raise RuntimeError(
-                f"{ctx.role}: the default process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
-                f"but this worker is rank {ctx.rank} of {ctx.world_size}"
-            )
-        return
-    backend = "cpu:gloo,cuda:nccl" if ctx.is_cuda else "gloo"
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size)
-    elif ctx.world_size == 1:
-        port = free_port("127.0.0.1")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    else:
-        raise RuntimeError(
-            f"{ctx.role}: {ctx.world_size} ranks need MASTER_ADDR and MASTER_PORT in the environment "
-            "to form their process group"
-        )
