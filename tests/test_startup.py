@@ -81,9 +81,9 @@ def test_every_roles_workers_start_at_once_and_a_failure_keeps_the_others(monkey
                 raise RuntimeError("reference failed to start")
             self.role = name
 
-    import roll.distributed.scheduler.cluster as cluster_module
+    import roll.pipeline.rlvr.run as run_module
 
-    monkeypatch.setattr(cluster_module, "Cluster", FakeCluster)
+    monkeypatch.setattr(run_module, "role_classes", lambda name: (FakeCluster, None))
     cfg = config()
     run = SimpleNamespace(config=cfg, plan=plan_placement(cfg), resources=None, clusters={})
     with pytest.raises(RuntimeError, match="reference failed to start"):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 if TYPE_CHECKING:
     from roll.pipeline.rlvr.run import RLVRRun
@@ -55,7 +55,7 @@ def memory_metrics(run: RLVRRun) -> dict[str, float]:
         plan = run.plan.roles[role]
         if plan.cpu_only:
             continue
-        stats = cluster.execute_all("memory_stats")
+        stats = cluster.memory_stats()
         for key in ("peak_allocated", "peak_reserved", "peak_rss"):
             values = [s[key] for s in stats if key in s]
             if values:

@@ -19,11 +19,15 @@ from tqdm import tqdm
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 
 if TYPE_CHECKING:
+    from roll.distributed.executor.worker import Worker
+    from roll.distributed.scheduler.cluster import Cluster
     from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.workers.model_worker import ModelCluster
+    from roll.pipeline.workers.reward_worker import RewardCluster
 
 logger = logging.getLogger("roll")
 
@@ -35,7 +39,7 @@ class RLVRRun:
     run_dir: Path
     tokenizer: Any
     sampler: Any
-    clusters: dict[str, Any] = field(default_factory=dict)
+    clusters: dict[str, Cluster] = field(default_factory=dict)
     resources: Any = None
     model_update: Any = None
     tracker: Any = None
@@ -51,6 +55,14 @@ class RLVRRun:
     show_progress: bool = True
     # The version actor_infer holds (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
+
+    def model(self, role: str) -> ModelCluster:
+        """The cluster of model role ``role`` (actor_train, actor_infer, reference, critic)."""
+        return self.clusters[role]  # type: ignore[return-value]
+
+    def reward(self, name: str) -> RewardCluster:
+        """The cluster of reward role ``rewards.<name>``."""
+        return self.clusters[f"rewards.{name}"]  # type: ignore[return-value]
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
@@ -131,6 +143,14 @@ def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) ->
     return config.max_steps * config.ppo_epochs * max(per_step, 1)
 
 
+def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
+    """The cluster and worker classes of a role: reward roles score, every other role runs a model."""
+    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardCluster, RewardWorker
+
+    return (RewardCluster, RewardWorker) if role.startswith("rewards.") else (ModelCluster, ModelWorker)
+
+
 def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
     """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
     records the start-up phases (``startup/*`` metrics)."""
@@ -168,7 +188,7 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
 def _build_model_update(run: RLVRRun):
     from roll.distributed.model_update.group import ModelUpdateGroup
 
-    group = ModelUpdateGroup(run.clusters["actor_train"], run.clusters["actor_infer"], run.config)
+    group = ModelUpdateGroup(run.model("actor_train"), run.model("actor_infer"), run.config)
     group.setup()
     return group
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
+    from roll.distributed.scheduler.cluster import AsyncResult, Cluster
     from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.rlvr.run import RLVRRun
 
@@ -80,6 +81,7 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     another role failed, so ``run.shutdown`` stops them."""
     from roll.distributed.scheduler.cluster import get_all
     from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.workers.model_worker import ModelWorker
 
     config = run.config
     with timer("ray"):
@@ -88,25 +90,23 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         _start_workers(run)
     with timer("initialize"):
         for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
-            get_all(*(run.clusters[name].async_initialize(*_init_args(run, name)) for name in wave))
+            get_all(*(_async_initialize(run, name) for name in wave))
             for name in wave:
                 run.clusters[name].refresh_dp_layout()
         # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
-        get_all(*(run.clusters[name].async_offload_states() for name in sorted(run.colocated)))
+        get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
 
 
 def _start_workers(run: RLVRRun) -> None:
-    """One Cluster per role, built on threads: each blocks until its ranks answer and have joined
+    """One cluster per role, built on threads: each blocks until its ranks answer and have joined
     their process group, and Ray starts all the processes meanwhile."""
-    from roll.distributed.scheduler.cluster import Cluster
-    from roll.pipeline.workers.actor_worker import ActorWorker
-    from roll.pipeline.workers.reward_worker import RewardWorker
+    from roll.pipeline.rlvr.run import role_classes
 
     roles = run.config.roles()
 
     def start(name: str) -> Cluster:
-        worker_cls = RewardWorker if name.startswith("rewards.") else ActorWorker
-        return Cluster(name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config)
+        cluster_cls, worker_cls = role_classes(name)
+        return cluster_cls(name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config)
 
     pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
     futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}
@@ -123,9 +123,13 @@ def _start_workers(run: RLVRRun) -> None:
         raise error
 
 
-def _init_args(run: RLVRRun, name: str) -> tuple[Any, ...]:
+def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
+    """Every rank's ``initialize`` of role ``name``, started (trainers get their optimizer steps)."""
     from roll.pipeline.rlvr.run import total_optimizer_steps
+    from roll.pipeline.workers.model_worker import ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardWorker
 
-    if name in ("actor_train", "critic"):
-        return (total_optimizer_steps(run.config, name, run.plan),)
-    return ()
+    if name.startswith("rewards."):
+        return run.clusters[name].async_call(RewardWorker.initialize)
+    steps = total_optimizer_steps(run.config, name, run.plan) if name in ("actor_train", "critic") else None
+    return run.model(name).async_call(ModelWorker.initialize, steps)
