@@ -46,12 +46,14 @@ class CpuMeter:
     workers are the driver's), sampled every ``period`` s, with the sample times counted from the
     process's start: a measure of work that other load on the machine does not inflate much."""
 
-    def __init__(self, proc: subprocess.Popen, period: float = 0.25):
+    def __init__(self, proc: subprocess.Popen, period: float = 0.25, metrics: Path | None = None):
         import psutil
 
         self.root = psutil.Process(proc.pid)
         self.born = self.root.create_time()
+        self.metrics = metrics
         self.samples: list[tuple[float, float]] = []  # (process age, CPU seconds so far)
+        self.lines: list[tuple[float, int]] = []  # (process age, lines in metrics.jsonl)
         self.per_pid: dict[int, float] = {}
         self.period = period
         self.thread = threading.Thread(target=self._poll, daemon=True)
@@ -72,8 +74,19 @@ class CpuMeter:
                     continue
                 used = t.user + t.system + t.children_user + t.children_system
                 self.per_pid[proc.pid] = max(self.per_pid.get(proc.pid, 0.0), used)
-            self.samples.append((time.time() - self.born, sum(self.per_pid.values())))
+            age = time.time() - self.born
+            self.samples.append((age, sum(self.per_pid.values())))
+            if self.metrics is not None and self.metrics.exists():
+                self.lines.append((age, self.metrics.read_text().count("\n")))
             time.sleep(self.period)
+
+    def line_ages(self) -> list[float]:
+        """When each line of metrics.jsonl appeared (process ages): step ends, for any roll version."""
+        ages: list[float] = []
+        for age, count in self.lines:
+            while len(ages) < count:
+                ages.append(age)
+        return ages
 
     def between(self, start_age: float, end_age: float) -> float:
         """CPU seconds used between two process ages (the nearest samples)."""
@@ -84,11 +97,12 @@ class CpuMeter:
         return at(end_age) - at(start_age)
 
 
-def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float, CpuMeter]:
-    """Run the default example for ``steps`` steps; (its metrics.jsonl, wall seconds, CPU meter)."""
+def run_roll(steps: int, out: Path, overrides: list[str], repo: Path = REPO) -> tuple[Path, float, CpuMeter]:
+    """Run the default example of the checkout ``repo`` for ``steps`` steps; (its metrics.jsonl,
+    wall seconds, CPU meter)."""
     cmd = [
         sys.executable,
-        str(REPO / "examples" / "start_rlvr_pipeline.py"),
+        str(repo / "examples" / "start_rlvr_pipeline.py"),
         "--config_name",
         "rlvr_config",
         f"max_steps={steps}",
@@ -99,10 +113,13 @@ def run_roll(steps: int, out: Path, overrides: list[str]) -> tuple[Path, float, 
         "overwrite_output_dir=true",
         *overrides,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(repo), "TOKENIZERS_PARALLELISM": "false"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if (out / "metrics.jsonl").exists():
+        (out / "metrics.jsonl").unlink()  # the meter counts this run's lines
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
-    meter = CpuMeter(proc)
+    proc = subprocess.Popen(cmd, cwd=repo, env=env)
+    meter = CpuMeter(proc, metrics=out / "metrics.jsonl")
     if proc.wait():
         raise SystemExit(f"the roll run failed (exit code {proc.returncode})")
     return out / "metrics.jsonl", time.perf_counter() - start, meter
@@ -125,9 +142,10 @@ def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = N
     for stage in (*STAGES, "step"):
         out[stage] = statistics.mean(r.get(f"time/{stage}", 0.0) for r in timed)
     out["steps"] = float(len(steps))
-    if meter is not None and len(steps) > 1:
-        span = meter.between(steps[0]["perf/wall_s"], steps[-1]["perf/wall_s"])
-        out["cpu_per_step"] = span / (len(steps) - 1)
+    ends = meter.line_ages() if meter is not None else []
+    if len(ends) == len(rows) and len(steps) > 1:  # one line per step (validation off)
+        out["cpu_per_step"] = meter.between(ends[-len(steps)], ends[-1]) / (len(steps) - 1)
+        out["startup"] = out.get("startup", ends[-len(steps)] - steps[0]["time/step"])
     out["wall"] = wall if wall is not None else steps[-1].get("perf/wall_s", float("nan"))
     scores = [r["critic/score/mean"] for r in steps if "critic/score/mean" in r]
     if scores:
@@ -290,13 +308,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "output" / "bench-cpu-default")
     parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (needs trl)")
     parser.add_argument("--trl_path", help="a directory holding trl and its dependencies (pip --target)")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the roll checkout to run (A/B runs)")
     parser.add_argument("--model", type=Path, default=EXAMPLE / "sft_model", help="both runs' model")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the roll run")
     args = parser.parse_args()
     if args.metrics:
         roll = summarize_roll(args.metrics, None)
     else:
-        metrics, wall, meter = run_roll(args.steps, args.out, [f"pretrain={args.model}", *args.overrides])
+        overrides = [f"pretrain={args.model.resolve()}", *args.overrides]
+        metrics, wall, meter = run_roll(args.steps, args.out.resolve(), overrides, args.repo.resolve())
         roll = summarize_roll(metrics, wall, meter)
     trl = run_trl(args.steps, args.trl_path, args.model) if args.trl else None
     if trl:
