@@ -61,6 +61,9 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         )
+        if cfg.freeze_moe_router:
+            # A frozen router keeps its expert bias too (megatron's aux-loss-free bias update).
+            kwargs["moe_router_bias_update_rate"] = 0.0
     return kwargs
 
 
@@ -73,7 +76,7 @@ def transformer_config_from_hf(
     sizes and recompute from ``megatron_cfg``, and ``megatron_cfg.transformer_config_kwargs`` last.
     Parameters live on the current CUDA device, or on CPU where CUDA is absent.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     if dtype not in _DTYPE_FLAGS:
         raise ValueError(f"dtype must be one of {list(_DTYPE_FLAGS)}, got {dtype}")
@@ -88,8 +91,9 @@ def transformer_config_from_hf(
         perform_initialization=False,
     )
     kwargs.update(megatron_cfg.transformer_config_kwargs)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     try:
-        return TransformerConfig(**kwargs)
+        return config_class(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{path}.transformer_config_kwargs", str(err)) from err
 
