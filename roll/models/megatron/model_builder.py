@@ -106,6 +106,7 @@ def local_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
         num_experts=num_experts,
         moe_grouped_gemm=megatron_cfg.moe_grouped_gemm,
         qk_layernorm=transformer_config.qk_layernorm,
+        multi_latent_attention=bool(getattr(transformer_config, "multi_latent_attention", False)),
         normalization=transformer_config.normalization,
     )
 
