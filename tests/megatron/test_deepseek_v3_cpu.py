@@ -273,6 +273,23 @@ def _hf_log_probs(path: str, batch) -> torch.Tensor:
     return logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+def _hf_grad_norm(path: str, batch) -> float:
+    """transformers' gradient norm of ``pg_loss`` averaged over one-row micro-batches."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    width = batch["responses"].shape[1]
+    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
+    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    rmask = batch["response_mask"].float()
+    loss = (-(logps * batch["advantages"] * rmask).sum(1) / rmask.sum(1)).mean()
+    loss.backward()
+    return float(
+        torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    )
+
+
 def _full_weights(strategy) -> dict[str, torch.Tensor]:
     """Every HF tensor of the strategy's model, on every rank."""
     from roll.models.megatron.hf_io import export_hf_weights
@@ -288,10 +305,10 @@ def _training_checks(scratch: str) -> list[str]:
     batch = pg_batch(0)
     reference = _hf_log_probs(path, batch)
     mask = batch["response_mask"].bool()
-    after = {}
+    after, stepped, metrics = {}, {}, {}
     for name, layout in (
         ("EP2", {"expert_model_parallel_size": 2}),
-        ("TP2", {"tensor_model_parallel_size": 2}),
+        ("TP2+SP", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     ):
         strategy = train_strategy(path, layout)
         log_probs = strategy.compute_log_probs(batch)["log_probs"]
@@ -300,14 +317,25 @@ def _training_checks(scratch: str) -> list[str]:
             bad.append(f"{name}: log-probs differ from transformers' by {diff:.2e}")
         before = _full_weights(strategy)
         dp_rank, dp_size, _ = strategy.dp_layout()
-        strategy.train_step(batch.chunk(dp_size)[dp_rank].split(1), pg_loss)
+        metrics[name] = strategy.train_step(batch.chunk(dp_size)[dp_rank].split(1), pg_loss)
         after[name] = _full_weights(strategy)
+        stepped[name] = strategy.compute_log_probs(batch)["log_probs"]
         moved = {n for n in before if not torch.equal(before[n], after[name][n])}
         if not any("e_score_correction_bias" in n for n in moved) or not any("self_attn" in n for n in moved):
             bad.append(f"{name}: the step left attention or the expert bias unchanged: {sorted(moved)[:4]}")
-    worst = max(float((after["EP2"][n] - after["TP2"][n]).abs().max()) for n in after["EP2"])
-    if worst > 1e-5:
-        bad.append(f"one step at EP2 and at TP2 give weights {worst:.2e} apart")
+    hf_norm = _hf_grad_norm(path, batch)
+    for name, values in metrics.items():
+        if abs(values["grad_norm"] - hf_norm) > 1e-5 * hf_norm:
+            bad.append(f"{name}: grad norm {values['grad_norm']:.7f}, transformers' {hf_norm:.7f}")
+    gaps = {n: float((after["EP2"][n] - after["TP2+SP"][n]).abs().max()) for n in after["EP2"]}
+    # lr 1e-2: Adam's first step moves every weight by about 1e-2 x sign(grad), so rounding in a
+    # near-zero gradient shows up as up to ~1e-4; a wrong gradient sign as 2e-2.
+    far = sorted((g, n) for n, g in gaps.items() if g > 1e-3)
+    if far:
+        bad.append(f"one step at EP2 and at TP2+SP give weights apart: {far[-4:]} ({len(far)} tensors)")
+    gap = float((stepped["EP2"] - stepped["TP2+SP"]).abs()[mask].max())
+    if gap > 1e-4:
+        bad.append(f"log-probs after the step differ by {gap:.2e} between EP2 and TP2+SP")
     frozen = train_strategy(path, {"expert_model_parallel_size": 2, "freeze_moe_router": True})
     before = _full_weights(frozen)
     dp_rank, dp_size, _ = frozen.dp_layout()
@@ -382,10 +410,15 @@ def test_unsupported_options_name_the_key(overrides, key) -> None:
     assert "deepseek_v3" in str(err.value)
 
 
-def test_layout_checks_cover_the_latent_dims() -> None:
-    config = deepseek_config(q_lora_rank=50)
+def test_layout_checks_name_the_key() -> None:
     with pytest.raises(
-        ConfigError, match=r"tensor_model_parallel_size: 4 does not divide the model's q_lora_rank"
+        ConfigError, match=r"tensor_model_parallel_size: 8 does not divide the model's num_attention_heads"
     ):
-        families.check_model_fits(config, MegatronConfig(tensor_model_parallel_size=4))
-    families.check_model_fits(deepseek_config(), MegatronConfig(tensor_model_parallel_size=4))
+        families.check_model_fits(deepseek_config(), MegatronConfig(tensor_model_parallel_size=8))
+    with pytest.raises(
+        ConfigError, match=r"expert_model_parallel_size: 3 does not divide the model's number of experts"
+    ):
+        families.check_model_fits(deepseek_config(), MegatronConfig(expert_model_parallel_size=3))
+    families.check_model_fits(
+        deepseek_config(), MegatronConfig(tensor_model_parallel_size=4, expert_model_parallel_size=8)
+    )

@@ -343,12 +343,6 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     tp_key = f"{path}.tensor_model_parallel_size"
     _divides(tp, hf_config.num_attention_heads, "num_attention_heads", tp_key)
     _divides(tp, hf_config.num_key_value_heads, "num_key_value_heads", tp_key)
-    if family.mla_kwargs is not None:
-        # megatron's local MLA spec splits the down projections over TP too (then gathers).
-        if hf_config.q_lora_rank:
-            _divides(tp, hf_config.q_lora_rank, "q_lora_rank", tp_key)
-        latent = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
-        _divides(tp, latent, "kv_lora_rank + qk_rope_head_dim", tp_key)
     if family.moe_kwargs is None:
         _divides(tp, hf_config.intermediate_size, "intermediate_size", tp_key)
         for key, is_set in _MOE_ONLY:

@@ -373,6 +373,8 @@ def _plain_torch_layer(
     for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if getattr(attn, name, IdentityOp) is not IdentityOp:
             setattr(attn, name, TorchNorm)
+    if getattr(transformer_config, "multi_latent_attention", False):
+        mla_down_projections(attn)
     if num_experts:
         moe = sub.mlp.submodules
         sub.mlp.submodules = replace(moe, router=_router_class())
@@ -381,13 +383,30 @@ def _plain_torch_layer(
     return spec
 
 
-def _mla_without_te() -> None:
+def mla_without_te() -> None:
     """megatron-core 0.16.1's MLA module sets ``HAVE_TE`` whenever its TE extension module imports
     (it does without TE, with mock classes) and then calls ``isinstance(linear_proj, TELinear)`` on
     the mock, which raises; without TE the flag must be False."""
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = False
+
+
+def mla_down_projections(attn: Any) -> None:
+    """MLA's q / kv down projections as whole (duplicated) weights on every TP rank, on this rank's
+    sequence shard under SP, as TE's MLA spec has them.
+
+    The local spec makes them column-parallel and gathers their output over TP, but then the
+    gradient of the shared RoPE key (``k_pos_emb``, used by every head) stays the sum over this
+    rank's heads only: TP2 + SP training had a 0.7% wrong gradient norm on a tiny DeepSeek-V3.
+    Duplicated, the key is gathered from the sequence shards and its gradient reduce-scattered
+    (summed over all heads); the weights' gradients are summed over TP (``sequence_parallel``).
+    megatron's MLA accepts exactly megatron's modelopt ``Linear`` for this (a plain
+    ``torch.nn.Linear`` that marks its weights so)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attn.linear_q_down_proj = Linear
+    attn.linear_kv_down_proj = Linear
 
 
 def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_experts: int | None) -> Any:
@@ -405,7 +424,7 @@ def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
             num_experts=num_experts, moe_grouped_gemm=megatron_cfg.moe_grouped_gemm, qk_layernorm=qk
         )
     if mla and not HAVE_TE:
-        _mla_without_te()
+        mla_without_te()
     local = specs.get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=False,

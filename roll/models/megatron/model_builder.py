@@ -102,13 +102,20 @@ def local_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
     """megatron-core's local (no TransformerEngine) layer spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    mla = bool(getattr(transformer_config, "multi_latent_attention", False))
+    spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=megatron_cfg.moe_grouped_gemm,
         qk_layernorm=transformer_config.qk_layernorm,
-        multi_latent_attention=bool(getattr(transformer_config, "multi_latent_attention", False)),
+        multi_latent_attention=mla,
         normalization=transformer_config.normalization,
     )
+    if mla:  # the HF tables hold MLA's down projections whole on every TP rank
+        from roll.models.megatron.layer_spec import mla_down_projections, mla_without_te
+
+        mla_without_te()
+        mla_down_projections(spec.submodules.self_attention.submodules)
+    return spec
 
 
 def default_layer_spec_fn() -> LayerSpecFn:

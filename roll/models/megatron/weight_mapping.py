@@ -192,16 +192,19 @@ QWEN3_MOE = LayerTables(
 # Mixtral's experts: w1 = gate, w3 = up, w2 = down.
 MIXTRAL = LayerTables(dense=None, moe=_ATTENTION + _moe_mlp("block_sparse_moe", "w1", "w3", "w2"))
 
-# DeepSeek-V3: multi-latent attention (megatron's local MLA spec: every projection column-parallel,
-# the down projections gathered after), shared experts, the router's score-correction bias.
+# DeepSeek-V3: multi-latent attention (the down projections whole on every TP rank, see
+# layer_spec.mla_down_projections; the up projections column-parallel by heads), shared experts,
+# the router's score-correction bias.
 _MLA_Q_LORA = (
-    WeightSpec("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), COLUMN),
+    WeightSpec("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), REPLICATED),
     _norm("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
     WeightSpec("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), COLUMN),
 )
 _MLA_Q = (WeightSpec("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), COLUMN),)
 _MLA_KV = (
-    WeightSpec("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), COLUMN),
+    WeightSpec(
+        "self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), REPLICATED
+    ),
     _norm("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
     WeightSpec("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), COLUMN),
     WeightSpec("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
