@@ -422,3 +422,35 @@ def test_layout_checks_name_the_key() -> None:
     families.check_model_fits(
         deepseek_config(), MegatronConfig(tensor_model_parallel_size=4, expert_model_parallel_size=8)
     )
+
+
+# ------------------------------------------------------------------------ recipe and planner
+RECIPE = "deepseek-v3-671B-sft_megatron_512gpus"
+
+
+def test_recipe_plans_and_fits_deepseek_v3(capsys) -> None:
+    """The 512-GPU recipe (TP1 x PP16 x EP32, stages of 3 / 14 x 4 / 2 layers) passes --dry_run and
+    fits DeepSeek-V3's published shape (transformers' DeepseekV3Config defaults)."""
+    from roll.configs.sft_config import load_sft_config
+    from roll.pipeline.sft.launcher import main
+
+    repo = Path(__file__).resolve().parents[2]
+    assert main(["--config_name", RECIPE, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
+    assert "megatron_train" in capsys.readouterr().out
+    config = load_sft_config(repo / "examples/config" / f"{RECIPE}.yaml", check_files=False)
+    families.check_model_fits(transformers.DeepseekV3Config(), config.actor_train.strategy_args.config)
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"q_lora_rank": None, "first_k_dense_replace": 2, "n_shared_experts": 2}]
+)
+def test_planner_counts_deepseek_v3_parameters_exactly(overrides) -> None:
+    """roll.planner's size formula equals transformers' parameter count (meta device, no memory);
+    at the published shape it is DeepSeek-V3's 671B (without the MTP layer)."""
+    from roll.planner.model_shape import shape_from_config
+
+    config = transformers.DeepseekV3Config(num_hidden_layers=4, **overrides)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape_from_config(config.to_dict()).total_params() == sum(p.numel() for p in model.parameters())
+    assert round(shape_from_config(transformers.DeepseekV3Config().to_dict()).total_params() / 1e9) == 671
