@@ -33,8 +33,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.models.random_checkpoint import preset_config  # noqa: E402
 
 SEQ, PROMPT = 4096, 512

@@ -45,7 +45,6 @@ import datetime
 import faulthandler
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -64,6 +63,7 @@ from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links  # noqa: E402
 from roll.distributed.model_update.sender import BucketSender  # noqa: E402
 from roll.models.weights import copy_into  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -635,9 +635,7 @@ def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports on this host."""
     ports: list[int] = []
     while len(ports) < count:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port("127.0.0.1")
         if port not in ports:
             ports.append(port)
     return ports

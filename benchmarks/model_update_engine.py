@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
 from roll.distributed.model_update.process_group import (  # noqa: E402
     broadcast_options,
-    free_port,
     new_group,
     open_store,
 )
 from roll.distributed.model_update.receiver import BucketReceiver  # noqa: E402
 from roll.distributed.model_update.sender import BucketSender  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 TIMEOUT = datetime.timedelta(minutes=10)
 TRAINER, COLOCATED, DISAGG = 0, 1, 2
@@ -197,7 +197,7 @@ ENGINE_OPTIONS = {
 
 def start_engine(engine: str, config_dir: str, device: torch.device, rank: int):
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-    from roll.distributed.strategy.base import WorkerContext
+    from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
 
     args = StrategyArgs(engine)

@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.microbatch import rebudget  # noqa: E402
 from roll.models.packing import round_up, sequence_lengths  # noqa: E402

@@ -152,8 +152,9 @@ def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[in
 def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) -> tuple[int, float]:
     import torch
 
-    from roll.distributed.scheduler.batch import Batch
-    from roll.distributed.strategy.base import SamplingParams, WorkerContext
+    from roll.core.batch import Batch
+    from roll.core.sampling import SamplingParams
+    from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.registry import load_strategy_class
 
     extra = {"vllm": vllm_config, "sglang": sglang_config}.get(name, lambda _: {})(args)

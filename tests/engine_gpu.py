@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
 
 MEAN_TOL, MAX_TOL = 0.02, 0.25

@@ -11,7 +11,7 @@ import torch
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RoleConfig
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.algorithms.advantages import (
     compute_advantages,
     compute_token_level_rewards,

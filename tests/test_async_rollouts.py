@@ -21,7 +21,7 @@ from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.validate import validate_config  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
 from roll.pipeline.rlvr import rollout_source  # noqa: E402
 from roll.pipeline.rlvr.perf import StageTimer  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402

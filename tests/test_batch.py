@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 
 def make(n=4):

@@ -8,7 +8,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.algorithms.dapo import informative_groups, overlong_penalty, truncated_rows
 from roll.pipeline.rlvr.algorithms.losses import clip_range, policy_loss
 from roll.pipeline.rlvr.algorithms.off_policy import importance_weights

@@ -11,8 +11,8 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 from roll.distributed.strategy.engine_options import (
     sglang_engine_options,
     vllm_engine_options,

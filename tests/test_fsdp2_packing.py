@@ -22,7 +22,7 @@ from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 from torch.distributed.tensor import DTensor
 
 from roll.configs.errors import ConfigError
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models.microbatch import rebudget
 from roll.pipeline.rlvr.algorithms.losses import actor_loss, critic_loss
@@ -94,6 +94,8 @@ def grads(strategy, box, micro_batches, loss_fn, **config) -> dict:
 def outputs(strategy, batch, **config) -> dict:
     for key, value in {"sequence_packing": False, "infer_max_tokens_per_microbatch": None, **config}.items():
         setattr(strategy.config, key, value)
+    if strategy.is_value_model:
+        return {"values": strategy.compute_values(batch)}
     return strategy.compute_log_probs(batch)
 
 

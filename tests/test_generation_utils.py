@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.strategy.generation import (
     build_generation_batch,
     make_position_ids,

@@ -8,8 +8,9 @@ from tiny_models import PAD_ID, build_tiny_model, build_tiny_model_dir, encode_p
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.models.logprobs import response_logits
 
@@ -197,9 +198,11 @@ def test_load_weights_round_trip_and_errors(tmp_path, strategy):
 def test_value_model_gives_values_and_cannot_generate(model_dir):
     critic = make_strategy(model_dir, model_type="value")
     out = make_strategy(model_dir).generate(prompt_batch(), SamplingParams(n=1, max_new_tokens=4))
-    values = critic.compute_log_probs(out)
-    assert set(values) == {"values"} and values["values"].shape == out["responses"].shape
-    assert (values["values"][out["response_mask"] == 0] == 0).all()
+    values = critic.compute_values(out)
+    assert values.shape == out["responses"].shape
+    assert (values[out["response_mask"] == 0] == 0).all()
+    with pytest.raises(ValueError, match="a value model has values, not log-probs"):
+        critic.compute_log_probs(out)
     with pytest.raises(ValueError, match="value model cannot generate"):
         critic.generate(prompt_batch(), SamplingParams())
 

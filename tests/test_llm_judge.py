@@ -7,8 +7,9 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import GeneratingArgs, ModelArgs, RewardConfig, StrategyArgs
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch, prompt_token_lists
 from roll.pipeline.rlvr.rewards.llm_judge import (
     DEFAULT_JUDGE_PROMPT,

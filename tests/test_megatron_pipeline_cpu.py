@@ -28,6 +28,7 @@ from conftest import shrunk_example, write_config
 
 from roll.configs.loader import load_config
 from roll.pipeline.rlvr.pipeline import run_pipeline
+from roll.utils.ports import free_port
 from roll.utils.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
 def test_fused_parameter_split_across_buckets(example):
     """The pipeline's 1 MB buckets happen to cut between whole fused groups of this model, so cut
     one by hand: q_proj in one load_weights call, k_proj/v_proj two calls later."""
-    mp.spawn(_split_update_worker, args=(_free_port(), str(example)), nprocs=1, join=True)
+    mp.spawn(_split_update_worker, args=(free_port(), str(example)), nprocs=1, join=True)
 
 
 def _split_update_worker(rank: int, port: int, example: str) -> None:
@@ -82,7 +83,7 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
     from cuda_on_cpu import cuda_on_cpu
 
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-    from roll.distributed.strategy.base import WorkerContext
+    from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.megatron_infer_strategy import MegatronInferStrategy
     from roll.distributed.strategy.registry import get_strategy_spec
     from roll.models.megatron.hf_io import CheckpointError, export_hf_weights
@@ -125,11 +126,3 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
         with pytest.raises(CheckpointError, match="q_proj"):
             strategy.finish_model_update(2)
     torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

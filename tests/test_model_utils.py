@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import ModelArgs, TrainingArgs
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models import logprobs as logprobs_module
 from roll.models.hf_checkpoint import write_hf_checkpoint

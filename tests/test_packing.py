@@ -11,7 +11,7 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.configs.loader import build_dataclass
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models.megatron.forward import packing_enabled
 from roll.models.microbatch import (

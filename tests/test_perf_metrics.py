@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.perf import memory_metrics, model_devices, throughput_metrics
 from roll.utils.memory import GIB, DeviceMemoryMonitor, memory_stats
 
@@ -24,8 +24,7 @@ class FakeCluster:
     def __init__(self, stats):
         self.stats = stats
 
-    def execute_all(self, method):
-        assert method == "memory_stats"
+    def memory_stats(self):
         return self.stats
 
 

@@ -10,7 +10,7 @@ import torch
 
 from roll.configs.errors import ConfigError, RewardError
 from roll.configs.role import RewardConfig
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.rewards.scoring import RewardScorer, checked_score, score_batch
 

@@ -42,7 +42,7 @@ from engine_gpu import (  # noqa: E402
     save_tiny_model,
 )
 
-from roll.distributed.strategy.base import SamplingParams  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
 
 ENGINE = dict(disable_cuda_graph=True)
 

@@ -47,7 +47,7 @@ from engine_gpu import (  # noqa: E402
 )
 from engine_gpu import make_strategy as make_engine_strategy  # noqa: E402
 
-from roll.distributed.strategy.base import SamplingParams  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
 
 
 def make_strategy(model_dir: Path, rank: int = 0, **cfg):

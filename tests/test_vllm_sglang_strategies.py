@@ -33,10 +33,11 @@ from torch import nn
 from roll.configs.errors import ConfigError
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.model_update.bucket import pack_bucket
 from roll.distributed.model_update.checksum import bucket_checksums
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 
 torch.set_num_threads(1)
@@ -574,7 +575,8 @@ def test_vllm_broadcast_bucket_over_gloo(fake_engines, tokenizer_dir):
     """A sender built from roll.distributed.model_update (store + gloo group + BroadcastTransport)
     sends two buckets; both TP workers of the engine receive and load them."""
     from roll.distributed.model_update.broadcast import BroadcastTransport
-    from roll.distributed.model_update.process_group import free_port, new_group, open_store
+    from roll.distributed.model_update.process_group import new_group, open_store
+    from roll.utils.ports import free_port
 
     strategy, llm = vllm_strategy(tokenizer_dir, tensor_parallel_size=2)
     port = free_port()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.configs.ranges import bounded, one_of
+from roll.core.sampling import SamplingParams
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
 DTYPES = "roll.models.model_options:DTYPES"
@@ -66,6 +67,24 @@ class GeneratingArgs:
     do_sample: bool = True
     repetition_penalty: float = bounded(1.0, gt=0)
     stop_strings: list[str] | None = None
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The engine-neutral sampling parameters these arguments describe (greedy when
+        ``do_sample`` is off or the temperature is 0); ``overrides`` set fields after that."""
+        greedy = not self.do_sample or self.temperature == 0
+        params = SamplingParams(
+            n=self.num_return_sequences,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            stop=list(self.stop_strings) if self.stop_strings else None,
+        )
+        for key, value in overrides.items():
+            setattr(params, key, value)
+        return params
 
 
 @dataclass

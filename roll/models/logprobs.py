@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.models.packing import pack_rows
 
 TEMPERATURE_KEY = "temperature"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.models.packing import sequence_lengths
 
 

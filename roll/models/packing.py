@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 
 @dataclass

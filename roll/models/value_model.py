@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.models.packing import pack_rows
 
 HEAD_PREFIX = "value_head."

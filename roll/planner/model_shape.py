@@ -106,17 +106,6 @@ class ModelShape:
     def total_params(self) -> int:
         return self.embedding_params() + self.layer_dense_params() + self.expert_params()
 
-    def mlp_act_width(self) -> int:
-        """Per token, the MLP width one token passes through in an average layer (top-k experts)."""
-        if not self.layers:
-            return 0
-        moe = self.moe_layers * (self.top_k * self.moe_ffn + self.shared_ffn)
-        return (moe + (self.layers - self.moe_layers) * self.ffn) // self.layers
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.layers * self.kv_dim * dtype_bytes
-
 
 def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelShape:
     """A ``ModelShape`` from the dict of a ``config.json``; ConfigError for an unknown family."""

@@ -116,7 +116,7 @@ def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
     """TP2 + SP x CP2 against TP2 + SP x DP2 on four ranks."""
     import torch.multiprocessing as mp
 
-    from roll.distributed.model_update.process_group import free_port
+    from roll.utils.ports import free_port
 
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
     mp.spawn(_four_rank_worker, args=(free_port(), path, str(tmp_path)), nprocs=4, join=True)

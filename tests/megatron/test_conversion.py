@@ -17,7 +17,6 @@ one GPU per rank (world sizes above the GPU count are skipped).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import compat  # noqa: E402  (tests/megatron/compat.py)
+
+from roll.utils.ports import free_port  # noqa: E402
 
 pytest.importorskip("megatron.core")
 
@@ -142,17 +143,11 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_round_trip_and_forward(world_size: int, checkpoints: dict[str, str], tmp_path: Path) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs (one per rank) on a CUDA machine")
-    args = (world_size, _free_port(), checkpoints, CASES[world_size], str(tmp_path))
+    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path))
     mp.spawn(_worker, args=args, nprocs=world_size, join=True)
 
 

@@ -49,7 +49,7 @@ from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 from two_rank_training import pg_batch, pg_loss, raw_params, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
 from roll.models.megatron.hf_io import export_hf_weights, unwrap  # noqa: E402
 
 DP2 = {"use_distributed_optimizer": True}

@@ -29,7 +29,6 @@ import gc
 import json
 import math
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -51,10 +50,12 @@ from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import SamplingParams, WorkerContext  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.logprobs import response_log_probs  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 FP32_MAX_DIFF = 1e-4
 BF16_MEAN_DIFF = 2e-2
@@ -393,12 +394,6 @@ def table(results: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ drivers
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _init(rank: int, world: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -425,7 +420,7 @@ def _worker(rank: int, world: int, port: int, scratch: str, out: str) -> None:
 
 def _spawn(tmp_path: Path) -> dict:
     out = tmp_path / "results.json"
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(out)), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 

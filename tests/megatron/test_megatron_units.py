@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -26,20 +25,15 @@ pytest.importorskip("megatron.core")
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import SamplingParams  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron import layer_spec  # noqa: E402
 from roll.models.megatron.forward import pack_micro_batches  # noqa: E402
 from roll.models.megatron.kv_generate import attention_mask  # noqa: E402
 from roll.models.megatron.sampling import process_logits  # noqa: E402
 from roll.models.megatron.vocab_parallel import vocab_parallel_logprobs_entropy  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from roll.utils.ports import free_port  # noqa: E402
 
 
 # --------------------------------------------------------------------------- vocab parallel
@@ -68,7 +62,7 @@ def _vocab_worker(rank: int, port: int, out: str) -> None:
 
 def test_vocab_parallel_matches_plain_softmax(tmp_path: Path) -> None:
     out = str(tmp_path / "vp.pt")
-    mp.spawn(_vocab_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_vocab_worker, args=(free_port(), out), nprocs=2, join=True)
     got = torch.load(out)
     gen = torch.Generator().manual_seed(0)
     full = (torch.randn(3, 5, 16, generator=gen) * 3).double().requires_grad_(True)
@@ -94,7 +88,7 @@ def megatron_world():
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     yield

@@ -31,7 +31,7 @@ import compat  # noqa: E402
 from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron.hf_io import unwrap  # noqa: E402
 from roll.pipeline.rlvr.algorithms.losses import actor_loss  # noqa: E402

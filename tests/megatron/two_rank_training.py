@@ -24,11 +24,11 @@ import compat  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
-from roll.distributed.model_update.process_group import free_port  # noqa: E402
-from roll.distributed.scheduler.batch import Batch  # noqa: E402
-from roll.distributed.strategy.base import WorkerContext  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron.hf_io import unwrap  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 
 def save_tiny_qwen2(path: Path, layers: int) -> str:

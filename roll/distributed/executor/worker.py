@@ -1,14 +1,19 @@
 """``Worker``: the base class of every role's Ray actor (one process per rank).
 
 A role's workers are started by ``roll.distributed.scheduler.cluster.Cluster``; subclasses add the
-role's methods and mark them with ``@register`` so the cluster knows how to call them::
+role's methods and mark them with ``@register`` so the cluster knows how to call them; the role's
+``Cluster`` subclass offers one typed method per worker method::
 
     class RewardWorker(Worker):
         @register(Dispatch.DP_COMPUTE)
         def compute_rewards(self, batch: Batch) -> Batch:
             ...
 
-    rewards = Cluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
+    class RewardCluster(Cluster):
+        def compute_rewards(self, batch: Batch) -> Batch:
+            return self.call(RewardWorker.compute_rewards, batch)
+
+    rewards = RewardCluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
     scored = rewards.compute_rewards(batch)
 
 What the base class does, in order: apply the environment the resource manager chose
@@ -26,20 +31,19 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
+from roll.core.worker_context import WorkerContext
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
-from roll.distributed.strategy.base import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
-from roll.utils.tcp_store import open_tcp_store
+from roll.utils.ports import free_port
+from roll.utils.process_group import init_default_group
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -98,10 +102,7 @@ class Worker:
     @register(Dispatch.RANK_ZERO)
     def get_master_address(self) -> tuple[str, int]:
         """This node's IP and a free TCP port for the role's process group rendezvous."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     @register(Dispatch.ONE_TO_ALL)
     def init_process_group(self, master_addr: str, master_port: int, force: bool = False) -> bool:
@@ -115,18 +116,15 @@ class Worker:
             return True
         if self.world_size == 1 and not force:
             return False
-        backend = "nccl" if self.ctx.is_cuda else "gloo"
-        store = open_tcp_store(master_addr, master_port, self.world_size, self.rank == 0, default_pg_timeout)
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            device_id=self.ctx.device if self.ctx.is_cuda else None,
+        return init_default_group(
+            self.rank,
+            self.world_size,
+            self.ctx.device,
+            master_addr=master_addr,
+            master_port=master_port,
+            who=self.role,
         )
-        return True
 
-    @register(Dispatch.ONE_TO_ALL)
     def create_strategy(self) -> None:
         """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""
         args = self.role_config.strategy_args
@@ -139,10 +137,9 @@ class Worker:
     def dp_layout(self) -> DPRank:
         """(dp_rank, dp_size, is_output): the strategy's answer when it has one (Megatron: TP/PP
         ranks share a DP rank and one of them returns output), else every rank is its own DP rank."""
-        layout = getattr(self.strategy, "dp_layout", None)
-        if layout is None:
+        if self.strategy is None:
             return DPRank(self.rank, self.world_size, True)
-        return DPRank(*layout())
+        return DPRank(*self.strategy.dp_layout())
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, object]:

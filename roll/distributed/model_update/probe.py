@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 # Mean |log-prob difference| above which two forwards over equal weights are unusual, by dtype.
 # A log-prob sums rounding errors of every layer: bf16 keeps 8 mantissa bits (2^-8 = 3.9e-3 per

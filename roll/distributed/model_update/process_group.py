@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch.distributed as dist
 
@@ -31,13 +30,6 @@ from roll.utils.tcp_store import open_tcp_store
 # ROLL_MODEL_UPDATE_TIMEOUT_S overrides it (set it in system_envs for very large exports).
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("ROLL_MODEL_UPDATE_TIMEOUT_S", 600)))
 BACKENDS = ("gloo", "nccl")
-
-
-def free_port() -> int:
-    """A TCP port that is free on this host right now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def open_store(

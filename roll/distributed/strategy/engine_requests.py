@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 from roll.models.logprobs import batch_temperature
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -17,8 +17,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import TEMPERATURE_KEY
 
 # Fields build_generation_batch writes; a prompt batch's own copies of these are replaced.

@@ -21,8 +21,9 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import (
     build_generation_batch,
     capped,

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 
 from roll.configs.role import RoleConfig
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import LossFn, SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.loss import LossFn
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
 from roll.models.megatron import dist_checkpoint, parallel
 from roll.models.megatron.forward import (

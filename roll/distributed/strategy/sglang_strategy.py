@@ -38,8 +38,9 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams, WorkerContext
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.engine_options import (
     dataclass_field_names,
     import_engine,

@@ -77,7 +77,7 @@ def check_layout(hf_dir: str | Path, cfg: MegatronConfig) -> Any:
 
 
 def _chunks(hf_config: Any, cfg: MegatronConfig, dtype: torch.dtype) -> list[Any]:
-    from roll.distributed.strategy.base import WorkerContext
+    from roll.core.worker_context import WorkerContext
     from roll.models.megatron.model_builder import build_model_chunks
     from roll.models.megatron.parallel import init_parallel
     from roll.models.megatron.runtime import mark_tensor_parallel_params
@@ -201,13 +201,13 @@ def read_mcore(mcore_dir: str | Path, out_dir: str | Path) -> None:
 
 
 def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> None:
-    import os
+    from roll.utils.process_group import init_default_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    init_default_group(rank, world, device, master_addr="127.0.0.1", master_port=port)
     try:
         (write_mcore if command == "hf-to-mcore" else read_mcore)(*args)
     finally:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
-    from roll.distributed.model_update.process_group import free_port
+    from roll.utils.ports import free_port
 
     parser = argparse.ArgumentParser(description="HF <-> megatron-core dist checkpoint conversion")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.models.context_parallel import sum_over_ranks, zigzag_indices
 from roll.models.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 from roll.models.packing import pack_rows, packed_length

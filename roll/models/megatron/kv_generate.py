@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.sampling import SamplingParams
 from roll.models.megatron.sampling import sample_next
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import MegatronConfig, typed_strategy_config
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import WorkerContext
+from roll.core.batch import Batch
+from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
 from roll.models.megatron.forward import (
     PackedMicroBatch,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.sampling import SamplingParams
 
 
 def _repetition_penalty(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -49,7 +49,7 @@ def memory_metrics(run: RLVRRun) -> dict[str, float]:
         plan = run.plan.roles[role]
         if plan.cpu_only:
             continue
-        stats = cluster.execute_all("memory_stats")
+        stats = cluster.memory_stats()
         for key in ("peak_allocated", "peak_reserved", "peak_rss"):
             values = [s[key] for s in stats if key in s]
             if values:

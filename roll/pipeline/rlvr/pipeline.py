@@ -86,7 +86,7 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
         metrics = run.model_update.sync(version=step)
     run.weight_version = step
     if "actor_train" in run.colocated:
-        run.clusters["actor_train"].offload_states()
+        run.model("actor_train").offload_states()
     return metrics
 
 
@@ -104,7 +104,7 @@ def resume(run: RLVRRun, path: Path | None) -> int:
     for role in ("actor_train", "critic"):
         if role in run.clusters:
             with stages.on_devices(run, role):
-                run.clusters[role].load_checkpoint(str(path))
+                run.model(role).load_checkpoint(str(path))
     run.sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"])
     update_inference_weights(run, state["step"], always=True)  # the engines start from pretrain
@@ -119,7 +119,7 @@ def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Pat
         for role in ("actor_train", "critic"):
             if role in run.clusters:
                 with stages.on_devices(run, role):
-                    run.clusters[role].save_checkpoint(str(tmp))
+                    run.model(role).save_checkpoint(str(tmp))
 
     sampler = run.sampler.state_dict() if sampler_state is None else sampler_state
     state = {"step": step, "sampler": sampler, "rng": rng_state()}
@@ -133,7 +133,7 @@ def finish(run: RLVRRun) -> None:
     """Export the final policy as a Hugging Face checkpoint and draw the curves."""
     out = run.run_dir / "hf_model"
     with stages.on_devices(run, "actor_train"):
-        run.clusters["actor_train"].save_hf_checkpoint(str(out))
+        run.model("actor_train").save_hf_checkpoint(str(out))
     run.tokenizer.save_pretrained(str(out))
     plot = run.tracker.finish()
     logger.info("final policy: %s; curves: %s", out, plot)

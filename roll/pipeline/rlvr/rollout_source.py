@@ -23,8 +23,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 from roll.pipeline.rlvr.perf import StageTimer
 from roll.pipeline.rlvr.rollouts import collect_rollouts
 from roll.pipeline.rlvr.run import RLVRRun
@@ -40,7 +40,7 @@ class RolloutSource:
 
     def params(self, step: int) -> SamplingParams:
         args = self.run.config.actor_infer.generating_args
-        return SamplingParams.from_generating_args(args, seed=self.run.config.seed + step)
+        return args.sampling_params(seed=self.run.config.seed + step)
 
     def take(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
         """Step ``step``'s rollouts and sampling metrics (see the module doc)."""

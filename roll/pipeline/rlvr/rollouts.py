@@ -19,8 +19,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.algorithms.dapo import informative_groups, overlong_penalty, truncated_rows
 from roll.pipeline.rlvr.data.sampler import to_batch

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -19,8 +19,14 @@ from tqdm import tqdm
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+
+if TYPE_CHECKING:
+    from roll.distributed.executor.worker import Worker
+    from roll.distributed.scheduler.cluster import Cluster
+    from roll.pipeline.workers.model_worker import ModelCluster
+    from roll.pipeline.workers.reward_worker import RewardCluster
 
 logger = logging.getLogger("roll")
 
@@ -32,7 +38,7 @@ class RLVRRun:
     run_dir: Path
     tokenizer: Any
     sampler: Any
-    clusters: dict[str, Any] = field(default_factory=dict)
+    clusters: dict[str, Cluster] = field(default_factory=dict)
     resources: Any = None
     model_update: Any = None
     tracker: Any = None
@@ -47,6 +53,14 @@ class RLVRRun:
     show_progress: bool = True
     # The version actor_infer holds (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
+
+    def model(self, role: str) -> ModelCluster:
+        """The cluster of model role ``role`` (actor_train, actor_infer, reference, critic)."""
+        return self.clusters[role]  # type: ignore[return-value]
+
+    def reward(self, name: str) -> RewardCluster:
+        """The cluster of reward role ``rewards.<name>``."""
+        return self.clusters[f"rewards.{name}"]  # type: ignore[return-value]
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
@@ -127,25 +141,32 @@ def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) ->
     return config.max_steps * config.ppo_epochs * max(per_step, 1)
 
 
+def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
+    """The cluster and worker classes of a role: reward roles score, every other role runs a model."""
+    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardCluster, RewardWorker
+
+    return (RewardCluster, RewardWorker) if role.startswith("rewards.") else (ModelCluster, ModelWorker)
+
+
 def build_clusters(run: RLVRRun) -> None:
-    from roll.distributed.scheduler.cluster import Cluster
     from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.pipeline.workers.actor_worker import ActorWorker
-    from roll.pipeline.workers.reward_worker import RewardWorker
 
     config = run.config
     run.resources = ResourceManager(run.plan, config.device)
     for name, role in config.roles().items():
-        worker_cls = RewardWorker if name.startswith("rewards.") else ActorWorker
-        run.clusters[name] = Cluster(name, worker_cls, run.resources, run.plan.roles[name], role, config)
-    for name, cluster in run.clusters.items():
-        if name in ("actor_train", "critic"):
-            cluster.initialize(total_optimizer_steps(config, name, run.plan))
+        cluster_cls, worker_cls = role_classes(name)
+        run.clusters[name] = cluster_cls(name, worker_cls, run.resources, run.plan.roles[name], role, config)
+    for name in run.clusters:
+        if name.startswith("rewards."):
+            run.reward(name.removeprefix("rewards.")).initialize()
+        elif name in ("actor_train", "critic"):
+            run.model(name).initialize(total_optimizer_steps(config, name, run.plan))
         else:
-            cluster.initialize()
+            run.model(name).initialize()
     # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
     for name in run.colocated:
-        run.clusters[name].offload_states()
+        run.model(name).offload_states()
 
 
 def build_run(config: RLVRConfig) -> RLVRRun:
@@ -174,7 +195,7 @@ def build_run(config: RLVRConfig) -> RLVRRun:
 def _build_model_update(run: RLVRRun):
     from roll.distributed.model_update.group import ModelUpdateGroup
 
-    group = ModelUpdateGroup(run.clusters["actor_train"], run.clusters["actor_infer"], run.config)
+    group = ModelUpdateGroup(run.model("actor_train"), run.model("actor_infer"), run.config)
     group.setup()
     return group
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from roll.configs.errors import ConfigError
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.sft.chat_data import to_sft_batch
 
 if TYPE_CHECKING:

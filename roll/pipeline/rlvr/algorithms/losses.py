@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import LossFn
+from roll.core.batch import Batch
+from roll.core.loss import LossFn
 from roll.pipeline.rlvr.algorithms.kl import get_kl_estimator
 from roll.pipeline.rlvr.algorithms.masked import agg_loss, masked_mean
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from roll.configs.errors import ConfigError
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 from roll.pipeline.rlvr.data.dataset import PromptDataset, PromptRow
 
 ALL = "*"  # the one stream of the unmixed sampler

@@ -12,7 +12,7 @@ import torch
 
 from roll.configs.errors import RewardError
 from roll.configs.role import RewardConfig
-from roll.distributed.scheduler.batch import Batch
+from roll.core.batch import Batch
 
 
 def check_reward_result(role: str, config: RewardConfig, result: Batch) -> None:

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from roll.configs.errors import ConfigError
-from roll.distributed.scheduler.batch import Batch
-from roll.distributed.strategy.base import SamplingParams
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
 
 DEFAULT_JUDGE_PROMPT = (
     "You are grading an answer against a reference answer.\n\n"
