@@ -8,8 +8,9 @@ an instance, so engine classes are checked without the engine installed. A class
 methods of an optional Protocol must declare it, so ``isinstance(strategy, Protocol)`` at run time
 gives the answer the row declares.
 
-- ``ModelStrategy``: every strategy. ``InferenceStrategy`` adds ``generate`` (``*_infer``, vLLM,
-  SGLang, ``megatron_train``); ``TrainStrategy`` adds training, checkpoints and ``iter_hf_weights``.
+- ``ModelStrategy``: every strategy. ``InferenceStrategy`` adds ``generate`` (``hf_infer``,
+  ``megatron_infer``, vLLM, SGLang); ``TrainStrategy`` adds training, checkpoints and
+  ``iter_hf_weights``.
 - Optional: ``ValueModelStrategy`` (critic values), ``HFWeightSource`` (weights by HF name),
   ``FinishesModelUpdate``, and the engines' own bucket paths ``SharedBucketEngine`` (colocated) and
   ``BroadcastBucketEngine`` (received in the engine's processes).
@@ -86,7 +87,7 @@ class ModelStrategy(Protocol):
 
 @runtime_checkable
 class InferenceStrategy(ModelStrategy, Protocol):
-    """A strategy that samples (``hf_infer``, ``megatron_infer``, ``vllm``, ``sglang``, ``megatron_train``)."""
+    """A strategy that samples (``hf_infer``, ``megatron_infer``, ``vllm``, ``sglang``)."""
 
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """Sample ``params.n`` responses per prompt row; returns B * n rows in prompt order

@@ -64,6 +64,11 @@ class StrategySpec:
     def required_protocols(self) -> tuple[type, ...]:
         return (TrainStrategy if self.side == "train" else InferenceStrategy, *self.protocols)
 
+    def implements(self, protocol: type) -> bool:
+        """Whether the row declares ``protocol`` (or a Protocol that extends it), e.g.
+        ``implements(ValueModelStrategy)`` for a critic; true of the class once it is loaded."""
+        return any(protocol in required.__mro__ for required in self.required_protocols)
+
 
 _S = "roll.distributed.strategy"
 STRATEGIES: dict[str, StrategySpec] = {
@@ -90,7 +95,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "train",
             extra="megatron",
             requires=("megatron.core",),
-            protocols=(InferenceStrategy, FinishesModelUpdate),
+            protocols=(FinishesModelUpdate,),
             offloads_on_cpu=True,
         ),
         StrategySpec(
@@ -168,10 +173,7 @@ def check_strategy_class(name: str) -> type:
         for problem in check_protocol(cls, protocol)
     ]
     undeclared = [
-        p.__name__
-        for p in OPTIONAL_PROTOCOLS
-        if not any(p in required.__mro__ for required in spec.required_protocols)
-        and not check_protocol(cls, p)
+        p.__name__ for p in OPTIONAL_PROTOCOLS if not spec.implements(p) and not check_protocol(cls, p)
     ]
     if undeclared:
         problems.append(f"implements {undeclared} without declaring them in its row's protocols")
