@@ -11,8 +11,8 @@ import yaml
 from launch_files import point_at_files
 
 from roll.configs.errors import ConfigError
+from roll.launch.rlvr import main
 from roll.models.random_checkpoint import preset_config
-from roll.pipeline.rlvr.launcher import main
 from roll.planner.memory import (
     GIB,
     Split,

@@ -827,7 +827,7 @@ rewards:
     ],
 )
 def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg, judge, judge_cfg):
-    from roll.pipeline.rlvr.launcher import main
+    from roll.launch.rlvr import main
 
     text = ENGINE_CONFIG.format(infer=infer, infer_cfg=infer_cfg, judge=judge, judge_cfg=judge_cfg)
     (tmp_path / "engines.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))
@@ -860,7 +860,7 @@ def test_engine_configs_validate_and_dry_run(tmp_path, capsys, infer, infer_cfg,
 def test_colocated_vllm_settings_that_cannot_time_share_are_refused_before_launch(
     tmp_path, capsys, infer_cfg, key, hint
 ):
-    from roll.pipeline.rlvr.launcher import main
+    from roll.launch.rlvr import main
 
     text = ENGINE_CONFIG.format(infer="vllm", infer_cfg=infer_cfg, judge="vllm", judge_cfg="{sleep_level: 1}")
     (tmp_path / "bad.yaml").write_text(text.replace("num_gpus_per_node: 4", "num_gpus_per_node: 8"))

@@ -62,6 +62,8 @@ from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
 from roll.utils.ports import free_port
 
 TRAINER_STATE = "trainer_state.json"
+# ``strategy_config.sharding``: shard across all ranks, or full replicas (DDP-like); see _build_mesh.
+SHARDINGS = ("full_shard", "no_shard")
 
 
 class FSDP2TrainStrategy:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from roll.configs.errors import ConfigError, did_you_mean
-from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, SGLangConfig, VLLMConfig
+from roll.configs.strategy_configs import STRATEGY_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,6 @@ class StrategySpec:
     name: str
     # "module:ClassName", imported lazily.
     target: str
-    config_cls: type
     side: Literal["train", "infer"]
     # pip extra that provides the engine, named in the error when the import fails.
     extra: str | None = None
@@ -36,17 +35,21 @@ class StrategySpec:
     # another installed version is a ConfigError before launch (see ``check_engine_version``).
     engine_versions: tuple[str, str] | None = None
 
+    @property
+    def config_cls(self) -> type:
+        """The options class of ``strategy_config``, which the loader parses (STRATEGY_CONFIGS)."""
+        return STRATEGY_CONFIGS[self.name]
+
 
 _S = "roll.distributed.strategy"
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
-        StrategySpec("hf_infer", f"{_S}.hf_strategy:HFInferStrategy", HFInferConfig, "infer"),
-        StrategySpec("fsdp2_train", f"{_S}.fsdp2_strategy:FSDP2TrainStrategy", FSDP2Config, "train"),
+        StrategySpec("hf_infer", f"{_S}.hf_strategy:HFInferStrategy", "infer"),
+        StrategySpec("fsdp2_train", f"{_S}.fsdp2_strategy:FSDP2TrainStrategy", "train"),
         StrategySpec(
             "megatron_train",
             f"{_S}.megatron_strategy:MegatronTrainStrategy",
-            MegatronConfig,
             "train",
             extra="megatron",
             requires=("megatron.core",),
@@ -54,7 +57,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "megatron_infer",
             f"{_S}.megatron_infer_strategy:MegatronInferStrategy",
-            MegatronConfig,
             "infer",
             extra="megatron",
             requires=("megatron.core",),
@@ -62,7 +64,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "vllm",
             f"{_S}.vllm_strategy:VLLMStrategy",
-            VLLMConfig,
             "infer",
             extra="vllm",
             requires=("vllm",),
@@ -72,7 +73,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "sglang",
             f"{_S}.sglang_strategy:SGLangStrategy",
-            SGLangConfig,
             "infer",
             extra="sglang",
             requires=("sglang",),

@@ -33,7 +33,7 @@ from roll.models.microbatch import invert, split_by_tokens
 
 
 def megatron_config(role_config: RoleConfig) -> MegatronConfig:
-    """The role's typed MegatronConfig (validated by roll.configs.validate, or built here)."""
+    """The role's typed MegatronConfig (parsed by the loader, or built here)."""
     return typed_strategy_config(role_config, MegatronConfig)
 
 
