@@ -9,12 +9,15 @@ Each failure is one ``ConfigError`` naming the key path.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig
+from roll.configs.strategy_configs import MegatronConfig, strategy_config_of
+from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
 from roll.pipeline.rlvr.checkpoint import resolve_resume
 from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
@@ -38,6 +41,7 @@ def check_files(config: RLVRConfig) -> None:
         check_model_dir(role.model_args.model_name_or_path, key)
         if name not in NO_TOKENIZER_ROLES:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
+        check_megatron_layout(name, role)
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args")
     tags = train.copy()
     if config.validation is not None and config.validation.data_args.file_name:
@@ -57,6 +61,26 @@ def loads_model(role: RoleConfig) -> bool:
     if not isinstance(role, RewardConfig):
         return True
     return get_reward_spec(role.reward_fn).kind == "model"
+
+
+def check_megatron_layout(name: str, role: RoleConfig) -> None:
+    """A megatron role's parallel layout against its model (heads per TP rank, layers per pipeline
+    stage, experts per EP rank), read from config.json as the worker would build it."""
+    cfg = strategy_config_of(role)
+    if not isinstance(cfg, MegatronConfig):
+        return
+    path = Path(role.model_args.model_name_or_path)
+    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+        return  # not a config transformers can read; the worker's model load names it
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
+    try:
+        check_model_fits(hf_config, cfg, f"{name}.strategy_args.strategy_config")
+    except ConfigError as exc:
+        if exc.path.startswith(name):
+            raise
+        raise ConfigError(f"{name}.{exc.path}", exc.message) from None
 
 
 def check_tokenizer_dir(path: str, key: str) -> None:

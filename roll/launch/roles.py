@@ -10,13 +10,19 @@ use). Each failure is one ``ConfigError`` naming the key.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
-from roll.configs.strategy_configs import PackingOptions, SGLangConfig, VLLMConfig, strategy_config_of
+from roll.configs.strategy_configs import (
+    FSDP2Config,
+    MegatronConfig,
+    PackingOptions,
+    SGLangConfig,
+    VLLMConfig,
+    strategy_config_of,
+)
 from roll.distributed.strategy.engine_options import (
     EngineOptions,
     dataclass_field_names,
@@ -65,10 +71,15 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
             f"{cfg_path}.context_parallel_size",
             "generation has no context parallelism; use it on other roles",
         )
-    if isinstance(typed, PackingOptions) and typed.sequence_packing and not transformers_detects_packing():
+    if isinstance(typed, FSDP2Config) and typed.sequence_packing and not transformers_detects_packing():
         raise ConfigError(
             f"{cfg_path}.sequence_packing",
             "this transformers version cannot confine attention to packed sequences; set it false",
+        )
+    if isinstance(typed, MegatronConfig) and role.model_args.is_value_model:
+        raise ConfigError(
+            f"{name}.model_args.model_type",
+            f"{spec.name} has no value head; run the critic with fsdp2_train (model_type 'value')",
         )
     if isinstance(typed, VLLMConfig):
         check_vllm_role(typed, name, role, config)
@@ -152,10 +163,8 @@ def check_sglang_role(cfg: SGLangConfig, name: str, role: RoleConfig, config: RL
 def _check_engine_options(options: EngineOptions, module: str, args_cls: Any, engine: str) -> None:
     """Every option is one the installed engine accepts, when the engine imports on the driver. A
     driver without it (the engine lives on the GPU nodes) leaves this to the worker's own check."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        return
     try:
         accepted = dataclass_field_names(args_cls(importlib.import_module(module)))
-    except Exception:  # an engine that fails to import here is reported by the worker that needs it
+    except Exception:  # not installed here, or fails to import: the worker that needs it reports it
         return
     options.check(accepted, engine, module.split(".")[0])

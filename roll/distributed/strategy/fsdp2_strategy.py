@@ -46,7 +46,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
 from roll.core.batch import Batch
@@ -84,11 +83,6 @@ class FSDP2TrainStrategy:
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
         """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
-        if self.config.sequence_packing and not transformers_detects_packing():
-            raise ConfigError(
-                "strategy_args.strategy_config.sequence_packing",
-                "this transformers version cannot confine attention to packed sequences; set it false",
-            )
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
         _ensure_process_group(self.ctx)

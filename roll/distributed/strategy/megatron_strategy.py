@@ -50,7 +50,6 @@ from roll.models.megatron.offload import StateOffloader
 from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
-    check_policy_model,
     forward_log_probs,
     megatron_config,
 )
@@ -77,7 +76,6 @@ class MegatronTrainStrategy:
     def initialize(self, hf_config: Any = None) -> None:
         """Parallel state, model (HF weights of ``model_name_or_path``; random weights of
         ``hf_config``'s architecture when given, for benchmarks), DDP, optimizer."""
-        check_policy_model(self.role_config, "megatron_train")
         self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
         if self.config.freeze_moe_router:
             freeze_routers(chunks)
