@@ -84,13 +84,8 @@ def test_engine_kwargs_that_roll_sets_are_refused(tmp_path):
         ("sglang", "{engine_kwargs: {log_levle: info}}", "engine_kwargs.log_levle"),
     ],
 )
-def test_unknown_engine_option_fails_before_launch_where_the_engine_imports(
-    tmp_path,
-    fake_engines,
-    infer,
-    infer_cfg,
-    key,  # noqa: F811
-):
+@pytest.mark.usefixtures("fake_engines")  # vLLM and SGLang import on this driver
+def test_unknown_engine_option_fails_before_launch_where_the_engine_imports(tmp_path, infer, infer_cfg, key):
     refused(
         lambda: engines(tmp_path, infer=infer, infer_cfg=infer_cfg),
         f"actor_infer.strategy_args.strategy_config.{key}",

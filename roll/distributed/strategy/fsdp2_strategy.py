@@ -24,9 +24,8 @@ Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models
 re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
 gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
 
-LR schedule: ``roll.utils.lr_schedule``; its total step count is max_steps x ppo_epochs x
-mini-batches per step (``total_optimizer_steps``) when the pipeline config is known, or whatever
-``set_total_steps`` sets (needed for linear/cosine schedules without a pipeline config).
+LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
+driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from roll.models.logprobs import batch_temperature, response_log_probs, transfor
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
-from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.ports import free_port
 
 TRAINER_STATE = "trainer_state.json"
@@ -77,7 +76,7 @@ class FSDP2TrainStrategy:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
         self.total_steps: int | None = None
-        # Set while a linear/cosine schedule still lacks its length (see set_total_steps).
+        # Set while a linear/cosine schedule lacks its length (ctx.total_optimizer_steps is None).
         self._schedule_error: str | None = None
 
     # -------------------------------------------------------------------------------- set up
@@ -101,10 +100,9 @@ class FSDP2TrainStrategy:
             weight_decay=args.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
-        total = total_optimizer_steps(self.ctx.pipeline, args, self.ctx.world_size)
         try:
-            self.set_total_steps(total)
-        except ValueError as exc:  # linear/cosine without a known length: set_total_steps must follow
+            self._set_schedule_length(self.ctx.total_optimizer_steps)
+        except ValueError as exc:  # linear/cosine without a length: reported by the first train_step
             self._schedule_error = str(exc)
 
     def _build_mesh(self) -> DeviceMesh:
@@ -132,7 +130,7 @@ class FSDP2TrainStrategy:
         fully_shard(model, **kwargs)
         return model
 
-    def set_total_steps(self, total_steps: int | None) -> None:
+    def _set_schedule_length(self, total_steps: int | None) -> None:
         """Rebuild the LR schedule for ``total_steps`` optimizer steps, keeping the step count."""
         lr_lambda = build_lr_lambda(self.role_config.training_args, total_steps)
         self.total_steps = total_steps
@@ -177,7 +175,7 @@ class FSDP2TrainStrategy:
         norm skips the update (``skipped`` = 1).
         """
         if self._schedule_error:
-            raise ValueError(f"{self._schedule_error}; call set_total_steps(n) before training")
+            raise ValueError(f"{self._schedule_error}; set WorkerContext.total_optimizer_steps")
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
@@ -350,7 +348,7 @@ class FSDP2TrainStrategy:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = trainer["step"]
         if trainer["total_steps"] is not None:
-            self.set_total_steps(trainer["total_steps"])
+            self._set_schedule_length(trainer["total_steps"])
         dist.barrier()
 
 

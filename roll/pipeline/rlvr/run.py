@@ -21,6 +21,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+from roll.utils.lr_schedule import total_optimizer_steps
 
 logger = logging.getLogger("roll")
 
@@ -118,15 +119,6 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     return sampler, val
 
 
-def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) -> int:
-    args = getattr(config, role).training_args
-    samples = config.rollout_batch_size * config.num_return_sequences_in_group
-    per_step = samples // (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * plan.roles[role].parallel.dp
-    )
-    return config.max_steps * config.ppo_epochs * max(per_step, 1)
-
-
 def build_clusters(run: RLVRRun) -> None:
     from roll.distributed.scheduler.cluster import Cluster
     from roll.distributed.scheduler.resource_manager import ResourceManager
@@ -140,7 +132,8 @@ def build_clusters(run: RLVRRun) -> None:
         run.clusters[name] = Cluster(name, worker_cls, run.resources, run.plan.roles[name], role, config)
     for name, cluster in run.clusters.items():
         if name in ("actor_train", "critic"):
-            cluster.initialize(total_optimizer_steps(config, name, run.plan))
+            args = getattr(config, name).training_args
+            cluster.initialize(total_optimizer_steps(config, args, run.plan.roles[name].parallel.dp))
         else:
             cluster.initialize()
     # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
