@@ -144,3 +144,11 @@ def test_megatron_layout_is_checked_against_the_model(tmp_path):
         "actor_train.strategy_args.strategy_config.tensor_model_parallel_size",
         "2 does not divide the model's num_attention_heads (3)",
     )
+
+
+def test_the_sft_warm_start_config_passes_the_checks(tmp_path):
+    from roll.launch.checks import check_sft_config
+    from roll.pipeline.sft.warm_start import warm_start_config
+
+    config = warm_start_config(tmp_path / "base", tmp_path / "sft.jsonl", tmp_path / "run", 3, 0, 1)
+    assert check_sft_config(config, files=False).roles["actor_train"].parallel.dp == 1
