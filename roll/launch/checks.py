@@ -29,6 +29,7 @@ from roll.launch.named_values import check_named_values
 from roll.launch.roles import check_role
 from roll.launch.rules import check_devices_exist, check_run_rules, check_tracker
 from roll.models.model_dir import check_model_dir
+from roll.pipeline.rlvr.rewards.registry import get_reward_spec
 
 
 def check_before_launch(config: RLVRConfig, files: bool = True) -> PlacementPlan:
@@ -53,6 +54,8 @@ def check_sft_config(config: SFTPipelineConfig, files: bool = True) -> Placement
     check_tracker(config)
     if not config.data.train_files:
         raise ConfigError("data.train_files", "is required: JSONL files of chat rows")
+    if config.generation_eval is not None:
+        get_reward_spec(config.generation_eval.reward_fn, "generation_eval.reward_fn")
     if files:
         _check_sft_files(config)
     return plan
