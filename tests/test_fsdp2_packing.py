@@ -94,6 +94,8 @@ def grads(strategy, box, micro_batches, loss_fn, **config) -> dict:
 def outputs(strategy, batch, **config) -> dict:
     for key, value in {"sequence_packing": False, "infer_max_tokens_per_microbatch": None, **config}.items():
         setattr(strategy.config, key, value)
+    if strategy.is_value_model:
+        return {"values": strategy.compute_values(batch)}
     return strategy.compute_log_probs(batch)
 
 

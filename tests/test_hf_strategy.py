@@ -198,9 +198,11 @@ def test_load_weights_round_trip_and_errors(tmp_path, strategy):
 def test_value_model_gives_values_and_cannot_generate(model_dir):
     critic = make_strategy(model_dir, model_type="value")
     out = make_strategy(model_dir).generate(prompt_batch(), SamplingParams(n=1, max_new_tokens=4))
-    values = critic.compute_log_probs(out)
-    assert set(values) == {"values"} and values["values"].shape == out["responses"].shape
-    assert (values["values"][out["response_mask"] == 0] == 0).all()
+    values = critic.compute_values(out)
+    assert values.shape == out["responses"].shape
+    assert (values[out["response_mask"] == 0] == 0).all()
+    with pytest.raises(ValueError, match="a value model has values, not log-probs"):
+        critic.compute_log_probs(out)
     with pytest.raises(ValueError, match="value model cannot generate"):
         critic.generate(prompt_batch(), SamplingParams())
 

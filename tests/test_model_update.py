@@ -7,6 +7,7 @@ The transport tests spawn real processes and build the links exactly like the wo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,11 +36,10 @@ from roll.distributed.model_update.link import Link, LinkSpec
 from roll.distributed.model_update.probe import build_probe_batch
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links
 from roll.distributed.model_update.sender import BucketSender
-from roll.distributed.scheduler.cluster import Cluster
 from roll.distributed.scheduler.placement import PlacementPlan, plan_role
 from roll.distributed.scheduler.resource_manager import ResourceManager
 from roll.distributed.strategy.registry import get_strategy_spec
-from roll.pipeline.workers.actor_worker import ActorWorker
+from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
 from roll.utils.ports import free_port
 
 torch.set_num_threads(1)
@@ -423,8 +423,9 @@ E2E_LAYOUTS = {
 CORRUPTED = "model.layers.1.mlp.up_proj.weight"
 
 
-class _InspectableActorWorker(ActorWorker):
-    """ActorWorker plus read-outs of the weights for the bit-identity checks."""
+class _InspectableModelWorker(ModelWorker):
+    """ModelWorker plus read-outs of the weights for the bit-identity checks, and corruption of the
+    next update for the checks that must catch it."""
 
     @register(Dispatch.ONE_TO_ALL)
     def trainer_weights(self) -> dict[str, torch.Tensor]:
@@ -433,6 +434,42 @@ class _InspectableActorWorker(ActorWorker):
     @register(Dispatch.ONE_TO_ALL)
     def engine_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().cpu().clone() for name, t in self.strategy.model.state_dict().items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def corrupt_next_update(self, name: str, where: str) -> None:
+        """Corrupt tensor ``name`` in the next update: on arrival, before its checksum (``"wire"``:
+        the checksums catch it), or in the engine after loading (``"engine"``: the probe catches it)."""
+        self.corruption = (name, where)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def model_update_receive(self, group: str, version: int):
+        name, where = self.__dict__.pop("corruption", (None, None))
+        with _corrupt_on_arrival(name) if where == "wire" else contextlib.nullcontext():
+            results = super().model_update_receive(group, version)
+        if where == "engine":
+            weights = dict(self.strategy.iter_hf_weights())
+            self.strategy.load_weights(iter([(name, weights[name] + 1.0)]))
+        return results
+
+
+@contextlib.contextmanager
+def _corrupt_on_arrival(name: str):
+    """Flip a bit of tensor ``name`` in every bucket that arrives, before the receiver's checksums."""
+    from roll.distributed.model_update import receiver
+
+    checksums = receiver.bucket_checksums
+
+    def corrupt_then_sum(meta, flat):
+        for tensor in meta.tensors:
+            if tensor.name == name and tensor.nbytes:
+                flat[tensor.offset : tensor.offset + 1].bitwise_xor_(1)
+        return checksums(meta, flat)
+
+    receiver.bucket_checksums = corrupt_then_sum
+    try:
+        yield
+    finally:
+        receiver.bucket_checksums = checksums
 
 
 def _policy_loss(outputs, micro):
@@ -481,7 +518,7 @@ def e2e(tmp_path_factory):
     clusters = {}
     try:
         for name, role in roles.items():
-            clusters[name] = Cluster(name, _InspectableActorWorker, rm, plan.roles[name], role, config)
+            clusters[name] = ModelCluster(name, _InspectableModelWorker, rm, plan.roles[name], role, config)
         for name, cluster in clusters.items():
             cluster.initialize(10) if name == "actor_train" else cluster.initialize()
         groups = {
@@ -503,9 +540,9 @@ def _train_one_step(clusters, seed: int) -> None:
 
 
 def _assert_engines_hold_trainer_weights(clusters, names) -> dict[str, torch.Tensor]:
-    want = clusters["actor_train"].trainer_weights()[0]
+    want = clusters["actor_train"].call(_InspectableModelWorker.trainer_weights)[0]
     for name in names:
-        for rank, got in enumerate(clusters[name].engine_weights()):
+        for rank, got in enumerate(clusters[name].call(_InspectableModelWorker.engine_weights)):
             assert sorted(got) == sorted(want), f"{name} rank {rank}"
             for key, tensor in want.items():
                 assert same(tensor, got[key]), f"{name} rank {rank}: {key} differs"
@@ -520,7 +557,7 @@ def test_e2e_fsdp2_to_hf_infer_every_layout_bit_identical_and_versioned(e2e):
     assert links["infer_colocated"][0] == ((0,), (1,)) and links["infer_colocated"][1] == ((1,), (0,))
     assert links["infer_disaggregated"][0] == ((), (0, 1))
     assert links["infer_partial"][0] == ((0,), (1,))
-    before = clusters["actor_train"].trainer_weights()[0]
+    before = clusters["actor_train"].call(_InspectableModelWorker.trainer_weights)[0]
     _train_one_step(clusters, seed=1)
     for name, group in groups.items():
         metrics = group.sync(version=1)
@@ -540,11 +577,11 @@ def test_e2e_corruption_is_caught_and_named(e2e):
     clusters, groups, _ = e2e
     group, infer = groups["infer_partial"], clusters["infer_partial"]
     # On the wire: the checksums catch it and name the tensor and the receiving rank.
-    ray.get(infer.workers[1].model_update_inject_fault.remote(CORRUPTED, "wire"))
+    ray.get(infer.workers[1].corrupt_next_update.remote(CORRUPTED, "wire"))
     with pytest.raises(ModelUpdateError, match=rf"infer_partial rank 1: tensor '{CORRUPTED}'"):
         group.sync(version=2)
     # In the engine after loading (a bad load): the probe catches it, the verify pass names it.
-    ray.get(infer.workers[0].model_update_inject_fault.remote(CORRUPTED, "engine"))
+    ray.get(infer.workers[0].corrupt_next_update.remote(CORRUPTED, "engine"))
     with pytest.raises(
         ModelUpdateError,
         match=rf"tolerance.*first mismatching tensor: '{CORRUPTED}' on infer_partial rank 0 "

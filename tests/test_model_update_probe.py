@@ -49,13 +49,13 @@ def test_classify_probe(diff, tolerance, threshold, verdict):
 
 
 class _FakeRole:
-    """Answers ``async_execute_all`` with fixed per-rank outputs (``get_all`` is patched to pass them)."""
+    """Answers ``async_call`` with fixed per-rank outputs (``get_all`` is patched to pass them)."""
 
     def __init__(self, role: str, outputs: list):
         self.role = role
         self.outputs = outputs
 
-    def async_execute_all(self, method: str, *args):
+    def async_call(self, method, *args):
         return self.outputs
 
 

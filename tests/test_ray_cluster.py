@@ -184,7 +184,7 @@ EXPECTED = {
 def test_each_worker_gets_its_rank_env_and_device_slot(runtime, role):
     rm, clusters, _ = runtime
     cluster = clusters[role]
-    reports = cluster.execute_all("report")
+    reports = cluster.call(ProbeWorker.report)
     assert len(reports) == len(EXPECTED[role])
     for rank, (report, (devices, local_rank, share)) in enumerate(zip(reports, EXPECTED[role])):
         env = report["env"]
@@ -230,8 +230,8 @@ def test_gpu_env_lists_the_physical_ids_of_all_worker_devices(runtime, monkeypat
 
 def test_gloo_all_reduce_within_each_role(runtime):
     _, clusters, _ = runtime
-    assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4
-    assert clusters["reference"].all_reduce_rank() == [1.0, 1.0]
+    assert clusters["actor_train"].call(ProbeWorker.all_reduce_rank) == [6.0] * 4
+    assert clusters["reference"].call(ProbeWorker.all_reduce_rank) == [1.0, 1.0]
 
 
 def test_engine_role_workers_join_no_default_group(runtime):
@@ -241,33 +241,35 @@ def test_engine_role_workers_join_no_default_group(runtime):
     with pytest.raises(
         WorkerError, match="actor_infer rank .*Default process group has not been initialized"
     ):
-        clusters["actor_infer"].all_reduce_rank()
+        clusters["actor_infer"].call(ProbeWorker.all_reduce_rank)
 
 
 def test_dp_compute_splits_and_gathers_in_dp_order(runtime):
     _, clusters, _ = runtime
     cluster = clusters["actor_train"]
     batch = Batch.from_dict({"x": torch.arange(8)})
-    out = cluster.scale_rows(batch, 10)
+    out = cluster.call(ProbeWorker.scale_rows, batch, 10)
     assert out["x"].tolist() == [10 * i for i in range(8)]
     assert out["rank"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="7 rows does not split into 4"):
-        cluster.scale_rows(Batch.from_dict({"x": torch.arange(7)}), 1)
+        cluster.call(ProbeWorker.scale_rows, Batch.from_dict({"x": torch.arange(7)}), 1)
 
 
 def test_dp_compute_with_two_ranks_per_dp_group(runtime):
     _, clusters, _ = runtime
     cluster = clusters["actor_train"]
-    cluster.execute_all("use_fake_tp", 2)
+    cluster.call(ProbeWorker.use_fake_tp, 2)
     cluster.refresh_dp_layout()
     try:
         assert cluster.dp_size == 2
-        out = cluster.async_scale_rows(Batch.from_dict({"x": torch.arange(8)}), factor=3).get()
+        out = cluster.async_call(
+            ProbeWorker.scale_rows, Batch.from_dict({"x": torch.arange(8)}), factor=3
+        ).get()
         assert out["x"].tolist() == [3 * i for i in range(8)]
         assert out["rank"].tolist() == [0] * 4 + [2] * 4  # only the output rank of each DP group
-        assert cluster.last_seen() == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+        assert cluster.call(ProbeWorker.last_seen) == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
     finally:
-        cluster.execute_all("use_fake_tp", None)
+        cluster.call(ProbeWorker.use_fake_tp, None)
         cluster.refresh_dp_layout()
     assert cluster.dp_size == 4
 
@@ -275,15 +277,20 @@ def test_dp_compute_with_two_ranks_per_dp_group(runtime):
 def test_dispatch_by_registered_mode(runtime):
     _, clusters, _ = runtime
     cluster = clusters["reference"]
-    assert cluster.whoami() == 0
-    assert cluster.execute_rank_zero("whoami") == 0
+    assert cluster.call(ProbeWorker.whoami) == 0
     batch = Batch.from_dict({"x": torch.arange(5)})
-    assert cluster.count_rows(batch=batch) == [5, 5]
-    assert cluster.execute_all("not_registered") == [0, 1]
-    with pytest.raises(AttributeError, match="not marked with @register"):
-        cluster.not_registered()
-    with pytest.raises(AttributeError, match="has no method 'nope'"):
-        cluster.async_nope()
+    assert cluster.call(ProbeWorker.count_rows, batch=batch) == [5, 5]
+    assert [info["rank"] for info in cluster.ping()] == [0, 1]
+    with pytest.raises(TypeError, match="ProbeWorker.not_registered' is not marked with @register"):
+        cluster.call(ProbeWorker.not_registered)
+
+
+def test_typed_cluster_refuses_another_worker_class(runtime):
+    from roll.pipeline.workers.model_worker import ModelCluster
+
+    rm, _, _ = runtime
+    with pytest.raises(TypeError, match="ModelCluster runs ModelWorker workers, got ProbeWorker"):
+        ModelCluster("critic", ProbeWorker, rm, _cpu_role("critic", 1), RoleConfig(world_size=1))
 
 
 def _cpu_role(name: str, world_size: int):
@@ -296,13 +303,13 @@ def test_failing_worker_raises_worker_error_and_stops_the_role(runtime):
     cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 3), RoleConfig(world_size=3))
     workers = list(cluster.workers)
     with pytest.raises(WorkerError) as info:
-        cluster.fail_on(1, "raise")  # ranks 0 and 2 wait in an all-reduce for rank 1
+        cluster.call(FailingWorker.fail_on, 1, "raise")  # ranks 0 and 2 wait in an all-reduce for rank 1
     err = info.value
     assert str(err) == "critic rank 1: ValueError: boom on rank 1"
     assert (err.role, err.rank, err.exc_type) == ("critic", 1, "ValueError")
     assert "raise ValueError" in err.remote_traceback
     with pytest.raises(RuntimeError, match="stopped after an error"):
-        cluster.execute_all("ping")
+        cluster.ping()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(workers[0].ping.remote(), timeout=30)
 
@@ -312,7 +319,7 @@ def test_worker_process_that_dies_is_reported(runtime):
     rm, _, _ = runtime
     cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
     with pytest.raises(WorkerError, match=r"^critic rank 1: ActorDiedError: the worker process died"):
-        cluster.fail_on(1, "exit")
+        cluster.call(FailingWorker.fail_on, 1, "exit")
 
 
 @pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test
@@ -330,13 +337,13 @@ def test_hung_worker_times_out_naming_role_and_rank(runtime):
     workers = list(cluster.workers)
     start = time.monotonic()
     with pytest.raises(WorkerTimeout) as info:
-        cluster.sleep_on(1, 3600)
+        cluster.call(FailingWorker.sleep_on, 1, 3600)
     assert time.monotonic() - start < 30
     assert str(info.value).startswith(
         "critic rank 1: sleep_on did not answer within 3 s (worker_timeouts.call_s); the workers were stopped"
     )
     with pytest.raises(RuntimeError, match="stopped after an error"):
-        cluster.execute_all("ping")
+        cluster.ping()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(workers[1].ping.remote(), timeout=30)
 
@@ -345,7 +352,9 @@ def test_single_node_run_listens_on_loopback_only(runtime):
     """The private Ray of a single-node run (here the CPU one) binds every port to 127.0.0.1 (GCS,
     raylet, agents, workers), and so do the roles' torch process groups (store and gloo pairs)."""
     _, clusters, _ = runtime
-    assert clusters["actor_train"].all_reduce_rank() == [6.0] * 4  # the groups are up and work
+    assert (
+        clusters["actor_train"].call(ProbeWorker.all_reduce_rank) == [6.0] * 4
+    )  # the groups are up and work
     host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
     assert host == "127.0.0.1"
     ray_pids = {p.pid for p in psutil.Process().children(recursive=True)}

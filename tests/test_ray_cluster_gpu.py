@@ -80,16 +80,16 @@ def test_gpu_workers_see_their_own_gpus_and_talk_over_nccl():
             "actor_infer", GpuProbeWorker, rm, plan.roles["actor_infer"], config.actor_infer, config
         )
         ids = [slot.gpu_id for slot in rm.slots]
-        reports = train.report()
+        reports = train.call(GpuProbeWorker.report)
         assert [r["visible"] for r in reports] == ids
         assert all(r["count"] == 1 and r["device"] == "cuda:0" and r["backend"] == "nccl" for r in reports)
         assert reports[0]["uuid"] != reports[1]["uuid"]
-        assert train.all_reduce_rank() == [1.0, 1.0]
-        [engine_report] = infer.report()
+        assert train.call(GpuProbeWorker.all_reduce_rank) == [1.0, 1.0]
+        [engine_report] = infer.call(GpuProbeWorker.report)
         assert engine_report["visible"] == ",".join(ids) and engine_report["count"] == 2
         assert engine_report["uuid"] == reports[0]["uuid"]  # colocated with actor_train rank 0
         with pytest.raises(WorkerError, match="^actor_train rank 1: RuntimeError: cuda worker failed$"):
-            train.fail_on(1)
+            train.call(GpuProbeWorker.fail_on, 1)
         infer.shutdown()
     finally:
         rm.destroy()

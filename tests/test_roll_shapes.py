@@ -49,6 +49,6 @@ class _FakeCluster:
 def test_uneven_prompts_are_padded_and_the_padding_dropped():
     cluster = _FakeCluster(dp_size=12)
     prompts = Batch.from_dict({"x": torch.arange(64)}, {})
-    out = dp_call(cluster, "generate", prompts, 8, rows_per_input=8)
+    out = dp_call(cluster.dp_size, lambda b: cluster.generate(b, 8), prompts, rows_per_input=8)
     assert len(cluster.seen) == 72 and cluster.seen[64:] == [63] * 8
     assert out["x"].tolist() == torch.arange(64).repeat_interleave(8).tolist()

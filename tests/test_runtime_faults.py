@@ -1,6 +1,8 @@
 """Runtime faults through the real launcher on CPU: a worker that dies or hangs inside a stage on
 shared devices, and SIGTERM / SIGINT on the driver. Each run is the tiny e2e pipeline (2 colocated
-slots) in a subprocess, with ``ROLL_INJECT_FAULT`` in ``system_envs`` making one worker fail."""
+slots) in a subprocess; for worker faults it runs through ``tests/fault_injection.py`` (the
+launcher with fault-injecting workers), with ``ROLL_INJECT_FAULT`` in ``system_envs`` making one
+worker fail."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fault_injection import Fault, parse_fault  # noqa: E402
 from test_pipeline_e2e import config_dict, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
-from roll.distributed.executor.faults import Fault, parse_fault  # noqa: E402
 from roll.pipeline.rlvr.checkpoint import read_state  # noqa: E402
 from roll.pipeline.signals import RunInterrupted, interruption, release_signals, take_signals  # noqa: E402
 
@@ -36,15 +38,21 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     return tmp, model
 
 
-def launch(tmp: Path, model: Path, name: str, **overrides) -> tuple[subprocess.Popen, Path]:
+def launch(
+    tmp: Path, model: Path, name: str, fault: str | None = None, **overrides
+) -> tuple[subprocess.Popen, Path]:
     """Start ``examples/start_rlvr_pipeline.py`` on the tiny config (no validation, no checkpoints
-    unless asked); returns the process and its output_dir."""
+    unless asked), or with ``fault`` (a ``ROLL_INJECT_FAULT`` value) ``tests/fault_injection.py``;
+    returns the process and its output_dir."""
+    if fault is not None:
+        overrides["system_envs"] = {**overrides.get("system_envs", {}), "ROLL_INJECT_FAULT": fault}
     out = tmp / name
     cfg = config_dict(tmp, model, out, **{"max_steps": 1, "save_steps": 0, "eval_steps": 0, **overrides})
     cfg.pop("validation")
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "examples/start_rlvr_pipeline.py"), "--config_name", name]
+    script = REPO / ("tests/fault_injection.py" if fault else "examples/start_rlvr_pipeline.py")
+    cmd = [sys.executable, str(script), "--config_name", name]
     proc = subprocess.Popen(
         [*cmd, "--config_path", str(tmp)],
         env=env,
@@ -83,7 +91,7 @@ def roll_lines(err: list[str], prefix: str) -> list[str]:
 )
 def test_worker_failing_in_a_colocated_stage_is_one_line(tiny, fault, expected):
     tmp, model = tiny
-    proc, out = launch(tmp, model, f"dies-{fault.split(':')[0]}", system_envs={"ROLL_INJECT_FAULT": fault})
+    proc, out = launch(tmp, model, f"dies-{fault.split(':')[0]}", fault=fault)
     code, err = finish(proc)
     assert code == 1, err[-20:]
     assert len(roll_lines(err, "WorkerError")) == 1, err[-20:]
@@ -104,7 +112,7 @@ def test_hung_worker_is_named_within_its_timeout(tiny):
         tmp,
         model,
         "hangs",
-        system_envs={"ROLL_INJECT_FAULT": "actor_infer:1:generate:hang"},
+        fault="actor_infer:1:generate:hang",
         worker_timeouts={"generate_s": 5},
     )
     code, err = finish(proc)

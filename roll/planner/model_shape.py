@@ -1,7 +1,9 @@
 """Model sizes from a Hugging Face ``config.json`` alone (no weights, no transformers import).
 
 One formula set covers the families roll's strategies load (roll.models.megatron.families): dense
-Llama / Qwen2 / Qwen3 and the MoE Qwen3-MoE / Mixtral. Counts are those of the HF module tree.
+Llama / Qwen2 / Qwen3, the MoE Qwen3-MoE / Mixtral, and DeepSeek-V3 (multi-latent attention,
+shared experts, first-k dense layers; its multi-token-prediction layers are not counted, as roll
+does not build them). Counts are those of the HF module tree.
 
     shape = load_model_shape("models/Qwen2.5-7B", "actor_train.model_args.model_name_or_path")
     shape.total_params()            # 7_615_616_512
@@ -23,6 +25,7 @@ FAMILY_TRAITS: dict[str, tuple[bool, bool, str | None]] = {
     "qwen3": (False, True, None),
     "qwen3_moe": (False, True, "qwen3_moe"),
     "mixtral": (False, False, "mixtral"),
+    "deepseek_v3": (False, False, "deepseek_v3"),
 }
 
 
@@ -45,6 +48,14 @@ class ModelShape:
     top_k: int = 0
     moe_ffn: int = 0  # one expert's MLP width
     moe_layers: int = 0  # layers whose MLP is the experts
+    shared_ffn: int = 0  # the shared experts' MLP width in each MoE layer (DeepSeek)
+    # Multi-latent attention (DeepSeek): q LoRA rank (0: a plain q projection), kv LoRA rank, and
+    # the per-head widths; ``head_dim`` is then the query/key width (nope + rope).
+    mla: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -56,6 +67,8 @@ class ModelShape:
 
     def attention_params(self) -> int:
         """q, k, v, o projections (+ q/k/v bias, + per-head q/k norms) and the two layer norms."""
+        if self.mla:
+            return self._mla_params()
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
         count = h * q + 2 * h * kv + q * h + 2 * h
         if self.qkv_bias:
@@ -64,6 +77,17 @@ class ModelShape:
             count += 2 * self.head_dim
         return count
 
+    def _mla_params(self) -> int:
+        """Multi-latent attention: q (LoRA down + norm + up, or one projection), the kv down
+        projection with the shared RoPE key + its norm, the kv up projection, o, two layer norms."""
+        h, heads, q_head = self.hidden, self.heads, self.head_dim
+        q = h * q_head * heads
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * q_head
+        kv_down = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+        kv_up = self.kv_lora_rank * heads * (q_head - self.qk_rope_dim + self.v_head_dim)
+        return q + kv_down + kv_up + heads * self.v_head_dim * h + 2 * h
+
     def expert_params(self) -> int:
         """Every expert of every MoE layer (gate, up, down)."""
         return self.moe_layers * self.experts * 3 * self.hidden * self.moe_ffn
@@ -71,6 +95,7 @@ class ModelShape:
     def layer_dense_params(self) -> int:
         """Every layer's parameters but the experts: attention, norms, dense MLPs, routers."""
         dense_mlp = (self.layers - self.moe_layers) * 3 * self.hidden * self.ffn
+        dense_mlp += self.moe_layers * 3 * self.hidden * self.shared_ffn
         routers = self.moe_layers * self.experts * self.hidden
         return self.layers * self.attention_params() + dense_mlp + routers
 
@@ -80,17 +105,6 @@ class ModelShape:
 
     def total_params(self) -> int:
         return self.embedding_params() + self.layer_dense_params() + self.expert_params()
-
-    def mlp_act_width(self) -> int:
-        """Per token, the MLP width one token passes through in an average layer (top-k experts)."""
-        if not self.layers:
-            return 0
-        moe = self.moe_layers * self.top_k * self.moe_ffn
-        return (moe + (self.layers - self.moe_layers) * self.ffn) // self.layers
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.layers * self.kv_dim * dtype_bytes
 
 
 def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelShape:
@@ -126,9 +140,31 @@ def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelSha
         elif moe == "mixtral":
             shape |= dict(experts=cfg["num_local_experts"], moe_ffn=cfg["intermediate_size"])
             shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=layers)
+        elif moe == "deepseek_v3":
+            shape |= _deepseek_v3(cfg, layers)
     except KeyError as exc:
         raise ConfigError(key, f"config.json has no {exc.args[0]!r} (needed for the memory plan)") from None
     return ModelShape(**shape)
+
+
+def _deepseek_v3(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """MLA and MoE sizes of a DeepSeek-V3 config.json (the first ``first_k_dense_replace`` layers
+    dense, every other layer routed + shared experts)."""
+    moe_ffn = cfg["moe_intermediate_size"]
+    return dict(
+        head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+        kv_heads=cfg["num_attention_heads"],
+        mla=True,
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_rope_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        experts=cfg["n_routed_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        moe_ffn=moe_ffn,
+        shared_ffn=moe_ffn * (cfg.get("n_shared_experts") or 0),
+        moe_layers=max(layers - (cfg.get("first_k_dense_replace") or 0), 0),
+    )
 
 
 def load_model_shape(model_dir: str, key: str = "model_args.model_name_or_path") -> ModelShape:

@@ -1,9 +1,15 @@
-"""How a ``Cluster`` calls a worker method: ``@register`` marks the method, the cluster reads the mark.
+"""How a ``Cluster`` calls a worker method: ``@register`` declares the mode on the method, and the
+cluster's typed method names the worker method it calls::
 
->>> class ActorWorker(Worker):
-...     @register(Dispatch.DP_COMPUTE)
-...     def compute_log_probs(self, batch: Batch) -> Batch: ...
->>> actor_train.compute_log_probs(batch)   # batch split over DP ranks, results concatenated
+    class ModelWorker(Worker):
+        @register(Dispatch.DP_COMPUTE)
+        def compute_log_probs(self, batch: Batch, output_key: str = "old_log_probs") -> Batch: ...
+
+    class ModelCluster(Cluster):
+        def compute_log_probs(self, batch: Batch, output_key: str = "old_log_probs") -> Batch:
+            return self.call(ModelWorker.compute_log_probs, batch, output_key)
+
+    actor_train.compute_log_probs(batch)   # batch split over DP ranks, results concatenated
 
 Modes:
 
@@ -18,13 +24,11 @@ Modes:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
 from roll.core.batch import Batch
-from roll.distributed.executor.faults import inject_fault
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "_roll_dispatch"
@@ -45,32 +49,24 @@ class DPRank(NamedTuple):
 
 
 def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL) -> Callable[[F], F]:
-    """Mark a worker method so ``cluster.<method>(...)`` knows how to call it."""
+    """Declare how ``Cluster.call`` runs a worker method (the method itself is returned unchanged)."""
     if not isinstance(dispatch, Dispatch):
         raise TypeError(f"register() takes a Dispatch mode, got {dispatch!r}")
 
     def mark(fn: F) -> F:
-        @functools.wraps(fn)
-        def call(self, *args: Any, **kwargs: Any) -> Any:
-            inject_fault(self, fn.__name__)  # no-op unless ROLL_INJECT_FAULT is set
-            return fn(self, *args, **kwargs)
-
-        setattr(call, _MARK, dispatch)
-        return call  # type: ignore[return-value]
+        setattr(fn, _MARK, dispatch)
+        return fn
 
     return mark
 
 
-def dispatch_mode(worker_cls: type, method: str) -> Dispatch:
-    """The mode ``method`` of ``worker_cls`` was registered with; a clear error when it was not."""
-    fn = getattr(worker_cls, method, None)
-    if not callable(fn):
-        raise AttributeError(f"{worker_cls.__name__} has no method {method!r}")
-    mode = getattr(fn, _MARK, None)
-    if mode is None:
-        raise AttributeError(
-            f"{worker_cls.__name__}.{method} is not marked with @register(Dispatch...); mark it, or call "
-            f"cluster.execute_all({method!r}, ...)"
+def dispatch_mode(method: Callable[..., Any]) -> Dispatch:
+    """The mode ``method`` (a worker class's function) was declared with; a clear error when none was."""
+    mode = getattr(method, _MARK, None)
+    if not isinstance(mode, Dispatch):
+        raise TypeError(
+            f"{getattr(method, '__qualname__', method)!r} is not marked with @register(Dispatch...), "
+            "so a Cluster does not know how to call it"
         )
     return mode
 

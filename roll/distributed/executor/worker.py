@@ -1,14 +1,19 @@
 """``Worker``: the base class of every role's Ray actor (one process per rank).
 
 A role's workers are started by ``roll.distributed.scheduler.cluster.Cluster``; subclasses add the
-role's methods and mark them with ``@register`` so the cluster knows how to call them::
+role's methods and mark them with ``@register`` so the cluster knows how to call them; the role's
+``Cluster`` subclass offers one typed method per worker method::
 
     class RewardWorker(Worker):
         @register(Dispatch.DP_COMPUTE)
         def compute_rewards(self, batch: Batch) -> Batch:
             ...
 
-    rewards = Cluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
+    class RewardCluster(Cluster):
+        def compute_rewards(self, batch: Batch) -> Batch:
+            return self.call(RewardWorker.compute_rewards, batch)
+
+    rewards = RewardCluster("rewards.math", RewardWorker, resource_manager, plan.roles["rewards.math"], cfg, config)
     scored = rewards.compute_rewards(batch)
 
 What the base class does, in order: apply the environment the resource manager chose
@@ -32,14 +37,13 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from roll.core.worker_context import WorkerContext
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
 from roll.utils.ports import free_port
-from roll.utils.tcp_store import open_tcp_store
+from roll.utils.process_group import init_default_group
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -113,18 +117,15 @@ class Worker:
             return True
         if self.world_size == 1 and not force:
             return False
-        backend = "nccl" if self.ctx.is_cuda else "gloo"
-        store = open_tcp_store(master_addr, master_port, self.world_size, self.rank == 0, default_pg_timeout)
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            device_id=self.ctx.device if self.ctx.is_cuda else None,
+        return init_default_group(
+            self.rank,
+            self.world_size,
+            self.ctx.device,
+            master_addr=master_addr,
+            master_port=master_port,
+            who=self.role,
         )
-        return True
 
-    @register(Dispatch.ONE_TO_ALL)
     def create_strategy(self) -> None:
         """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""
         args = self.role_config.strategy_args
@@ -137,10 +138,9 @@ class Worker:
     def dp_layout(self) -> DPRank:
         """(dp_rank, dp_size, is_output): the strategy's answer when it has one (Megatron: TP/PP
         ranks share a DP rank and one of them returns output), else every rank is its own DP rank."""
-        layout = getattr(self.strategy, "dp_layout", None)
-        if layout is None:
+        if self.strategy is None:
             return DPRank(self.rank, self.world_size, True)
-        return DPRank(*layout())
+        return DPRank(*self.strategy.dp_layout())
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, object]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,7 +52,18 @@ from roll.distributed.model_update.probe import (
     logprob_diff,
     probe_warn_threshold,
 )
+from roll.distributed.model_update.receiver import ReceiveResult
+from roll.distributed.model_update.sender import SendResult
+from roll.distributed.model_update.worker_mixin import (
+    DeviceInfo,
+    ModelUpdateReceiverMixin,
+    ModelUpdateSenderMixin,
+    VerifyResult,
+)
 from roll.distributed.scheduler.cluster import get_all
+
+if TYPE_CHECKING:
+    from roll.distributed.scheduler.cluster import Cluster
 
 PREFIX = "model_update/"
 logger = logging.getLogger("roll")
@@ -61,7 +72,13 @@ logger = logging.getLogger("roll")
 class ModelUpdateGroup:
     """Trainer role -> inference role weight sync; see the module docstring."""
 
-    def __init__(self, train_cluster, infer_cluster, config: RLVRConfig, probe_batch: Batch | None = None):
+    def __init__(
+        self,
+        train_cluster: Cluster,
+        infer_cluster: Cluster,
+        config: RLVRConfig,
+        probe_batch: Batch | None = None,
+    ):
         if config.model_update_buffer_size_mb < 1:
             raise ModelUpdateError(
                 f"model_update_buffer_size_mb must be >= 1, got {config.model_update_buffer_size_mb}"
@@ -79,35 +96,30 @@ class ModelUpdateGroup:
         """Build every link (once; later calls do nothing)."""
         if self.specs is not None:
             return
-        senders = self.train.execute_all("model_update_device_info")
-        receivers = self.infer.execute_all("model_update_device_info")
-        addresses = self.train.execute_all("model_update_open_port")
+        senders = self.train.call(ModelUpdateSenderMixin.model_update_device_info)
+        receivers = self.infer.call(ModelUpdateReceiverMixin.model_update_device_info)
+        addresses = self.train.call(ModelUpdateSenderMixin.model_update_open_port)
         specs = plan_links(self.train.role, self.infer.role, senders, receivers, addresses)
         get_all(
-            self.train.async_execute_all("model_update_connect_sender", self.name, specs, self.bucket_bytes),
-            self.infer.async_execute_all("model_update_connect_receiver", self.name, specs),
+            self.train.async_call(
+                ModelUpdateSenderMixin.model_update_connect_sender, self.name, specs, self.bucket_bytes
+            ),
+            self.infer.async_call(ModelUpdateReceiverMixin.model_update_connect_receiver, self.name, specs),
         )
         self.specs = specs
         if self.probe_batch is None and self.config.model_update_probe_size > 0:
             self.probe_batch = default_probe_batch(self.config)
-
-    def describe(self) -> str:
-        """One line per link: which receivers map the sender's buffers and which get a broadcast."""
-        lines = []
-        for spec in self.specs or []:
-            local = ", ".join(map(str, spec.local_receivers)) or "-"
-            remote = ", ".join(map(str, spec.remote_receivers)) or "-"
-            lines.append(f"{spec.name}: colocated (IPC) {local}; broadcast ({spec.backend}) {remote}")
-        return "\n".join(lines)
 
     # -------------------------------------------------------------------------------- sync
     def sync(self, version: int) -> dict[str, float]:
         """Send the trainer's current weights as ``version``; returns ``model_update/*`` metrics."""
         self.setup()
         start = time.perf_counter()
+        sent: list[SendResult]
+        received: list[list[ReceiveResult]]
         sent, received = get_all(
-            self.train.async_execute_all("model_update_send", self.name, version),
-            self.infer.async_execute_all("model_update_receive", self.name, version),
+            self.train.async_call(ModelUpdateSenderMixin.model_update_send, self.name, version),
+            self.infer.async_call(ModelUpdateReceiverMixin.model_update_receive, self.name, version),
         )
         elapsed = time.perf_counter() - start
         check_update(sent, received, self.train.role, self.infer.role)
@@ -122,8 +134,8 @@ class ModelUpdateGroup:
         weights are compared tensor by tensor (unequal: raises; equal: a warning)."""
         start = time.perf_counter()
         trainer, engines = get_all(
-            self.train.async_execute_all("model_update_probe_log_probs", self.probe_batch),
-            self.infer.async_execute_all("model_update_probe_log_probs", self.probe_batch),
+            self.train.async_call(ModelUpdateSenderMixin.model_update_probe_log_probs, self.probe_batch),
+            self.infer.async_call(ModelUpdateReceiverMixin.model_update_probe_log_probs, self.probe_batch),
         )
         reference = next((out for out in trainer if out is not None), None)
         if reference is None:
@@ -174,22 +186,23 @@ class ModelUpdateGroup:
     def locate_mismatch(self, version: int) -> tuple[bool | None, str]:
         """Send the weights again and let every engine compare them with its own. Returns whether a
         tensor differs (None: the engines cannot tell) and a sentence naming the first that does."""
-        able = self.infer.execute_all("model_update_can_verify", self.name)
+        able = self.infer.call(ModelUpdateReceiverMixin.model_update_can_verify, self.name)
         if not all(able):
             ranks = [rank for rank, ok in enumerate(able) if not ok]
             return None, (
                 f"{self.infer.role} ranks {ranks} cannot show their weights by HF name, so the tensor "
                 "cannot be named; every received tensor matched the sender's checksum"
             )
+        verdicts: list[VerifyResult]
         _, verdicts = get_all(
-            self.train.async_execute_all("model_update_send", self.name, version),
-            self.infer.async_execute_all("model_update_verify", self.name, version),
+            self.train.async_call(ModelUpdateSenderMixin.model_update_send, self.name, version),
+            self.infer.async_call(ModelUpdateReceiverMixin.model_update_verify, self.name, version),
         )
         for rank, verdict in enumerate(verdicts):
-            if verdict["first_mismatch"] is not None:
+            if verdict.first_mismatch is not None:
                 return True, (
-                    f"first mismatching tensor: {verdict['first_mismatch']!r} on {self.infer.role} rank {rank} "
-                    f"({verdict['difference']}; {verdict['mismatches']} tensor(s) differ from the trainer's)"
+                    f"first mismatching tensor: {verdict.first_mismatch!r} on {self.infer.role} rank {rank} "
+                    f"({verdict.difference}; {verdict.mismatches} tensor(s) differ from the trainer's)"
                 )
         return False, (
             "every engine holds exactly the tensors the trainer sends (the forward passes differ, not the weights)"
@@ -208,15 +221,15 @@ def non_finite_sides(train_role: str, trainer, infer_role: str, engines: list) -
 def plan_links(
     train_role: str,
     infer_role: str,
-    senders: list[dict[str, Any]],
-    receivers: list[dict[str, Any]],
+    senders: list[DeviceInfo],
+    receivers: list[DeviceInfo],
     addresses: list[tuple[str, int]],
 ) -> list[LinkSpec]:
     """One ``LinkSpec`` per trainer rank from the workers' ``model_update_device_info``.
 
     A receiver is colocated with a sender when its global device ids include the sender's device.
     """
-    kinds = {info["cuda"] for info in senders + receivers}
+    kinds = {info.cuda for info in senders + receivers}
     if len(kinds) > 1:
         raise ModelUpdateError(
             f"{train_role} and {infer_role} must both run on CUDA or both on CPU for a model update"
@@ -224,8 +237,8 @@ def plan_links(
     backend = "nccl" if kinds == {True} else "gloo"
     specs = []
     for rank, (info, (host, port)) in enumerate(zip(senders, addresses)):
-        device = info["device_ids"][0] if info["device_ids"] else None
-        local = tuple(device is not None and device in r["device_ids"] for r in receivers)
+        device = info.device_ids[0] if info.device_ids else None
+        local = tuple(device is not None and device in r.device_ids for r in receivers)
         specs.append(
             LinkSpec(
                 name=f"{train_role}->{infer_role}/{rank}",
@@ -236,17 +249,20 @@ def plan_links(
                 local=local,
                 backend=backend,
                 sender_device=device,
-                data_ranks=tuple(r["data_ranks"] for r in receivers),
+                data_ranks=tuple(r.data_ranks for r in receivers),
             )
         )
     return specs
 
 
-def check_update(sent: list[dict], received: list[dict], train_role: str, infer_role: str) -> None:
-    """Every tensor from one trainer rank only, and every engine got each with the sent checksum."""
+def check_update(
+    sent: list[SendResult], received: list[list[ReceiveResult]], train_role: str, infer_role: str
+) -> None:
+    """Every tensor from one trainer rank only, and every engine got each with the sent checksum
+    (``received[r][s]``: what engine rank r got over sender s's link)."""
     owner: dict[str, int] = {}
     for rank, result in enumerate(sent):
-        for name in result["names"]:
+        for name in result.names:
             if name in owner:
                 raise ModelUpdateError(
                     f"tensor {name!r} was sent by {train_role} ranks {owner[name]} and {rank}; "
@@ -257,10 +273,10 @@ def check_update(sent: list[dict], received: list[dict], train_role: str, infer_
         raise ModelUpdateError(
             f"no {train_role} rank yielded any weights (iter_hf_weights is empty everywhere)"
         )
-    for infer_rank, result in enumerate(received):
-        for sender, (names, sums) in enumerate(result["links"]):
-            want = list(zip(sent[sender]["names"], sent[sender]["checksums"]))
-            got = list(zip(names, sums))
+    for infer_rank, links in enumerate(received):
+        for sender, link in enumerate(links):
+            want = list(zip(sent[sender].names, sent[sender].checksums))
+            got = list(zip(link.names, link.checksums))
             for (name, want_sum), got_pair in zip(want, got):
                 if got_pair != (name, tuple(want_sum)):
                     raise ModelUpdateError(
@@ -274,21 +290,24 @@ def check_update(sent: list[dict], received: list[dict], train_role: str, infer_
                 )
 
 
-def update_metrics(sent: list[dict], received: list[dict], elapsed: float, version: int) -> dict[str, float]:
-    nbytes = sum(r["nbytes"] for r in sent)
+def update_metrics(
+    sent: list[SendResult], received: list[list[ReceiveResult]], elapsed: float, version: int
+) -> dict[str, float]:
+    nbytes = sum(r.nbytes for r in sent)
+    links = [link for per_rank in received for link in per_rank]
     return {
         f"{PREFIX}time_s": elapsed,
         f"{PREFIX}bytes": float(nbytes),
         f"{PREFIX}gbps": nbytes / elapsed / 1e9 if elapsed > 0 else 0.0,
-        f"{PREFIX}buckets": float(sum(r["buckets"] for r in sent)),
-        f"{PREFIX}sender_iter_s": max(r["iter_s"] for r in sent),
-        f"{PREFIX}sender_wait_s": max(r["wait_s"] for r in sent),
-        f"{PREFIX}sender_total_s": max(r["total_s"] for r in sent),
-        f"{PREFIX}receiver_load_s": max(r["load_s"] for r in received),
-        f"{PREFIX}receiver_wait_s": max(r["wait_s"] for r in received),
-        f"{PREFIX}receiver_total_s": max(r["total_s"] for r in received),
-        f"{PREFIX}version_train": float(min(r["version"] for r in sent)),
-        f"{PREFIX}version_infer": float(min(r["version"] for r in received)),
+        f"{PREFIX}buckets": float(sum(r.buckets for r in sent)),
+        f"{PREFIX}sender_iter_s": max(r.iter_s for r in sent),
+        f"{PREFIX}sender_wait_s": max(r.wait_s for r in sent),
+        f"{PREFIX}sender_total_s": max(r.total_s for r in sent),
+        f"{PREFIX}receiver_load_s": max((r.load_s for r in links), default=0.0),
+        f"{PREFIX}receiver_wait_s": max((r.wait_s for r in links), default=0.0),
+        f"{PREFIX}receiver_total_s": max((r.total_s for r in links), default=0.0),
+        f"{PREFIX}version_train": float(min(r.version for r in sent)),
+        f"{PREFIX}version_infer": float(min(r.version for r in links)),
         f"{PREFIX}version": float(version),
     }
 

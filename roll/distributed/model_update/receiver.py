@@ -33,8 +33,6 @@ from roll.distributed.model_update.link import Link
 from roll.distributed.model_update.sender import stream_context
 
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-# Test hook: called with (meta, flat) after a bucket arrives and before it is checked and loaded.
-FaultFn = Callable[[BucketMeta, torch.Tensor], None]
 
 
 @dataclass
@@ -47,6 +45,8 @@ class ReceiveResult:
     wait_s: float = 0.0
     load_s: float = 0.0
     total_s: float = 0.0
+    # The weight version the update carried.
+    version: int = 0
 
 
 class _Buffer:
@@ -75,7 +75,6 @@ class BucketReceiver:
         load: LoadFn,
         version: int,
         lock: threading.Lock | None = None,
-        fault: FaultFn | None = None,
         use_engine: bool = True,
     ) -> ReceiveResult:
         """Take one whole update; ``use_engine=False`` passes every bucket to ``load`` even when an
@@ -83,7 +82,7 @@ class BucketReceiver:
         if self.cuda:
             torch.cuda.set_device(self.device)  # receive() may run on a helper thread
         lock = lock or threading.Lock()
-        result = ReceiveResult()
+        result = ReceiveResult(version=version)
         sums: list[torch.Tensor | list] = []
         start = time.perf_counter()
         while True:
@@ -94,7 +93,7 @@ class BucketReceiver:
             if meta.nbytes and self.engine is not None and use_engine:
                 sums.append(self._engine_take(meta, handle, lock, result))
             elif meta.nbytes:
-                sums.append(self._take(meta, handle, load, lock, fault, result))
+                sums.append(self._take(meta, handle, load, lock, result))
             result.names.extend(meta.names)
             result.nbytes += meta.nbytes
             result.buckets += 1
@@ -112,9 +111,7 @@ class BucketReceiver:
         result.total_s = time.perf_counter() - start
         return result
 
-    def _take(
-        self, meta: BucketMeta, handle, load: LoadFn, lock, fault, result: ReceiveResult
-    ) -> torch.Tensor:
+    def _take(self, meta: BucketMeta, handle, load: LoadFn, lock, result: ReceiveResult) -> torch.Tensor:
         buffer = None
         if self.link.is_local:
             flat, work = self.ipc.open(handle, self.device)[: meta.nbytes], None
@@ -124,8 +121,6 @@ class BucketReceiver:
         with stream_context(self.work_stream):
             if work is not None:
                 work.wait()
-            if fault is not None:
-                fault(meta, flat)
             bucket_sums = bucket_checksums(meta, flat)
             t0 = time.perf_counter()
             with lock:
@@ -190,7 +185,6 @@ def receive_links(
     receivers: list[BucketReceiver],
     load: LoadFn,
     version: int,
-    fault: FaultFn | None = None,
     use_engine: bool = True,
 ) -> list[ReceiveResult]:
     """Receive one update from every link at once (one thread per link, loads serialized).
@@ -199,13 +193,13 @@ def receive_links(
     could otherwise hold up a collective that another sender's weight generator needs.
     """
     if len(receivers) == 1:
-        return [receivers[0].receive(load, version, None, fault, use_engine)]
+        return [receivers[0].receive(load, version, None, use_engine)]
     lock = threading.Lock()
     results: list[ReceiveResult | BaseException | None] = [None] * len(receivers)
 
     def run(i: int) -> None:
         try:
-            results[i] = receivers[i].receive(load, version, lock, fault, use_engine)
+            results[i] = receivers[i].receive(load, version, lock, use_engine)
         except BaseException as exc:  # noqa: BLE001 - re-raised below on the caller's thread
             results[i] = exc
 

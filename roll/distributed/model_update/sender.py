@@ -40,6 +40,8 @@ class SendResult:
     iter_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
+    # The weight version the update carried.
+    version: int = 0
 
 
 @dataclass
@@ -77,7 +79,7 @@ class BucketSender:
         self._held: tuple[list[torch.Tensor], torch.cuda.Event] | None = None
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SendResult:
-        result = SendResult()
+        result = SendResult(version=version)
         sums: list[torch.Tensor] = []
         start = time.perf_counter()
         index, metas, tensors, used = 0, [], [], 0

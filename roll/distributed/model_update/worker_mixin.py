@@ -1,28 +1,26 @@
 """Worker methods of the model update, mixed into the role workers (subclasses of ``Worker``).
 
 ``ModelUpdateGroup`` (driver side) calls them through the clusters; nothing else needs to. A worker
-class that trains mixes in the sender, one that serves generation the receiver; ``ActorWorker``
+class that trains mixes in the sender, one that serves generation the receiver; ``ModelWorker``
 serves every model role, so it takes both::
 
-    class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker): ...
+    class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker): ...
 
 Sender (trainer rank): ``model_update_send`` iterates ``self.strategy.iter_hf_weights()`` on every
-rank (it may be collective) and streams what this rank yields into its link.
+rank (it may be collective) and streams what this rank yields into its link; it returns the
+``SendResult``.
 
 Receiver (engine worker): ``model_update_receive`` takes one update from every link and loads each
 bucket with ``self.strategy.load_weights`` (or the engine's own bucket calls, see below), then calls
-``strategy.finish_model_update(version)`` when the strategy has it and records ``weight_version``.
-The whole update runs inside one actor call, and Ray runs one call at a time per worker, so a
-``generate`` on the same worker runs wholly before or wholly after it: no request sees a half-updated
-model. ``model_update_in_progress`` says whether an update is being applied, for engines that
-serve requests from other threads.
+``strategy.finish_model_update(version)`` when the strategy is a ``FinishesModelUpdate`` and
+records ``weight_version``; it returns one ``ReceiveResult`` per link. The whole update runs inside
+one actor call, and Ray runs one call at a time per worker, so a ``generate`` on the same worker
+runs wholly before or wholly after it: no request sees a half-updated model.
 
-Engines that receive buckets in their own processes (vLLM's TP workers) offer, besides
-``load_weights``: ``model_update_ranks()`` (ranks they add to a broadcast group),
-``join_model_update_group(host, port, prefix, rank_offset, world_size, backend)``,
-``receive_bucket(meta, verify)`` (queued without waiting) with ``take_checksums()`` after the last
-bucket, and ``load_shared_bucket(meta, handle, verify)`` (returns the bucket's checksums when
-``verify``). The receiver uses them when present.
+Engines that receive buckets in their own processes implement the Protocols of
+``roll/distributed/strategy/base.py``: ``SharedBucketEngine`` (a colocated sender's buffer) and
+``BroadcastBucketEngine`` (vLLM's TP workers join the broadcast group); the receiver uses them
+when the strategy implements them.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -37,12 +36,39 @@ import torch
 
 from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
-from roll.distributed.model_update.bucket import BucketMeta
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.model_update.link import Link, LinkSpec
-from roll.distributed.model_update.receiver import BucketReceiver, receive_links
-from roll.distributed.model_update.sender import BucketSender
+from roll.distributed.model_update.receiver import BucketReceiver, ReceiveResult, receive_links
+from roll.distributed.model_update.sender import BucketSender, SendResult
+from roll.distributed.strategy.base import (
+    BroadcastBucketEngine,
+    FinishesModelUpdate,
+    HFWeightSource,
+    SharedBucketEngine,
+)
 from roll.utils.ports import free_port
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where a worker's devices are (``model_update_device_info``); ``plan_links`` pairs them."""
+
+    rank: int
+    device_ids: list[int]  # global device ids (``ROLL_DEVICE_IDS``)
+    node_ip: str
+    cuda: bool
+    data_ranks: int  # ranks the worker adds to a broadcast group (its engine's TP workers)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What one engine worker found comparing a repeated update with its weights."""
+
+    first_mismatch: str | None  # the first tensor that differs, in link order
+    difference: str  # how it differs (``describe_difference``)
+    mismatches: int
+    exposes_weights: bool
+    missing: list[str] = field(default_factory=list)
 
 
 class _ModelUpdateWorker:
@@ -51,18 +77,17 @@ class _ModelUpdateWorker:
     weight_version: int | None = None
 
     @register(Dispatch.ONE_TO_ALL)
-    def model_update_device_info(self) -> dict[str, Any]:
+    def model_update_device_info(self) -> DeviceInfo:
         """Global device ids (``ROLL_DEVICE_IDS``), node IP, device kind and broadcast ranks needed."""
         ids = os.environ.get("ROLL_DEVICE_IDS", "")
-        strategy = getattr(self, "strategy", None)
-        ranks = strategy.model_update_ranks() if hasattr(strategy, "model_update_ranks") else 1
-        return {
-            "rank": self.rank,
-            "device_ids": [int(d) for d in ids.split(",") if d != ""],
-            "node_ip": ray.util.get_node_ip_address(),
-            "cuda": self.ctx.is_cuda,
-            "data_ranks": int(ranks),
-        }
+        ranks = self.strategy.model_update_ranks() if isinstance(self.strategy, BroadcastBucketEngine) else 1
+        return DeviceInfo(
+            rank=self.rank,
+            device_ids=[int(d) for d in ids.split(",") if d != ""],
+            node_ip=ray.util.get_node_ip_address(),
+            cuda=self.ctx.is_cuda,
+            data_ranks=int(ranks),
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def model_update_version(self) -> int | None:
@@ -73,8 +98,7 @@ class _ModelUpdateWorker:
         """Log-probs [B, R] of the probe batch on CPU from an output rank (None elsewhere). Every
         rank must take part: the forward may be collective (FSDP gathers, Megatron TP/PP)."""
         out = self.strategy.compute_log_probs(batch)["log_probs"]
-        layout = self.strategy.dp_layout() if hasattr(self.strategy, "dp_layout") else (self.rank, 1, True)
-        return out.float().cpu() if layout[2] else None
+        return out.float().cpu() if self.strategy.dp_layout()[2] else None
 
 
 class ModelUpdateSenderMixin(_ModelUpdateWorker):
@@ -94,7 +118,7 @@ class ModelUpdateSenderMixin(_ModelUpdateWorker):
         senders[group] = BucketSender(link, self.ctx.device, bucket_bytes)
 
     @register(Dispatch.ONE_TO_ALL)
-    def model_update_send(self, group: str, version: int) -> dict[str, Any]:
+    def model_update_send(self, group: str, version: int) -> SendResult:
         """Send this rank's share of the weights over ``group`` as ``version``; names, checksums, timings."""
         sender = self.__dict__.get("_model_update_senders", {}).get(group)
         if sender is None:
@@ -103,16 +127,7 @@ class ModelUpdateSenderMixin(_ModelUpdateWorker):
             )
         result = sender.send(self.strategy.iter_hf_weights(), version)
         self.weight_version = version
-        return {
-            "names": result.names,
-            "checksums": result.checksums,
-            "nbytes": result.nbytes,
-            "buckets": result.buckets,
-            "iter_s": result.iter_s,
-            "wait_s": result.wait_s,
-            "total_s": result.total_s,
-            "version": version,
-        }
+        return result
 
 
 class ModelUpdateReceiverMixin(_ModelUpdateWorker):
@@ -121,7 +136,7 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
     @register(Dispatch.ONE_TO_ALL)
     def model_update_connect_receiver(self, group: str, specs: list[LinkSpec]) -> None:
         """Join every link of ``group`` (in order, so all members meet in the same order)."""
-        own = self.model_update_device_info()["device_ids"]
+        own = self.model_update_device_info().device_ids
         receivers = []
         for spec in specs:
             device = self._link_device(spec, own)
@@ -132,31 +147,17 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         self.__dict__.setdefault("_model_update_receivers", {})[group] = receivers
 
     @register(Dispatch.ONE_TO_ALL)
-    def model_update_receive(self, group: str, version: int) -> dict[str, Any]:
-        """Apply one whole update (every link of ``group``), then record ``version``; names,
-        checksums, timings."""
-        receivers = self._receivers(group)
-        self._model_update_active = True
-        try:
-            results = receive_links(receivers, self.strategy.load_weights, version, self._fault_hook())
-            finish = getattr(self.strategy, "finish_model_update", None)
-            if finish is not None:
-                finish(version)
-        finally:
-            self._model_update_active = False
-        self._apply_engine_fault()
+    def model_update_receive(self, group: str, version: int) -> list[ReceiveResult]:
+        """Apply one whole update (every link of ``group``), then record ``version``; one result
+        (names, checksums, timings) per link, in link order."""
+        results = receive_links(self._receivers(group), self.strategy.load_weights, version)
+        if isinstance(self.strategy, FinishesModelUpdate):
+            self.strategy.finish_model_update(version)
         self.weight_version = version
-        return {
-            "links": [(r.names, r.checksums) for r in results],
-            "nbytes": sum(r.nbytes for r in results),
-            "load_s": max((r.load_s for r in results), default=0.0),
-            "wait_s": max((r.wait_s for r in results), default=0.0),
-            "total_s": max((r.total_s for r in results), default=0.0),
-            "version": version,
-        }
+        return results
 
     @register(Dispatch.ONE_TO_ALL)
-    def model_update_verify(self, group: str, version: int) -> dict[str, Any]:
+    def model_update_verify(self, group: str, version: int) -> VerifyResult:
         """Receive a repeated update without loading it and compare every tensor with the engine's
         own (cast to the engine's dtype): the first tensor that differs, per link order."""
         engine = _engine_hf_weights(self.strategy)
@@ -178,13 +179,9 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         results = receive_links(self._receivers(group), compare, version, use_engine=False)
         order = [name for r in results for name in r.names]
         first = min(mismatches, key=order.index) if mismatches else None
-        return {
-            "first_mismatch": first,
-            "difference": mismatches.get(first, ""),
-            "mismatches": len(mismatches),
-            "exposes_weights": engine is not None,
-            "missing": missing[:5],
-        }
+        return VerifyResult(
+            first, mismatches.get(first, ""), len(mismatches), engine is not None, missing[:5]
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def model_update_can_verify(self, group: str) -> bool:
@@ -192,22 +189,7 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         the engine shows its weights by HF name."""
         if any(r.engine is not None for r in self._receivers(group)):
             return False
-        strategy = self.strategy
-        return hasattr(strategy, "iter_hf_weights") or isinstance(
-            getattr(strategy, "model", None), torch.nn.Module
-        )
-
-    @register(Dispatch.ONE_TO_ALL)
-    def model_update_in_progress(self) -> bool:
-        return bool(getattr(self, "_model_update_active", False))
-
-    @register(Dispatch.ONE_TO_ALL)
-    def model_update_inject_fault(self, name: str | None, where: str = "wire") -> None:
-        """Test hook: corrupt tensor ``name`` in the next update, on arrival (``"wire"``: the
-        checksums catch it) or in the engine after loading (``"engine"``: the probe catches it)."""
-        if where not in ("wire", "engine"):
-            raise ValueError(f"where must be 'wire' or 'engine', got {where!r}")
-        self._model_update_fault = (name, where) if name else None
+        return isinstance(self.strategy, HFWeightSource)
 
     # ------------------------------------------------------------------------------ helpers
     def _receivers(self, group: str) -> list[BucketReceiver]:
@@ -223,30 +205,6 @@ class ModelUpdateReceiverMixin(_ModelUpdateWorker):
         if not self.ctx.is_cuda or not spec.is_local(self.rank) or spec.sender_device not in own_ids:
             return self.ctx.device
         return torch.device("cuda", own_ids.index(spec.sender_device))
-
-    def _fault_hook(self):
-        fault = getattr(self, "_model_update_fault", None)
-        if fault is None or fault[1] != "wire":
-            return None
-        name = fault[0]
-
-        def corrupt(meta: BucketMeta, flat: torch.Tensor) -> None:
-            for tensor in meta.tensors:
-                if tensor.name == name and tensor.nbytes:
-                    flat[tensor.offset : tensor.offset + 1].bitwise_xor_(1)
-
-        self._model_update_fault = None
-        return corrupt
-
-    def _apply_engine_fault(self) -> None:
-        fault = getattr(self, "_model_update_fault", None)
-        if fault is None or fault[1] != "engine":
-            return
-        self._model_update_fault = None
-        weights = _engine_hf_weights(self.strategy) or {}
-        if fault[0] not in weights:
-            raise KeyError(f"inject_fault: the engine has no tensor {fault[0]!r}")
-        self.strategy.load_weights(iter([(fault[0], weights[fault[0]] + 1.0)]))
 
 
 def describe_difference(want: torch.Tensor, have: torch.Tensor) -> str:
@@ -270,8 +228,8 @@ def describe_difference(want: torch.Tensor, have: torch.Tensor) -> str:
 def _engine_receives(strategy: Any, spec: LinkSpec, rank: int) -> bool:
     """Whether the engine takes this link's buckets in its own processes (see the module docstring)."""
     if spec.is_local(rank):
-        return hasattr(strategy, "load_shared_bucket")
-    return hasattr(strategy, "receive_bucket") and hasattr(strategy, "join_model_update_group")
+        return isinstance(strategy, SharedBucketEngine)
+    return isinstance(strategy, BroadcastBucketEngine)
 
 
 def _engine_join(engine: Any, spec: LinkSpec, rank: int):
@@ -285,10 +243,7 @@ def _engine_join(engine: Any, spec: LinkSpec, rank: int):
 
 
 def _engine_hf_weights(strategy: Any) -> dict[str, torch.Tensor] | None:
-    """The engine's weights by HF name, where it can tell: ``iter_hf_weights`` or an HF ``model``."""
-    if hasattr(strategy, "iter_hf_weights"):
+    """The engine's weights by HF name, where it can tell (an ``HFWeightSource``)."""
+    if isinstance(strategy, HFWeightSource):
         return {name: t.detach().clone() for name, t in strategy.iter_hf_weights()}
-    model = getattr(strategy, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return {name: t.detach() for name, t in model.state_dict().items()}
     return None

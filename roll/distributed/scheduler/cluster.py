@@ -1,14 +1,19 @@
 """``Cluster``: the driver's handle on all workers of one role.
 
->>> rm = ResourceManager(plan, config.device)
->>> actor_train = Cluster("actor_train", ActorWorker, rm, plan.roles["actor_train"], config.actor_train, config)
->>> actor_train.create_strategy()                  # every rank; then re-reads the DP layout
->>> actor_train.initialize()                       # the same for workers that build it in initialize
->>> out = actor_train.compute_log_probs(batch)     # dispatched by the method's @register mode
->>> pending = actor_train.async_train_step(batch)  # returns at once ...
->>> metrics = pending.get()                        # ... and gathers here
->>> actor_train.execute_all("offload_states")      # any method, same arguments to every rank
->>> actor_train.shutdown()
+A role's cluster class has one typed method per worker call (``ModelCluster`` in
+``roll/pipeline/workers/model_worker.py``, ``RewardCluster`` next to ``RewardWorker``); each names
+the worker method it runs, so a reader (and a type checker) follows ``actor_train.compute_log_probs``
+to ``ModelWorker.compute_log_probs``. The dispatch mode is the one the worker method declares with
+``@register`` (see ``roll/distributed/executor/dispatch.py``)::
+
+    rm = ResourceManager(plan, config.device)
+    actor_train = ModelCluster("actor_train", ModelWorker, rm, plan.roles["actor_train"], config.actor_train, config)
+    actor_train.initialize()                               # every rank; then re-reads the DP layout
+    out = actor_train.compute_log_probs(batch)             # DP_COMPUTE: split over DP ranks, concatenated
+    pending = actor_train.async_call(ModelWorker.train_step, batch, loss_fn, seed)  # returns at once ...
+    metrics = pending.get()                                # ... and gathers here
+    actor_train.call(Worker.ping)                          # any registered method of the worker class
+    actor_train.shutdown()
 
 Errors: the first worker task that fails raises ``WorkerError("<role> rank <r>: <Type>: <msg>")`` in
 the driver, and every worker of the role is killed, so ranks waiting in a collective for the failed
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.exceptions import RayError
@@ -47,11 +52,14 @@ if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 # How long ``Cluster.shutdown`` lets the workers leave their process groups before killing them.
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-class AsyncResult:
+class AsyncResult(Generic[T]):
     """Calls running on some workers of one cluster; ``get()`` waits for them and gathers the results.
     ``deadline``: when they must have returned (``worker_timeouts``, see ``watchdog.py``)."""
 
@@ -60,7 +68,7 @@ class AsyncResult:
         cluster: Cluster,
         refs: list[ray.ObjectRef],
         ranks: list[int],
-        gather: Callable[[list], Any],
+        gather: Callable[[list], T],
         method: str = "",
     ):
         self.cluster = cluster
@@ -69,7 +77,7 @@ class AsyncResult:
         self.gather = gather
         self.deadline = Deadline.start(cluster.timeouts, method)
 
-    def get(self) -> Any:
+    def get(self) -> T:
         return get_all(self)[0]
 
 
@@ -107,7 +115,13 @@ def _raise_overdue(pending: list[ray.ObjectRef], owner: dict) -> None:
 
 
 class Cluster:
-    """All Ray actors of one role; see the module docstring for an example."""
+    """All Ray actors of one role; see the module docstring for an example.
+
+    Subclasses add the typed methods of their worker class and set ``worker_base`` to it; the
+    ``worker_cls`` given must be that class or a subclass (tests add read-outs or faults that way).
+    """
+
+    worker_base: ClassVar[type[Worker]] = Worker
 
     def __init__(
         self,
@@ -118,6 +132,10 @@ class Cluster:
         role_config: RoleConfig,
         pipeline_config: RLVRConfig | None = None,
     ):
+        if not issubclass(worker_cls, self.worker_base):
+            raise TypeError(
+                f"{type(self).__name__} runs {self.worker_base.__name__} workers, got {worker_cls.__name__}"
+            )
         self.role = role
         self.worker_cls = worker_cls
         self.world_size = role_plan.world_size
@@ -132,81 +150,61 @@ class Cluster:
             options["runtime_env"] = {"env_vars": env}
             args = (role, role_config, pipeline_config, rank, self.world_size, env)
             self.workers.append(remote_cls.options(**options).remote(*args))
-        self.master_addr, self.master_port = self.execute_rank_zero("get_master_address")
+        self.master_addr, self.master_port = self.call(Worker.get_master_address)
         if _joins_process_group(role_config):
-            self.execute_all("init_process_group", self.master_addr, self.master_port)
+            self.call(Worker.init_process_group, self.master_addr, self.master_port)
         self.dp_layouts: list[DPRank] = []
         self.refresh_dp_layout()
 
-    # Blocking calls.
-    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``method`` on every worker with the same arguments; the list of results by rank."""
-        return self.async_execute_all(method, *args, **kwargs).get()
+    # Calls by the worker method's declared mode.
+    def call(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Run ``method`` (a function of the worker class, e.g. ``ModelWorker.generate``) the way its
+        ``@register`` mode says, and wait for the gathered result."""
+        return self.async_call(method, *args, **kwargs).get()
 
-    def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.async_execute_rank_zero(method, *args, **kwargs).get()
-
-    def dp_compute(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
-        """Split ``batch`` over the DP ranks, run ``method``, gather from one rank per DP group."""
-        return self.async_dp_compute(method, batch, *args, **kwargs).get()
-
-    # Calls that return at once; ``.get()`` on the result waits and gathers.
-    def async_execute_all(self, method: str, *args: Any, **kwargs: Any) -> AsyncResult:
+    def async_call(
+        self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs
+    ) -> AsyncResult[Any]:
+        """``call`` that returns at once; ``.get()`` on the result waits and gathers."""
+        mode = dispatch_mode(method)
         self._check_alive()
+        name = method.__name__
+        if mode is Dispatch.RANK_ZERO:
+            ref = getattr(self.workers[0], name).remote(*args, **kwargs)
+            return AsyncResult(self, [ref], [0], lambda r: r[0], name)
+        if mode is Dispatch.DP_COMPUTE:
+            return self._dp_compute(name, *args, **kwargs)
         args, kwargs = _share_batches(args, kwargs)
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return AsyncResult(self, refs, list(range(self.world_size)), list, method)
+        refs = [getattr(w, name).remote(*args, **kwargs) for w in self.workers]
+        return AsyncResult(self, refs, list(range(self.world_size)), list, name)
 
-    def async_execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> AsyncResult:
-        self._check_alive()
-        ref = getattr(self.workers[0], method).remote(*args, **kwargs)
-        return AsyncResult(self, [ref], [0], lambda r: r[0], method)
-
-    def async_dp_compute(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> AsyncResult:
-        self._check_alive()
+    def _dp_compute(self, name: str, batch: Batch, *args: Any, **kwargs: Any) -> AsyncResult[Any]:
         layouts = self.dp_layouts
-        chunks = [ray.put(chunk) for chunk in split_for_dp(batch, self.dp_size, f"{self.role}.{method}")]
+        chunks = [ray.put(chunk) for chunk in split_for_dp(batch, self.dp_size, f"{self.role}.{name}")]
         args, kwargs = _share_batches(args, kwargs)
         refs = [
-            getattr(w, method).remote(chunks[layout.dp_rank], *args, **kwargs)
+            getattr(w, name).remote(chunks[layout.dp_rank], *args, **kwargs)
             for w, layout in zip(self.workers, layouts)
         ]
         gather = functools.partial(gather_from_dp, layouts=layouts)
-        return AsyncResult(self, refs, list(range(self.world_size)), gather, method)
+        return AsyncResult(self, refs, list(range(self.world_size)), gather, name)
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        """``cluster.generate(batch)`` blocks; ``cluster.async_generate(batch)`` returns an AsyncResult.
-        Both dispatch by the mode ``Worker.generate`` was registered with."""
-        worker_cls = self.__dict__.get("worker_cls")
-        if name.startswith("_") or worker_cls is None:
-            raise AttributeError(name)
-        method = name.removeprefix("async_")
-        submit = _SUBMIT[dispatch_mode(worker_cls, method)]
+    # What every worker offers.
+    def ping(self) -> list[dict[str, object]]:
+        return self.call(Worker.ping)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            pending = submit(self, method, *args, **kwargs)
-            return pending if name.startswith("async_") else pending.get()
-
-        return call
+    def memory_stats(self) -> list[dict[str, float]]:
+        """Every rank's peak memory (GiB) since its previous call."""
+        return self.call(Worker.memory_stats)
 
     # Lifecycle.
-    def create_strategy(self) -> None:
-        """Build every rank's strategy, then re-read the DP layout (the strategy may define it)."""
-        self.execute_all("create_strategy")
-        self.refresh_dp_layout()
-
-    def initialize(self, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run every rank's ``initialize`` (which builds its strategy), then re-read the DP layout.
+    def refresh_dp_layout(self) -> None:
+        """Re-read every rank's DP layout; call it after the strategies are built.
 
         Without the re-read the cluster would keep the layout it read before any strategy
         existed (every rank its own DP group) and send different DP chunks to TP/PP peers, whose
         collectives then mismatch: a gloo error on CPU, a hang on NCCL."""
-        out = self.execute_all("initialize", *args, **kwargs)
-        self.refresh_dp_layout()
-        return out
-
-    def refresh_dp_layout(self) -> None:
-        layouts = [DPRank(*layout) for layout in self.execute_all("dp_layout")]
+        layouts = [DPRank(*layout) for layout in self.call(Worker.dp_layout)]
         check_dp_layout(layouts, self.role)
         self.dp_layouts = layouts
 
@@ -254,13 +252,6 @@ def _share_batches(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[An
     args = [ray.put(a) if isinstance(a, Batch) else a for a in args]
     kwargs = {k: ray.put(v) if isinstance(v, Batch) else v for k, v in kwargs.items()}
     return args, kwargs
-
-
-_SUBMIT: dict[Dispatch, Callable[..., AsyncResult]] = {
-    Dispatch.ONE_TO_ALL: Cluster.async_execute_all,
-    Dispatch.RANK_ZERO: Cluster.async_execute_rank_zero,
-    Dispatch.DP_COMPUTE: Cluster.async_dp_compute,
-}
 
 
 def _joins_process_group(role_config: RoleConfig) -> bool:

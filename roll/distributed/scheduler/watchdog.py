@@ -20,12 +20,12 @@ from roll.configs.timeouts import WorkerTimeoutsConfig
 # Worker method -> field of WorkerTimeoutsConfig.
 METHOD_STAGES: dict[str, str] = {
     "initialize": "startup_s",
-    "create_strategy": "startup_s",
     "init_process_group": "startup_s",
     "model_update_connect_sender": "startup_s",
     "model_update_connect_receiver": "startup_s",
     "generate": "generate_s",
     "compute_log_probs": "log_probs_s",
+    "compute_values": "log_probs_s",
     "compute_rewards": "reward_s",
     "train_step": "train_s",
     "model_update_send": "model_update_s",

@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +56,7 @@ from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebud
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
-from roll.utils.ports import free_port
+from roll.utils.process_group import init_default_group
 
 TRAINER_STATE = "trainer_state.json"
 # ``strategy_config.sharding``: shard across all ranks, or full replicas (DDP-like); see _build_mesh.
@@ -84,7 +83,13 @@ class FSDP2TrainStrategy:
         """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
-        _ensure_process_group(self.ctx)
+        init_default_group(
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.ctx.device,
+            backend="cpu:gloo,cuda:nccl" if self.ctx.is_cuda else "gloo",
+            who=self.ctx.role,
+        )
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
@@ -207,10 +212,24 @@ class FSDP2TrainStrategy:
             norm = norm.full_tensor()
         return float(norm)
 
-    @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Same outputs as the training forward, without grad, micro-batched by ``infer_batch_size``
-        rows or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
+        """{"log_probs", "entropy"} [B, R] of a policy model, as the training forward computes them."""
+        if self.is_value_model:
+            raise ValueError(f"{self.ctx.role}: a value model has values, not log-probs (compute_values)")
+        return self._infer(batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values [B, R] of a value model (``model_args.model_type: value``)."""
+        if not self.is_value_model:
+            raise ValueError(
+                f"{self.ctx.role}: compute_values needs a value model (model_args.model_type: value)"
+            )
+        return self._infer(batch)["values"]
+
+    @torch.no_grad()
+    def _infer(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The training forward's outputs without grad, micro-batched by ``infer_batch_size`` rows
+        or, when set, ``infer_max_tokens_per_microbatch`` tokens."""
         self.model.eval()
         budget, order = self.config.infer_max_tokens_per_microbatch, None
         if budget is None:
@@ -319,7 +338,7 @@ class FSDP2TrainStrategy:
     def save_checkpoint(self, path: str) -> None:
         """Model + optimizer shards (torch.distributed.checkpoint) and, from rank 0, the step and
         LR scheduler (``trainer_state.json``). The process RNG is the worker's to save (see
-        ``ActorWorker.save_checkpoint``), the same for every strategy."""
+        ``ModelWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -355,24 +374,3 @@ class FSDP2TrainStrategy:
 def _no_lambdas(value: object) -> None:
     """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
     return None
-
-
-def _ensure_process_group(ctx: WorkerContext) -> None:
-    if dist.is_initialized():
-        if dist.get_world_size() != ctx.world_size or dist.get_rank() != ctx.rank:
-            raise RuntimeError(
-                f"{ctx.role}: the default process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
-                f"but this worker is rank {ctx.rank} of {ctx.world_size}"
-            )
-        return
-    backend = "cpu:gloo,cuda:nccl" if ctx.is_cuda else "gloo"
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world_size)
-    elif ctx.world_size == 1:
-        port = free_port("127.0.0.1")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    else:
-        raise RuntimeError(
-            f"{ctx.role}: {ctx.world_size} ranks need MASTER_ADDR and MASTER_PORT in the environment "
-            "to form their process group"
-        )

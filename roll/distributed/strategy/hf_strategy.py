@@ -77,10 +77,23 @@ class HFInferStrategy:
         return self.ctx.rank, self.ctx.world_size, True
 
     # ----------------------------------------------------------------------------------- forward
-    @torch.no_grad()
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """{"log_probs", "entropy"} [B, R] at the batch's sampling temperature, or {"values"} for
-        a value model; micro-batched by ``infer_batch_size`` rows; results on CPU."""
+        """{"log_probs", "entropy"} [B, R] at the batch's sampling temperature, on CPU."""
+        if self.is_value_model:
+            raise ValueError(f"{self.ctx.role}: a value model has values, not log-probs (compute_values)")
+        return self._forward(batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values [B, R] of a value model (``model_args.model_type: value``), on CPU."""
+        if not self.is_value_model:
+            raise ValueError(
+                f"{self.ctx.role}: compute_values needs a value model (model_args.model_type: value)"
+            )
+        return self._forward(batch)["values"]
+
+    @torch.no_grad()
+    def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The model's outputs micro-batched by ``infer_batch_size`` rows."""
         temperature = batch_temperature(batch)
         parts: list[dict[str, torch.Tensor]] = []
         for micro in batch.split(max(1, self.role_config.infer_batch_size)):
@@ -184,6 +197,10 @@ class HFInferStrategy:
     def reload_states(self) -> None:
         self._targets = None
         self.model.to(self.ctx.device)
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors by HF name (a model update's verify pass compares them)."""
+        yield from self.model.state_dict().items()
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device).

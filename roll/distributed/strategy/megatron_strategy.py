@@ -32,7 +32,6 @@ import torch
 from roll.configs.role import RoleConfig
 from roll.core.batch import Batch
 from roll.core.loss import LossFn
-from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
 from roll.models.megatron import dist_checkpoint, parallel
@@ -98,12 +97,6 @@ class MegatronTrainStrategy:
         self.offloader.ensure_params_loaded()
         size = max(1, self.role_config.infer_batch_size)
         return forward_log_probs(self.model, batch, self.config, self.hf_config.vocab_size, size)
-
-    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        raise ValueError(
-            f"{self.ctx.role}: megatron_train does not generate; give actor_infer a megatron_infer, vllm "
-            "or sglang strategy"
-        )
 
     # ---------------------------------------------------------------------------------- training
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:

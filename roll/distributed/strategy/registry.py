@@ -1,7 +1,12 @@
 """Strategy registry: exact ``strategy_name`` -> strategy class, imported only when used.
 
 >>> spec = get_strategy_spec("hf_infer")
->>> strategy_cls = load_strategy_class("hf_infer")   # imports transformers only now
+>>> strategy_cls = load_strategy_class("hf_infer")   # imports transformers only now, checks the Protocols
+
+Each row names the Protocols of ``base.py`` its class implements: its side's (``TrainStrategy`` or
+``InferenceStrategy``) plus ``protocols``. ``check_strategy_class`` checks them against the class's
+methods (no instance is made, so vLLM/SGLang classes are checked without the engines) when the
+class is loaded, and ``tests/test_strategy_protocols.py`` runs it over every row.
 
 The config dataclasses are light, so validation and ``--dry_run`` work without megatron-core,
 vLLM or SGLang installed; importing a strategy whose engine is missing raises a ConfigError that
@@ -10,12 +15,24 @@ names the extra to install.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Literal
 
 from roll.configs.errors import ConfigError, did_you_mean
 from roll.configs.strategy_configs import STRATEGY_CONFIGS
+from roll.distributed.strategy.base import (
+    OPTIONAL_PROTOCOLS,
+    BroadcastBucketEngine,
+    FinishesModelUpdate,
+    HFWeightSource,
+    InferenceStrategy,
+    SharedBucketEngine,
+    TrainStrategy,
+    ValueModelStrategy,
+    check_protocol,
+)
 
 
 @dataclass(frozen=True)
@@ -34,25 +51,53 @@ class StrategySpec:
     # Releases of the engine package this strategy ran on, as (lowest, first refused) versions;
     # another installed version is a ConfigError before launch (see ``check_engine_version``).
     engine_versions: tuple[str, str] | None = None
+    # Optional Protocols of ``base.py`` the class implements (see ``check_strategy_class``).
+    protocols: tuple[type, ...] = ()
+    # Whether ``offload_states``/``reload_states`` do anything on CPU slots. Most strategies only
+    # free device memory, which a CPU slot does not have, so the pipeline skips their calls there
+    # (two Ray round trips per stage saved); megatron's offloader frees and restores storage on
+    # any device, which the CPU pipeline tests exercise, so its calls stay.
+    offloads_on_cpu: bool = False
+
+    @property
+    def required_protocols(self) -> tuple[type, ...]:
+        return (TrainStrategy if self.side == "train" else InferenceStrategy, *self.protocols)
 
     @property
     def config_cls(self) -> type:
         """The options class of ``strategy_config``, which the loader parses (STRATEGY_CONFIGS)."""
         return STRATEGY_CONFIGS[self.name]
 
+    def implements(self, protocol: type) -> bool:
+        """Whether the row declares ``protocol`` (or a Protocol that extends it), e.g.
+        ``implements(ValueModelStrategy)`` for a critic; true of the class once it is loaded."""
+        return any(protocol in required.__mro__ for required in self.required_protocols)
+
 
 _S = "roll.distributed.strategy"
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
-        StrategySpec("hf_infer", f"{_S}.hf_strategy:HFInferStrategy", "infer"),
-        StrategySpec("fsdp2_train", f"{_S}.fsdp2_strategy:FSDP2TrainStrategy", "train"),
+        StrategySpec(
+            "hf_infer",
+            f"{_S}.hf_strategy:HFInferStrategy",
+            "infer",
+            protocols=(ValueModelStrategy, HFWeightSource),
+        ),
+        StrategySpec(
+            "fsdp2_train",
+            f"{_S}.fsdp2_strategy:FSDP2TrainStrategy",
+            "train",
+            protocols=(ValueModelStrategy,),
+        ),
         StrategySpec(
             "megatron_train",
             f"{_S}.megatron_strategy:MegatronTrainStrategy",
             "train",
             extra="megatron",
             requires=("megatron.core",),
+            protocols=(FinishesModelUpdate,),
+            offloads_on_cpu=True,
         ),
         StrategySpec(
             "megatron_infer",
@@ -60,6 +105,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "infer",
             extra="megatron",
             requires=("megatron.core",),
+            protocols=(HFWeightSource, FinishesModelUpdate),
         ),
         StrategySpec(
             "vllm",
@@ -69,6 +115,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("vllm",),
             role_process_group=False,
             engine_versions=("0.24", "0.25"),
+            protocols=(FinishesModelUpdate, SharedBucketEngine, BroadcastBucketEngine),
         ),
         StrategySpec(
             "sglang",
@@ -78,6 +125,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("sglang",),
             role_process_group=False,
             engine_versions=("0.5.16", "0.6"),
+            protocols=(FinishesModelUpdate, SharedBucketEngine),
         ),
     )
 }
@@ -94,7 +142,8 @@ def get_strategy_spec(name: str, path: str = "strategy_args.strategy_name") -> S
 
 
 def load_strategy_class(name: str, path: str = "strategy_args.strategy_name") -> type:
-    """Import and return the strategy class registered under ``name``."""
+    """Import and return the strategy class registered under ``name``, checked against its row's
+    Protocols (``check_strategy_class``)."""
     spec = get_strategy_spec(name, path)
     for module in spec.requires:
         try:
@@ -105,8 +154,30 @@ def load_strategy_class(name: str, path: str = "strategy_args.strategy_name") ->
                 f"strategy {name!r} needs the '{module}' package, which is not installed ({exc}); "
                 f"install it with: pip install -e .[{spec.extra}]",
             ) from exc
+    return check_strategy_class(name)
+
+
+@functools.cache
+def check_strategy_class(name: str) -> type:
+    """Import the class of row ``name`` (not its engine) and check that it implements the row's
+    Protocols, and declares every optional Protocol it has all the methods of; a TypeError lists
+    what differs. Returns the class."""
+    spec = STRATEGIES[name]
     module_name, class_name = spec.target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    problems = [
+        f"{protocol.__name__}.{problem}"
+        for protocol in spec.required_protocols
+        for problem in check_protocol(cls, protocol)
+    ]
+    undeclared = [
+        p.__name__ for p in OPTIONAL_PROTOCOLS if not spec.implements(p) and not check_protocol(cls, p)
+    ]
+    if undeclared:
+        problems.append(f"implements {undeclared} without declaring them in its row's protocols")
+    if problems:
+        raise TypeError(f"strategy {name!r} ({spec.target}): " + "; ".join(problems))
+    return cls
 
 
 def check_engine_version(spec: StrategySpec, path: str) -> None:

@@ -201,13 +201,13 @@ def read_mcore(mcore_dir: str | Path, out_dir: str | Path) -> None:
 
 
 def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> None:
-    import os
+    from roll.utils.process_group import init_default_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    init_default_group(rank, world, device, master_addr="127.0.0.1", master_port=port)
     try:
         (write_mcore if command == "hf-to-mcore" else read_mcore)(*args)
     finally:

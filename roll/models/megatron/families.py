@@ -37,6 +37,13 @@ class Family:
     qk_layernorm: bool = False
     # MoE TransformerConfig kwargs from the HF config (None: dense family).
     moe_kwargs: Callable[[Any], dict[str, Any]] | None = None
+    # Multi-latent attention kwargs (MLATransformerConfig) from the HF config (None: GQA attention).
+    mla_kwargs: Callable[[Any], dict[str, Any]] | None = None
+    # The weight tables for this HF config when they depend on it (DeepSeek's q_lora_rank).
+    tables_fn: Callable[[Any], wm.LayerTables] | None = None
+
+    def tables_for(self, hf: Any) -> wm.LayerTables:
+        return self.tables_fn(hf) if self.tables_fn is not None else self.tables
 
 
 # --------------------------------------------------------------------------------------- MoE
@@ -78,6 +85,41 @@ def _mixtral_kwargs(hf: Any) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_kwargs(hf: Any) -> dict[str, Any]:
+    """Sigmoid router over ``n_routed_experts`` with the score-correction bias (``expert_bias``),
+    group-limited top-k, ``routed_scaling_factor``, one shared expert MLP; the first
+    ``first_k_dense_replace`` layers are dense."""
+    from roll.models.megatron import deepseek
+
+    deepseek.check_router(hf)
+    groups = hf.n_group or 1
+    dense_layers = hf.first_k_dense_replace or 0
+    return {
+        "num_moe_experts": hf.n_routed_experts,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": groups if groups > 1 else None,
+        "moe_router_group_topk": hf.topk_group if groups > 1 else None,
+        "moe_router_topk_scaling_factor": float(hf.routed_scaling_factor),
+        "moe_router_pre_softmax": False,
+        "moe_router_dtype": "fp32",
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_shared_expert_intermediate_size": hf.moe_intermediate_size * hf.n_shared_experts,
+        "moe_layer_freq": [int(i >= dense_layers) for i in range(hf.num_hidden_layers)],
+    }
+
+
+def _deepseek_v3_mla(hf: Any) -> dict[str, Any]:
+    from roll.models.megatron import deepseek
+
+    return deepseek.mla_kwargs(hf)
+
+
+def _deepseek_v3_tables(hf: Any) -> wm.LayerTables:
+    return wm.DEEPSEEK_V3 if hf.q_lora_rank else wm.DEEPSEEK_V3_NO_Q_LORA
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -86,6 +128,13 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", wm.QWEN3, qk_layernorm=True),
         Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
         Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
+        Family(
+            "deepseek_v3",
+            wm.DEEPSEEK_V3,
+            moe_kwargs=_deepseek_v3_kwargs,
+            mla_kwargs=_deepseek_v3_mla,
+            tables_fn=_deepseek_v3_tables,
+        ),
     )
 }
 
@@ -124,6 +173,8 @@ def rope_kwargs(hf: Any) -> dict[str, Any]:
     """GPTModel's RoPE arguments; ConfigError for scalings megatron-core cannot reproduce."""
     rope = _rope(hf)
     kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    if get_family(hf).mla_kwargs is not None:
+        return kwargs  # multi-latent attention applies its own RoPE (checked by its mla_kwargs)
     if rope["rope_type"] == "default":
         return kwargs
     if rope["rope_type"] == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_FIXED.items()):
@@ -158,6 +209,10 @@ def _check_supported(hf: Any, family: Family) -> None:
                 f"config.json {key}={value!r} is not supported for {family.model_type} by the Megatron strategies",
             )
     rope_kwargs(hf)
+    if family.mla_kwargs is not None:
+        family.mla_kwargs(hf)
+    if family.moe_kwargs is not None:
+        family.moe_kwargs(hf)
 
 
 def transformer_kwargs(hf: Any) -> dict[str, Any]:
@@ -184,6 +239,8 @@ def transformer_kwargs(hf: Any) -> dict[str, Any]:
     }
     if family.moe_kwargs is not None:
         kwargs.update(family.moe_kwargs(hf))
+    if family.mla_kwargs is not None:
+        kwargs.update(family.mla_kwargs(hf))
     return kwargs
 
 
@@ -199,7 +256,7 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
     moe = family.moe_kwargs(hf) if family.moe_kwargs else {}
     return wm.ConversionInfo(
         model_type=family.model_type,
-        tables=family.tables,
+        tables=family.tables_for(hf),
         vocab_size=hf.vocab_size,
         padded_vocab_size=padded_vocab_size(hf.vocab_size, megatron_cfg),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -207,7 +264,14 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
         num_experts=moe.get("num_moe_experts", 0),
         moe_layers=tuple(bool(x) for x in moe.get("moe_layer_freq", [0] * hf.num_hidden_layers)),
         heads=wm.HeadLayout(head_dim(hf), hf.num_attention_heads // hf.num_key_value_heads),
+        extra_layers=_mtp_layers(hf),
     )
+
+
+def _mtp_layers(hf: Any) -> int:
+    """Multi-token-prediction layers stored after the decoder layers (DeepSeek-V3's
+    ``num_nextn_predict_layers``); roll does not build them and skips their tensors on load."""
+    return int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
 
 
 # ------------------------------------------------------------------------------- layout checks
@@ -294,3 +358,5 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     _divides(ep, moe["num_moe_experts"], "number of experts", f"{path}.expert_model_parallel_size")
     etp_key = f"{path}.expert_tensor_parallel_size" if cfg.expert_tensor_parallel_size else tp_key
     _divides(etp, moe["moe_ffn_hidden_size"], "expert intermediate size", etp_key)
+    if moe.get("moe_shared_expert_intermediate_size"):
+        _divides(tp, moe["moe_shared_expert_intermediate_size"], "shared expert intermediate size", tp_key)

@@ -27,6 +27,7 @@ groups yields its own slice of each HF tensor (padding rows of the vocab dropped
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,6 +38,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from roll.models.megatron import weight_mapping as wm
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -152,9 +155,17 @@ def _load_weight(
         param.copy_(value)
 
 
+def model_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The chunk's parameters plus the buffers that are HF weights too (the MoE router's
+    ``expert_bias``, DeepSeek-V3's ``e_score_correction_bias``)."""
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if n.endswith(wm.HF_BUFFER_SUFFIXES))
+    return tensors
+
+
 def _bind_chunk(model: Any, info: wm.ConversionInfo) -> tuple[list[wm.BoundWeight], dict[str, torch.Tensor]]:
     """The chunk's bound weights and parameters, checked to cover each other exactly."""
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     bound = wm.chunk_weights(model, info, wm.MegatronNaming.detect(params))
     names = [w.mcore for w in bound]
     unmapped = sorted(set(params) - set(names))
@@ -170,6 +181,18 @@ def _bind_chunk(model: Any, info: wm.ConversionInfo) -> tuple[list[wm.BoundWeigh
 def _check_checkpoint_names(ckpt: _Checkpoint, info: wm.ConversionInfo) -> None:
     expected = wm.expected_hf_names(info)
     ignorable = set(wm.OUTPUT.hf) if info.tie_word_embeddings else set()
+    skipped = {name for name in ckpt.files if info.skipped(name)}
+    if skipped:
+        logger.info(
+            "%s: skipping %d tensors of the %d multi-token-prediction layer(s) after layer %d "
+            "(not built by roll's %s)",
+            ckpt.dir,
+            len(skipped),
+            info.extra_layers,
+            info.num_layers - 1,
+            info.model_type,
+        )
+        ignorable |= skipped
     unused = sorted(set(ckpt.files) - expected - ignorable)
     missing = sorted(expected - set(ckpt.files))
     if unused:

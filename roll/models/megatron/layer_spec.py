@@ -113,7 +113,7 @@ class SDPAttention(torch.nn.Module):
     """Core attention on torch SDPA, a drop-in for megatron's ``DotProductAttention``.
 
     Inputs are megatron's ``query [sq, b, heads, d]``, ``key/value [sk, b, groups, d]`` for this TP
-    rank; output is ``[sq, b, heads * d]``. ``attention_mask`` (optional) is boolean and True where
+    rank (value may be narrower, as in multi-latent attention); output is ``[sq, b, heads * dv]``. ``attention_mask`` (optional) is boolean and True where
     attention is NOT allowed, broadcastable to ``[b, heads, sq, sk]``; it is used as given (it must
     include causality). Without a mask, causal layers use SDPA's fused causal kernels.
     """
@@ -129,6 +129,8 @@ class SDPAttention(torch.nn.Module):
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
         packing_attention: str = "sdpa",
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__()
         from megatron.core.transformer.enums import AttnMaskType
@@ -142,7 +144,8 @@ class SDPAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self._causal_types = {AttnMaskType.causal, AttnMaskType.padding_causal}
-        head_dim = config.kv_channels
+        # Multi-latent attention passes its query/key and value widths (and its own softmax scale).
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         if config.softmax_scale is not None and softmax_scale is None:
             self.softmax_scale = config.softmax_scale
@@ -163,7 +166,7 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention: attention bias needs TransformerEngine")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
-        sq, b, heads, dim = query.shape
+        sq, b, heads = query.shape[:3]
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         mask, is_causal = _sdpa_mask(
             attention_mask, mask_type in self._causal_types, sq, key.shape[0], query.device
@@ -177,7 +180,7 @@ class SDPAttention(torch.nn.Module):
                 out = self._sdpa(q, k, v, mask, is_causal, dropout)
         else:
             out = self._sdpa(q, k, v, mask, is_causal, 0.0)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _packed(self, query, key, value, params: Any) -> torch.Tensor:
         """thd layout: ``query [t, heads, d]`` (megatron squeezed the batch dim), attention confined
@@ -227,7 +230,19 @@ def _router_class() -> type:
     from megatron.core.transformer.moe.router import TopKRouter
 
     class TorchTopKRouter(TopKRouter):
-        """megatron's TopKRouter with the gating GEMM in plain torch (no ``te_general_gemm``)."""
+        """megatron's TopKRouter with the gating GEMM in plain torch (no ``te_general_gemm``).
+
+        Its ``expert_bias`` buffers (sigmoid routing with expert bias) are created on
+        ``torch.cuda.current_device()``; without CUDA they go to the CPU."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if torch.cuda.is_available():
+                super().__init__(*args, **kwargs)
+                return
+            from unittest import mock
+
+            with mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")):
+                super().__init__(*args, **kwargs)
 
         def gating(self, input: torch.Tensor) -> torch.Tensor:
             for param in (self.weight, self.bias):
@@ -302,7 +317,6 @@ _TE_ONLY: tuple[tuple[str, Any, str], ...] = (
     ("moe_permute_fusion", lambda v: bool(v), "fused MoE permutation"),
     ("moe_router_fusion", lambda v: bool(v), "fused MoE router top-k"),
     ("cpu_offloading", lambda v: bool(v), "activation CPU offloading"),
-    ("multi_latent_attention", lambda v: bool(v), "multi-latent attention (not in the plain-torch spec)"),
     ("window_size", lambda v: v is not None, "sliding-window attention"),
     ("softmax_type", lambda v: v not in (None, "vanilla"), "non-vanilla softmax"),
     ("cuda_graph_impl", lambda v: v == "transformer_engine", "TE CUDA graphs"),
@@ -356,15 +370,43 @@ def _plain_torch_layer(
         attn.core_attention = ModuleSpec(
             module=SDPAttention, params={"packing_attention": megatron_cfg.packing_attention}
         )
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if getattr(attn, name, IdentityOp) is not IdentityOp:
             setattr(attn, name, TorchNorm)
+    if getattr(transformer_config, "multi_latent_attention", False):
+        mla_down_projections(attn)
     if num_experts:
         moe = sub.mlp.submodules
         sub.mlp.submodules = replace(moe, router=_router_class())
         if megatron_cfg.moe_grouped_gemm:
             sub.mlp.submodules.experts.module = _grouped_mlp_class()
     return spec
+
+
+def mla_without_te() -> None:
+    """megatron-core 0.16.1's MLA module sets ``HAVE_TE`` whenever its TE extension module imports
+    (it does without TE, with mock classes) and then calls ``isinstance(linear_proj, TELinear)`` on
+    the mock, which raises; without TE the flag must be False."""
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
+def mla_down_projections(attn: Any) -> None:
+    """MLA's q / kv down projections as whole (duplicated) weights on every TP rank, on this rank's
+    sequence shard under SP, as TE's MLA spec has them.
+
+    The local spec makes them column-parallel and gathers their output over TP, but then the
+    gradient of the shared RoPE key (``k_pos_emb``, used by every head) stays the sum over this
+    rank's heads only: TP2 + SP training had a 0.7% wrong gradient norm on a tiny DeepSeek-V3.
+    Duplicated, the key is gathered from the sequence shards and its gradient reduce-scattered
+    (summed over all heads); the weights' gradients are summed over TP (``sequence_parallel``).
+    megatron's MLA accepts exactly megatron's modelopt ``Linear`` for this (a plain
+    ``torch.nn.Linear`` that marks its weights so)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attn.linear_q_down_proj = Linear
+    attn.linear_kv_down_proj = Linear
 
 
 def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_experts: int | None) -> Any:
@@ -374,14 +416,20 @@ def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
 
     check_te_requirements(megatron_cfg, transformer_config)
     qk = bool(transformer_config.qk_layernorm)
-    if _use_te(megatron_cfg):
+    mla = bool(getattr(transformer_config, "multi_latent_attention", False))
+    # Multi-latent attention always takes the plain-torch spec: the HF tables (weight_mapping's
+    # DEEPSEEK_V3) follow the local spec, where TE's MLA spec replicates the down projections.
+    if _use_te(megatron_cfg) and not mla:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=megatron_cfg.moe_grouped_gemm, qk_layernorm=qk
         )
+    if mla and not HAVE_TE:
+        mla_without_te()
     local = specs.get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=qk,
+        multi_latent_attention=mla,
         normalization=transformer_config.normalization,
     )
     return _plain_torch_layer(local, transformer_config, megatron_cfg, num_experts)

@@ -61,6 +61,9 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         )
+        if cfg.freeze_moe_router:
+            # A frozen router keeps its expert bias too (megatron's aux-loss-free bias update).
+            kwargs["moe_router_bias_update_rate"] = 0.0
     return kwargs
 
 
@@ -73,7 +76,7 @@ def transformer_config_from_hf(
     sizes and recompute from ``megatron_cfg``, and ``megatron_cfg.transformer_config_kwargs`` last.
     Parameters live on the current CUDA device, or on CPU where CUDA is absent.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     if dtype not in _DTYPE_FLAGS:
         raise ValueError(f"dtype must be one of {list(_DTYPE_FLAGS)}, got {dtype}")
@@ -88,8 +91,9 @@ def transformer_config_from_hf(
         perform_initialization=False,
     )
     kwargs.update(megatron_cfg.transformer_config_kwargs)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     try:
-        return TransformerConfig(**kwargs)
+        return config_class(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{path}.transformer_config_kwargs", str(err)) from err
 
@@ -98,12 +102,20 @@ def local_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
     """megatron-core's local (no TransformerEngine) layer spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    mla = bool(getattr(transformer_config, "multi_latent_attention", False))
+    spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=megatron_cfg.moe_grouped_gemm,
         qk_layernorm=transformer_config.qk_layernorm,
+        multi_latent_attention=mla,
         normalization=transformer_config.normalization,
     )
+    if mla:  # the HF tables hold MLA's down projections whole on every TP rank
+        from roll.models.megatron.layer_spec import mla_down_projections, mla_without_te
+
+        mla_without_te()
+        mla_down_projections(spec.submodules.self_attention.submodules)
+    return spec
 
 
 def default_layer_spec_fn() -> LayerSpecFn:

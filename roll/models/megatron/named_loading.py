@@ -3,10 +3,12 @@
 The sender yields whole HF tensors (``hf_io.export_hf_weights`` of actor_train, or any HF
 checkpoint); each receiving rank keeps only what its chunks own, cut to its TP / EP shard with the
 same tables and slicing as ``hf_io.load_hf_weights``. Tensors that fuse into one parameter (q/k/v,
-gate/up) are held until all of them have arrived, then dropped; across buckets of one update
-(several calls) with ``NamedTensorLoader``.
+gate/up) are held until all of them have arrived, then dropped, also across the buckets of one
+update (several calls).
 
->>> count = load_named_tensors(chunks, trainer.iter_hf_weights())   # parameters written
+>>> loader = NamedTensorLoader(chunks)
+>>> count = loader.load(trainer.iter_hf_weights())   # parameters written
+>>> loader.finish()                                  # raises if a fused parameter's parts are missing
 """
 
 from __future__ import annotations
@@ -41,18 +43,9 @@ class _TensorSource:
         return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
 
-def load_named_tensors(model_chunks: list[Any], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy the shards this rank owns of each incoming tensor into its parameters; returns how many
-    parameters were written. Unknown names raise ``hf_io.CheckpointError``; so does a fused
-    parameter whose parts did not all arrive."""
-    loader = NamedTensorLoader(model_chunks)
-    written = loader.load(named_tensors)
-    loader.finish()
-    return written
-
-
 class NamedTensorLoader:
-    """``load_named_tensors`` over several calls: one model update arrives as a stream of buckets,
+    """Copy the shards this rank owns of each incoming tensor into its parameters, over several
+    calls (unknown names raise ``hf_io.CheckpointError``): one model update arrives as a stream of buckets,
     each loaded by its own call, and the parts of a fused parameter (q/k/v, gate/up) may arrive in
     different buckets. Parts still waiting for a sibling at the end of a call are copied (the
     caller reuses the bucket's buffer) and held until the sibling comes; ``finish()`` raises if any
@@ -89,6 +82,8 @@ class NamedTensorLoader:
         arrived: set[str] = set()
         for name, tensor in named_tensors:
             if name not in self.known:
+                if self.info.skipped(name):
+                    continue  # a layer roll does not build (DeepSeek-V3's multi-token prediction)
                 raise hf_io.CheckpointError(f"{source.where(name)} is not a {self.info.model_type} weight")
             if name not in self.waiting:
                 continue  # owned by another pipeline stage / expert-parallel rank

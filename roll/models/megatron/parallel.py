@@ -1,4 +1,4 @@
-"""megatron-core parallel state for one role: set up from a WorkerContext + MegatronConfig, torn down.
+"""megatron-core parallel state for one role, set up from a WorkerContext + MegatronConfig.
 
 The worker has already started torch.distributed for the role (world size = the role's devices).
 ``init_parallel`` splits those ranks into megatron's TP / CP / EP / DP / PP groups (order
@@ -15,30 +15,12 @@ copies them from the last stage), so callers may read any rank; the cluster read
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from roll.configs.strategy_configs import MegatronConfig
 from roll.core.worker_context import WorkerContext
-from roll.utils.ports import free_port
-
-
-def _ensure_process_group(ctx: WorkerContext) -> None:
-    """Start a one-process group when run outside a worker (world size 1); else check the worker's."""
-    if dist.is_initialized():
-        if dist.get_world_size() != ctx.world_size:
-            raise RuntimeError(
-                f"torch.distributed has {dist.get_world_size()} ranks but the role has {ctx.world_size}"
-            )
-        return
-    if ctx.world_size != 1:
-        raise RuntimeError(f"torch.distributed is not initialised for a role of {ctx.world_size} ranks")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    backend = "nccl" if ctx.is_cuda else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1, device_id=ctx.device if ctx.is_cuda else None)
+from roll.utils.process_group import init_default_group
 
 
 def init_parallel(ctx: WorkerContext, cfg: MegatronConfig) -> None:
@@ -48,7 +30,8 @@ def init_parallel(ctx: WorkerContext, cfg: MegatronConfig) -> None:
     cfg.validate(ctx.world_size, "strategy_args.strategy_config")
     if ctx.is_cuda:
         torch.cuda.set_device(ctx.device)
-    _ensure_process_group(ctx)
+    # Outside a worker (tests, scripts) a single rank makes its own group; a worker's is checked.
+    init_default_group(ctx.rank, ctx.world_size, ctx.device, who=ctx.role)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     vpp = cfg.virtual_pipeline_model_parallel_size
@@ -70,14 +53,6 @@ def seed_model_parallel(seed: int, cuda: bool) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_parallel() -> None:
-    """Drop megatron's groups (the worker's default process group stays)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
 
 
 def dp_layout() -> tuple[int, int, bool]:

@@ -41,12 +41,15 @@ REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = "replicated", "column", "row", "v
 TP_DIM: dict[str, int | None] = {REPLICATED: None, COLUMN: 0, ROW: 1, VOCAB: 0, QKV: 0, GATE_UP: 0}
 
 HF_LAYER = "model.layers.{layer}."
+# Buffers (not parameters) that are HF weights: the MoE router's score-correction bias.
+HF_BUFFER_SUFFIXES = (".mlp.router.expert_bias",)
 MCORE_LAYER = "decoder.layers.{layer}."
 # Megatron names of one local expert's weights, by naming scheme.
 SEQUENTIAL_EXPERT = "mlp.experts.local_experts.{expert}.{linear}.weight"
 GROUPED_EXPERT = "mlp.experts.{linear}.weight{expert}"
 _GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 _LEGACY_GROUPED_RE = re.compile(r"\.mlp\.experts\.weight[12]$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,14 @@ class ConversionInfo:
     num_experts: int
     moe_layers: tuple[bool, ...]
     heads: HeadLayout
+    # Layers stored after the decoder layers that roll does not build (DeepSeek-V3's
+    # multi-token-prediction layers): their HF tensors are skipped on load.
+    extra_layers: int = 0
+
+    def skipped(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` belongs to one of the ``extra_layers``."""
+        match = _HF_LAYER_RE.match(hf_name)
+        return match is not None and self.num_layers <= int(match[1]) < self.num_layers + self.extra_layers
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,43 @@ QWEN3_MOE = LayerTables(
 )
 # Mixtral's experts: w1 = gate, w3 = up, w2 = down.
 MIXTRAL = LayerTables(dense=None, moe=_ATTENTION + _moe_mlp("block_sparse_moe", "w1", "w3", "w2"))
+
+# DeepSeek-V3: multi-latent attention (the down projections whole on every TP rank, see
+# layer_spec.mla_down_projections; the up projections column-parallel by heads), shared experts,
+# the router's score-correction bias.
+_MLA_Q_LORA = (
+    WeightSpec("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), REPLICATED),
+    _norm("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+    WeightSpec("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), COLUMN),
+)
+_MLA_Q = (WeightSpec("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), COLUMN),)
+_MLA_KV = (
+    WeightSpec(
+        "self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",), REPLICATED
+    ),
+    _norm("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    WeightSpec("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), COLUMN),
+    WeightSpec("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
+)
+_DEEPSEEK_MOE = _moe_mlp("mlp", "gate_proj", "up_proj", "down_proj") + (
+    WeightSpec("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), REPLICATED),
+    WeightSpec(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        GATE_UP,
+    ),
+    WeightSpec("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), ROW),
+)
+_INPUT_NORM = (_norm("input_layernorm.weight", "input_layernorm.weight"),)
+
+
+def _deepseek(q: tuple[WeightSpec, ...]) -> LayerTables:
+    attention = _INPUT_NORM + q + _MLA_KV
+    return LayerTables(dense=attention + _DENSE_MLP, moe=attention + _DEEPSEEK_MOE)
+
+
+DEEPSEEK_V3 = _deepseek(_MLA_Q_LORA)
+DEEPSEEK_V3_NO_Q_LORA = _deepseek(_MLA_Q)
 
 EMBEDDING = WeightSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)
 FINAL_NORM = WeightSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)

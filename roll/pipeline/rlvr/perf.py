@@ -8,6 +8,9 @@ number peers report as tokens/s/GPU. ``memory/device<d>/peak_used_gib`` is the l
 device-wide used memory sampled on global device ``d`` since the previous step (every process on
 it: colocated roles, caches, CUDA contexts); ``memory/<role>/peak_allocated_gib`` is the largest
 allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`` is reported.
+
+``perf/wall_s`` is the driver process's age when the step ends; the first row a run logs also
+carries its start-up phases, ``startup/*_s`` (``startup_metrics``).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from roll.core.batch import Batch
-from roll.pipeline.rlvr.run import RLVRRun
+
+if TYPE_CHECKING:
+    from roll.pipeline.rlvr.run import RLVRRun
 
 
 def model_devices(run: RLVRRun) -> tuple[int, ...]:
@@ -30,7 +36,7 @@ def throughput_metrics(run: RLVRRun, batch: Batch, times: dict[str, float]) -> d
     prompt_tokens = float(batch["prompt_mask"].sum())
     response_tokens = float(batch["response_mask"].sum())
     tokens = prompt_tokens + response_tokens
-    out = {"perf/tokens": tokens, "perf/response_tokens": response_tokens}
+    out = {"perf/tokens": tokens, "perf/response_tokens": response_tokens, "perf/wall_s": process_uptime()}
     step_s = sum(v for k, v in times.items() if k != "time/validation")
     if step_s > 0:
         out["perf/tokens_per_s_per_device"] = tokens / step_s / max(1, len(model_devices(run)))
@@ -49,7 +55,7 @@ def memory_metrics(run: RLVRRun) -> dict[str, float]:
         plan = run.plan.roles[role]
         if plan.cpu_only:
             continue
-        stats = cluster.execute_all("memory_stats")
+        stats = cluster.memory_stats()
         for key in ("peak_allocated", "peak_reserved", "peak_rss"):
             values = [s[key] for s in stats if key in s]
             if values:
@@ -64,6 +70,22 @@ def memory_metrics(run: RLVRRun) -> dict[str, float]:
     device_peaks = [v for k, v in out.items() if k.startswith("memory/device")]
     if device_peaks:
         out["memory/peak_used_gib_max"] = max(device_peaks)
+    return out
+
+
+def process_uptime() -> float:
+    """Seconds since this process started (the OS's creation time: imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def startup_metrics(timer: StageTimer) -> dict[str, float]:
+    """``startup/<phase>_s`` for each phase ``timer`` saw (data, ray, workers, initialize,
+    model_update_setup, first_sync, validation) and ``startup/to_first_step_s``: from the process's
+    start (interpreter, imports, config checks) to now, the start of the first step."""
+    out = {f"startup/{key.removeprefix('time/')}_s": value for key, value in timer.times.items()}
+    out["startup/to_first_step_s"] = process_uptime()
     return out
 
 

@@ -14,7 +14,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
 from roll.pipeline.rlvr.output_dir import claim_output_dir
-from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, throughput_metrics
+from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun, build_run, setup_logging, shutdown
 from roll.utils.rng import rng_state, set_rng_state
@@ -30,11 +30,12 @@ def run_pipeline(config: RLVRConfig) -> Path:
     try:
         setup_logging(Path(config.output_dir))
         checkpoint = resolve_resume(config)  # verified against its manifest before any model loads
-        run = build_run(config)
-        start = resume(run, checkpoint)
+        startup = StageTimer()
+        run = build_run(config, startup)
+        with startup("first_sync"):
+            start = resume(run, checkpoint)
         run.tracker = _tracker(run, start)
-        if start == 0 and config.eval_steps:
-            run.tracker.log(stages.run_validation(run, step=0), step=0)
+        first = validate_first(run, start, startup)  # step 0; start-up phases not logged yet
         rollouts = RolloutSource(run)  # async_generation_ratio 1: generates one step ahead
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
@@ -61,7 +62,8 @@ def run_pipeline(config: RLVRConfig) -> Path:
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
             metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
-            run.tracker.log(metrics | timer.metrics(), step)
+            run.tracker.log(metrics | timer.metrics() | first, step)
+            first = {}
             if config.save_steps and step % config.save_steps == 0:
                 save_step(run, step, rollouts.sampler_state())
         finish(run)
@@ -87,8 +89,25 @@ def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> d
         metrics = run.model_update.sync(version=step)
     run.weight_version = step
     if "actor_train" in run.colocated:
-        run.clusters["actor_train"].offload_states()
+        run.model("actor_train").offload_states()
     return metrics
+
+
+def validate_first(run: RLVRRun, start: int, startup: StageTimer) -> dict[str, float]:
+    """A fresh run validates and logs step 0, with the start-up phases (``startup/*``, also one
+    console line); otherwise those phases are returned, for the first step's row."""
+    validate = start == 0 and bool(run.config.eval_steps)
+    metrics: dict[str, float] = {}
+    if validate:
+        with startup("validation"):
+            metrics = stages.run_validation(run, step=0)
+    phases = startup_metrics(startup)
+    shown = ", ".join(f"{k.split('/')[1].removesuffix('_s')} {v:.1f}" for k, v in phases.items())
+    logger.info("start-up: %.1f s to the first step (%s)", phases["startup/to_first_step_s"], shown)
+    if not validate:
+        return phases
+    run.tracker.log(metrics | phases, step=0)
+    return {}
 
 
 def resume(run: RLVRRun, path: Path | None) -> int:
@@ -105,7 +124,7 @@ def resume(run: RLVRRun, path: Path | None) -> int:
     for role in ("actor_train", "critic"):
         if role in run.clusters:
             with stages.on_devices(run, role):
-                run.clusters[role].load_checkpoint(str(path))
+                run.model(role).load_checkpoint(str(path))
     run.sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"])
     update_inference_weights(run, state["step"], always=True)  # the engines start from pretrain
@@ -120,7 +139,7 @@ def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Pat
         for role in ("actor_train", "critic"):
             if role in run.clusters:
                 with stages.on_devices(run, role):
-                    run.clusters[role].save_checkpoint(str(tmp))
+                    run.model(role).save_checkpoint(str(tmp))
 
     sampler = run.sampler.state_dict() if sampler_state is None else sampler_state
     state = {"step": step, "sampler": sampler, "rng": rng_state()}
@@ -134,7 +153,7 @@ def finish(run: RLVRRun) -> None:
     """Export the final policy as a Hugging Face checkpoint and draw the curves."""
     out = run.run_dir / "hf_model"
     with stages.on_devices(run, "actor_train"):
-        run.clusters["actor_train"].save_hf_checkpoint(str(out))
+        run.model("actor_train").save_hf_checkpoint(str(out))
     run.tokenizer.save_pretrained(str(out))
     plot = run.tracker.finish()
     logger.info("final policy: %s; curves: %s", out, plot)

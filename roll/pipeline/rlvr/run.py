@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -21,7 +21,13 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
-from roll.utils.lr_schedule import total_optimizer_steps
+
+if TYPE_CHECKING:
+    from roll.distributed.executor.worker import Worker
+    from roll.distributed.scheduler.cluster import Cluster
+    from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.workers.model_worker import ModelCluster
+    from roll.pipeline.workers.reward_worker import RewardCluster
 
 logger = logging.getLogger("roll")
 
@@ -33,14 +39,15 @@ class RLVRRun:
     run_dir: Path
     tokenizer: Any
     sampler: Any
-    clusters: dict[str, Any] = field(default_factory=dict)
+    clusters: dict[str, Cluster] = field(default_factory=dict)
     resources: Any = None
     model_update: Any = None
     tracker: Any = None
     val_prompts: Batch | None = None
     val_generating_args: GeneratingArgs | None = None
     val_batch_size: int = 64
-    # Roles that time-share devices with another role: reloaded before use and offloaded after.
+    # Roles that time-share devices with another role: reloaded before use and offloaded after
+    # (on CPU slots only those whose strategy offloads there; see ``startup.offloaded_roles``).
     colocated: set[str] = field(default_factory=set)
     # tag -> reward role name
     tag_routes: dict[str, str] = field(default_factory=dict)
@@ -48,6 +55,14 @@ class RLVRRun:
     show_progress: bool = True
     # The version actor_infer holds (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
+
+    def model(self, role: str) -> ModelCluster:
+        """The cluster of model role ``role`` (actor_train, actor_infer, reference, critic)."""
+        return self.clusters[role]  # type: ignore[return-value]
+
+    def reward(self, name: str) -> RewardCluster:
+        """The cluster of reward role ``rewards.<name>``."""
+        return self.clusters[f"rewards.{name}"]  # type: ignore[return-value]
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
@@ -119,55 +134,52 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     return sampler, val
 
 
-def build_clusters(run: RLVRRun) -> None:
-    from roll.distributed.scheduler.cluster import Cluster
-    from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.pipeline.workers.actor_worker import ActorWorker
-    from roll.pipeline.workers.reward_worker import RewardWorker
+def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
+    """The cluster and worker classes of a role: reward roles score, every other role runs a model."""
+    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardCluster, RewardWorker
 
-    config = run.config
-    run.resources = ResourceManager(run.plan, config.device)
-    for name, role in config.roles().items():
-        worker_cls = RewardWorker if name.startswith("rewards.") else ActorWorker
-        run.clusters[name] = Cluster(name, worker_cls, run.resources, run.plan.roles[name], role, config)
-    for name, cluster in run.clusters.items():
-        if name in ("actor_train", "critic"):
-            args = getattr(config, name).training_args
-            cluster.initialize(total_optimizer_steps(config, args, run.plan.roles[name].parallel.dp))
-        else:
-            cluster.initialize()
-    # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
-    for name in run.colocated:
-        run.clusters[name].offload_states()
+    return (RewardCluster, RewardWorker) if role.startswith("rewards.") else (ModelCluster, ModelWorker)
 
 
-def build_run(config: RLVRConfig) -> RLVRRun:
+def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
+    """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
+    records the start-up phases (``startup/*`` metrics)."""
     from roll.models.loading import load_tokenizer
+    from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.rlvr.startup import offloaded_roles, start_clusters
 
+    timer = timer or StageTimer()
     run_dir = Path(config.output_dir)
     setup_logging(run_dir)
     plan = plan_placement(config)
-    tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
-    sampler, val = load_data(config, tokenizer)
+    with timer("data"):
+        tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
+        sampler, val = load_data(config, tokenizer)
     routes, default = build_tag_routes(config)
     run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
     run.val_prompts = val
     if config.validation is not None:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
-    run.colocated = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+    run.colocated = offloaded_roles(config, plan)
     run.reward_routes(
         sampler.dataset.domains()
     )  # fail before any worker starts when a tag has no reward role
-    build_clusters(run)
-    run.model_update = _build_model_update(run)
+    try:
+        start_clusters(run, timer)
+        with timer("model_update_setup"):
+            run.model_update = _build_model_update(run)
+    except BaseException:
+        shutdown(run, graceful=False)  # the caller has no run to shut down yet
+        raise
     return run
 
 
 def _build_model_update(run: RLVRRun):
     from roll.distributed.model_update.group import ModelUpdateGroup
 
-    group = ModelUpdateGroup(run.clusters["actor_train"], run.clusters["actor_infer"], run.config)
+    group = ModelUpdateGroup(run.model("actor_train"), run.model("actor_infer"), run.config)
     group.setup()
     return group
 

@@ -7,7 +7,7 @@ previous ones wrote (see roll/distributed/strategy/base.py for the field layout)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
     A block that raises leaves the states where they are: the run is ending, the failed role's
     workers are already stopped (asking them to offload would replace the WorkerError with a
     second error), and a healthy role may be blocked in a collective with the dead one."""
-    cluster = run.clusters[role]
+    cluster = run.model(role)
     shared = role in run.colocated
     if shared:
         cluster.reload_states()
@@ -47,21 +47,22 @@ def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
         cluster.offload_states()
 
 
-def dp_call(cluster, method: str, batch: Batch, *args, rows_per_input: int = 1, **kwargs) -> Batch:
-    """Call a DP_COMPUTE method on a batch of any size: pad it to a multiple of the cluster's
-    data-parallel size (repeating the last row), then drop the padding's outputs."""
+def dp_call(dp_size: int, compute: Callable[[Batch], Batch], batch: Batch, rows_per_input: int = 1) -> Batch:
+    """Run ``compute`` (a cluster's DP_COMPUTE call) on a batch of any size: pad it to a multiple of
+    ``dp_size`` (repeating the last row), then drop the padding's outputs."""
     size = len(batch)
-    pad = (-size) % cluster.dp_size
+    pad = (-size) % dp_size
     if pad:
         batch = Batch.concat([batch, batch.index([size - 1] * pad)])
-    out = getattr(cluster, method)(batch, *args, **kwargs)
+    out = compute(batch)
     return out.index(slice(0, size * rows_per_input)) if pad else out
 
 
 def generate_rollouts(run: RLVRRun, prompts: Batch, params: SamplingParams) -> Batch:
     """``actor_infer`` samples ``params.n`` responses per prompt; rows i*n..i*n+n-1 belong to prompt i."""
+    infer = run.model("actor_infer")
     with on_devices(run, "actor_infer"):
-        batch = dp_call(run.clusters["actor_infer"], "generate", prompts, params, rows_per_input=params.n)
+        batch = dp_call(infer.dp_size, lambda b: infer.generate(b, params), prompts, rows_per_input=params.n)
     texts = run.tokenizer.batch_decode(
         [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],
         skip_special_tokens=True,
@@ -79,7 +80,8 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
     tags = [str(t) for t in batch["tag"]]
     for name, rows in run.reward_routes(tags).items():
         part = batch.index(rows).select(["response_text", "ground_truth", "prompt_text", "tag"])
-        result = dp_call(run.clusters[f"rewards.{name}"], "compute_rewards", part)
+        scorer = run.reward(name)
+        result = dp_call(scorer.dp_size, scorer.compute_rewards, part)
         check_reward_result(f"rewards.{name}", run.config.rewards[name], result)
         scores[torch.as_tensor(rows)] = result["scores"]
         for key, flag in flags.items():
@@ -93,9 +95,12 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
 def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     if "reference" not in run.clusters:
         return batch
+    reference = run.model("reference")
     with on_devices(run, "reference"):
         out = dp_call(
-            run.clusters["reference"], "compute_log_probs", _model_inputs(batch), output_key="ref_log_probs"
+            reference.dp_size,
+            lambda b: reference.compute_log_probs(b, output_key="ref_log_probs"),
+            _model_inputs(batch),
         )
     return batch.union(out)
 
@@ -103,9 +108,12 @@ def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
 def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     """The trainer's log-probs before the update: the PPO ratio's denominator and the measure of
     train/inference mismatch."""
+    actor = run.model("actor_train")
     with on_devices(run, "actor_train"):
         out = dp_call(
-            run.clusters["actor_train"], "compute_log_probs", _model_inputs(batch), output_key="old_log_probs"
+            actor.dp_size,
+            lambda b: actor.compute_log_probs(b, output_key="old_log_probs"),
+            _model_inputs(batch),
         )
     return batch.union(out)
 
@@ -133,9 +141,10 @@ def compute_off_policy_weights(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[
 def compute_values(run: RLVRRun, batch: Batch) -> Batch:
     if "critic" not in run.clusters:
         return batch
+    critic = run.model("critic")
     with on_devices(run, "critic"):
-        out = dp_call(run.clusters["critic"], "compute_log_probs", _model_inputs(batch))
-    return batch.union(Batch.from_dict({"values": out["values"]}))
+        out = dp_call(critic.dp_size, critic.compute_values, _model_inputs(batch))
+    return batch.union(out)
 
 
 def compute_advantages_stage(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -171,12 +180,12 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> dict[str, float]:
         batch.tensors["response_mask"] = batch["response_mask"] * keep
     if "critic" in run.clusters:
         with on_devices(run, "critic"):
-            out = run.clusters["critic"].train_step(
+            out = run.model("critic").train_step(
                 batch.select(train_fields), make_critic_loss_fn(config), config.seed + step, config.ppo_epochs
             )
         metrics |= _mean_over_ranks(out, "critic")
     with on_devices(run, "actor_train"):
-        out = run.clusters["actor_train"].train_step(
+        out = run.model("actor_train").train_step(
             batch.select(train_fields), make_actor_loss_fn(config), config.seed + step, config.ppo_epochs
         )
     return metrics | _mean_over_ranks(out, "actor")

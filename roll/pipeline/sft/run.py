@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from roll.configs.sft_config import SFTPipelineConfig
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 from roll.pipeline.sft.chat_data import ChatExample, load_chat_files
+
+if TYPE_CHECKING:
+    from roll.pipeline.workers.model_worker import ModelCluster
 
 logger = logging.getLogger("roll")
 
@@ -58,7 +61,7 @@ class SFTRun:
     train: list[ChatExample]
     val: list[ChatExample]
     sampler: EpochSampler
-    trainer: Any = None  # the actor_train Cluster
+    trainer: ModelCluster | None = None  # the actor_train cluster
     resources: Any = None
     tracker: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -71,10 +74,9 @@ def global_batch_size(config: SFTPipelineConfig, plan: PlacementPlan) -> int:
 
 
 def build_sft_run(config: SFTPipelineConfig) -> SFTRun:
-    from roll.distributed.scheduler.cluster import Cluster
     from roll.distributed.scheduler.resource_manager import ResourceManager
     from roll.models.loading import load_tokenizer
-    from roll.pipeline.workers.actor_worker import ActorWorker
+    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
 
     plan = plan_placement(config)
     tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
@@ -98,8 +100,8 @@ def build_sft_run(config: SFTPipelineConfig) -> SFTRun:
         EpochSampler(len(train), batch, config.seed),
     )
     run.resources = ResourceManager(plan, config.device)
-    run.trainer = Cluster(
-        "actor_train", ActorWorker, run.resources, plan.roles["actor_train"], config.actor_train, config
+    run.trainer = ModelCluster(
+        "actor_train", ModelWorker, run.resources, plan.roles["actor_train"], config.actor_train, config
     )
     run.trainer.initialize(config.max_steps)  # one optimizer step per SFT step
     return run

@@ -7,6 +7,7 @@ role's own inference strategy on its devices.
 Each call returns ``scores`` [B] and, per sample, ``reward_error`` [B] (1.0: the function raised or
 gave no finite number; the sample scores 0.0), ``reward_timeout`` [B] and ``reward_error_msg`` (the
 message, "" when none), which the pipeline counts (``reward/errors``) against ``max_error_fraction``.
+``RewardCluster`` is the driver's handle on one reward role's workers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
+from roll.distributed.scheduler.cluster import Cluster
 from roll.pipeline.rlvr.rewards.registry import get_reward_spec, load_reward_fn
 
 
@@ -63,3 +65,16 @@ class RewardWorker(Worker):
         if getattr(self, "scorer", None) is not None:
             self.scorer.close()
         super().shutdown()
+
+
+class RewardCluster(Cluster):
+    """The driver's handle on the ``RewardWorker``s of one reward role."""
+
+    worker_base = RewardWorker
+
+    def initialize(self) -> None:
+        self.call(RewardWorker.initialize)
+        self.refresh_dp_layout()
+
+    def compute_rewards(self, batch: Batch) -> Batch:
+        return self.call(RewardWorker.compute_rewards, batch)

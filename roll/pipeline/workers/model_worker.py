@@ -1,12 +1,15 @@
-"""``ActorWorker``: the Ray actor of every model role (actor_train, actor_infer, reference, critic).
+"""``ModelWorker``: the Ray actor of every model role (actor_train, actor_infer, reference, critic).
 
 It owns one strategy (chosen by ``strategy_args.strategy_name``) and adds the RL-specific loops
 around it: PPO epochs over mini-batches of its data-parallel shard, per-step generation seeds, and
-checkpoints that include the worker's RNG state. A critic is the same worker with a value model.
+checkpoints that include the worker's RNG state. A critic is the same worker with a value model
+(``compute_values`` instead of ``compute_log_probs``).
 
-    cluster = Cluster("actor_train", ActorWorker, resource_manager, role_plan, role_config, config)
+``ModelCluster`` is the driver's handle on a role of them, one typed method per worker call::
+
+    cluster = ModelCluster("actor_train", ModelWorker, resource_manager, role_plan, role_config, config)
     cluster.initialize()
-    metrics = cluster.train_step(batch, make_actor_loss_fn(config), seed)
+    metrics = cluster.train_step(batch, make_actor_loss_fn(config), seed)   # one dict per DP rank
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from roll.core.sampling import SamplingParams
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
 from roll.distributed.model_update.worker_mixin import ModelUpdateReceiverMixin, ModelUpdateSenderMixin
+from roll.distributed.scheduler.cluster import Cluster
 from roll.utils.rng import rng_state, seed_everything, set_rng_state
 
 
-class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
+class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def initialize(self, total_optimizer_steps: int | None = None) -> None:
         """Build and start the strategy; a training role gets its LR schedule length from the
@@ -50,14 +54,17 @@ class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.DP_COMPUTE)
     def compute_log_probs(self, batch: Batch, output_key: str = "old_log_probs") -> Batch:
         """Log-probs of ``batch["responses"]`` under this role's model, as field ``output_key``
-        (a value model returns field ``values`` instead)."""
+        (with ``entropy`` when the field is ``old_log_probs``)."""
         out = self.strategy.compute_log_probs(batch)
-        if "values" in out:
-            return Batch.from_dict({"values": out["values"].cpu()})
         fields = {output_key: out["log_probs"].cpu()}
         if "entropy" in out and output_key == "old_log_probs":
             fields["entropy"] = out["entropy"].cpu()
         return Batch.from_dict(fields)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        """The value model's ``values`` [B, R] for ``batch["responses"]`` (the critic)."""
+        return Batch.from_dict({"values": self.strategy.compute_values(batch).cpu()})
 
     @register(Dispatch.DP_COMPUTE)
     def train_step(self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1) -> dict[str, float]:
@@ -99,3 +106,51 @@ class ActorWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def save_hf_checkpoint(self, path: str) -> None:
         self.strategy.save_hf_checkpoint(path)
+
+
+class ModelCluster(Cluster):
+    """The driver's handle on the ``ModelWorker``s of one model role (see the module docstring).
+
+    DP_COMPUTE methods take a batch whose rows split evenly over the DP ranks
+    (``roll.pipeline.rlvr.stages.dp_call`` pads one that does not)."""
+
+    worker_base = ModelWorker
+
+    def initialize(self, total_optimizer_steps: int | None = None) -> None:
+        """Build every rank's strategy, then re-read the DP layout the strategies define."""
+        self.call(ModelWorker.initialize, total_optimizer_steps)
+        self.refresh_dp_layout()
+
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        return self.call(ModelWorker.generate, batch, params)
+
+    def compute_log_probs(self, batch: Batch, output_key: str = "old_log_probs") -> Batch:
+        return self.call(ModelWorker.compute_log_probs, batch, output_key)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        return self.call(ModelWorker.compute_values, batch)
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1
+    ) -> list[dict[str, float]]:
+        """One metrics dict per DP rank."""
+        return self.call(ModelWorker.train_step, batch, loss_fn, seed, ppo_epochs)
+
+    def offload_states(self) -> None:
+        self.call(ModelWorker.offload_states)
+
+    def reload_states(self) -> None:
+        self.call(ModelWorker.reload_states)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.call(ModelWorker.save_checkpoint, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call(ModelWorker.load_checkpoint, path)
+
+    def save_hf_checkpoint(self, path: str) -> None:
+        self.call(ModelWorker.save_hf_checkpoint, path)
+
+    def model_update_version(self) -> list[int | None]:
+        """The weight version every rank holds (see ``roll.distributed.model_update``)."""
+        return self.call(ModelWorker.model_update_version)

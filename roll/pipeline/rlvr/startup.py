@@ -1,0 +1,138 @@
+"""Starting a run's workers: every role's processes at once, their models in waves.
+
+    run.colocated = offloaded_roles(config, plan)
+    start_clusters(run, timer)   # fills run.clusters; timer gets ray, workers, initialize
+
+Worker processes of all roles start together: each one imports torch and its engine, which is most
+of a CPU run's start-up, and waiting for one role's ranks before asking for the next role's left
+cores idle. ``initialize`` (model load, engine start) then runs at once for roles that share no
+device; roles that do share one initialize one after another in config order, as they always did,
+because a GPU engine sizes its memory from what is free when it starts (vLLM profiles
+``gpu_memory_utilization``). CPU slots size nothing from free memory, so there every role
+initializes at once. Colocated roles are offloaded after all have initialized, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.scheduler.placement import PlacementPlan
+
+if TYPE_CHECKING:
+    from roll.distributed.scheduler.cluster import AsyncResult, Cluster
+    from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.rlvr.run import RLVRRun
+
+
+def on_cpu_slots(config: RLVRConfig) -> bool:
+    """Whether the run's device ids are CPU slots (``device: cpu``, or ``auto`` without CUDA)."""
+    from roll.distributed.scheduler.resource_manager import resolve_device
+
+    return resolve_device(config.device) == "cpu"
+
+
+def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
+    """The model roles that time-share devices with another role and so are offloaded between
+    their stages (``stages.on_devices``).
+
+    On CPU slots a role is left out unless its strategy offloads there
+    (``StrategySpec.offloads_on_cpu``): the others would only free device memory, which a CPU slot
+    does not have, and each skipped stage saves two Ray round trips to every rank."""
+    from roll.distributed.strategy.registry import get_strategy_spec
+
+    cpu = on_cpu_slots(config)
+    roles = config.roles()
+    shared = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+
+    def offloads(name: str) -> bool:
+        args = roles[name].strategy_args
+        return not cpu or (args is not None and get_strategy_spec(args.strategy_name).offloads_on_cpu)
+
+    return {name for name in shared if offloads(name)}
+
+
+def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:
+    """Roles grouped into waves that initialize together: a role joins the first wave after the
+    last one holding a role that shares a device with it, so roles sharing a device keep the order
+    of ``names`` and never initialize together. CPU-only roles (rule rewards) share nothing.
+    ``all_at_once``: one wave."""
+    names = list(names)
+    if all_at_once:
+        return [names]
+    waves: list[tuple[list[str], set[int]]] = []
+    for name in names:
+        role = plan.roles[name]
+        devices = set() if role.cpu_only else set(role.devices)
+        after = max((i for i, (_, used) in enumerate(waves) if used & devices), default=-1)
+        if after + 1 == len(waves):
+            waves.append(([], set()))
+        members, used = waves[after + 1]
+        members.append(name)
+        used.update(devices)
+    return [members for members, _ in waves]
+
+
+def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
+    """Reserve the devices, start every role's workers (see the module docstring) and initialize
+    them; colocated roles end offloaded. Clusters that started are in ``run.clusters`` even when
+    another role failed, so ``run.shutdown`` stops them."""
+    from roll.distributed.scheduler.cluster import get_all
+    from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.workers.model_worker import ModelWorker
+
+    config = run.config
+    with timer("ray"):
+        run.resources = ResourceManager(run.plan, config.device)
+    with timer("workers"):
+        _start_workers(run)
+    with timer("initialize"):
+        for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
+            get_all(*(_async_initialize(run, name) for name in wave))
+            for name in wave:
+                run.clusters[name].refresh_dp_layout()
+        # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
+        get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
+
+
+def _start_workers(run: RLVRRun) -> None:
+    """One cluster per role, built on threads: each blocks until its ranks answer and have joined
+    their process group, and Ray starts all the processes meanwhile."""
+    from roll.pipeline.rlvr.run import role_classes
+
+    roles = run.config.roles()
+
+    def start(name: str) -> Cluster:
+        cluster_cls, worker_cls = role_classes(name)
+        return cluster_cls(name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config)
+
+    pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
+    futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}
+    error: BaseException | None = None
+    try:
+        for name, future in futures.items():  # config order, whatever order they finish in
+            try:
+                run.clusters[name] = future.result()
+            except Exception as exc:  # noqa: BLE001 - the others are kept for shutdown, then it raises
+                error = error or exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if error is not None:
+        raise error
+
+
+def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
+    """Every rank's ``initialize`` of role ``name``, started (trainers get their optimizer steps)."""
+    from roll.pipeline.workers.model_worker import ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardWorker
+    from roll.utils.lr_schedule import total_optimizer_steps
+
+    if name.startswith("rewards."):
+        return run.clusters[name].async_call(RewardWorker.initialize)
+    steps = None
+    if name in ("actor_train", "critic"):  # the LR schedule length, computed here once per role
+        dp = run.plan.roles[name].parallel.dp
+        steps = total_optimizer_steps(run.config, getattr(run.config, name).training_args, dp)
+    return run.model(name).async_call(ModelWorker.initialize, steps)

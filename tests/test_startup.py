@@ -1,0 +1,102 @@
+"""Starting a run (roll/pipeline/rlvr/startup.py): which roles initialize together, which are
+offloaded between stages on CPU slots and GPUs, and every role's workers starting at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from roll.configs.device_mapping import parse_device_mapping
+from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
+from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig
+from roll.distributed.scheduler.placement import plan_placement
+from roll.pipeline.rlvr import startup
+from roll.pipeline.rlvr.perf import StageTimer, startup_metrics
+from roll.pipeline.rlvr.startup import init_waves, offloaded_roles
+
+
+def role(mapping: str, strategy: str, typed) -> RoleConfig:
+    args = StrategyArgs(strategy)
+    args.config = typed
+    return RoleConfig(strategy_args=args, device_mapping=parse_device_mapping(mapping))
+
+
+def config(device: str = "cpu", trainer: str = "fsdp2_train", **roles) -> RLVRConfig:
+    typed = MegatronConfig() if trainer == "megatron_train" else FSDP2Config()
+    roles.setdefault("actor_train", role("0-1", trainer, typed))
+    roles.setdefault("actor_infer", role("0-1", "hf_infer", HFInferConfig()))
+    roles.setdefault("reference", role("0-1", "hf_infer", HFInferConfig()))
+    rewards = {"math": RewardConfig(reward_fn="math_rule", world_size=2)}
+    return RLVRConfig(device=device, num_gpus_per_node=4, rewards=rewards, **roles)
+
+
+def test_roles_sharing_a_device_initialize_one_after_another_in_config_order():
+    cfg = config(
+        actor_infer=role("2-3", "hf_infer", HFInferConfig()),
+        reference=role("1-2", "hf_infer", HFInferConfig()),
+    )
+    plan = plan_placement(cfg)
+    names = list(cfg.roles())
+    # actor_infer shares nothing with actor_train: together; reference shares with both: after them.
+    assert init_waves(plan, names) == [["actor_train", "actor_infer", "rewards.math"], ["reference"]]
+    colocated = plan_placement(config())
+    assert init_waves(colocated, names) == [["actor_train", "rewards.math"], ["actor_infer"], ["reference"]]
+    assert init_waves(colocated, names, all_at_once=True) == [names]
+
+
+@pytest.mark.parametrize(
+    ("device", "trainer", "offloaded"),
+    [
+        # CPU slots: hf_infer and fsdp2_train only free device memory, so nothing is offloaded ...
+        ("cpu", "fsdp2_train", set()),
+        # ... but megatron's offloader frees and restores storage on CPU too (its CPU tests use it).
+        ("cpu", "megatron_train", {"actor_train"}),
+        # GPUs: every colocated model role, as before.
+        ("cuda", "fsdp2_train", {"actor_train", "actor_infer", "reference"}),
+    ],
+)
+def test_offloaded_roles_on_cpu_slots_and_gpus(device, trainer, offloaded):
+    cfg = config(device, trainer)
+    assert offloaded_roles(cfg, plan_placement(cfg)) == offloaded
+
+
+def test_a_role_on_its_own_devices_is_never_offloaded():
+    cfg = config("cuda", reference=role("2-3", "hf_infer", HFInferConfig()))
+    assert offloaded_roles(cfg, plan_placement(cfg)) == {"actor_train", "actor_infer"}
+
+
+def test_every_roles_workers_start_at_once_and_a_failure_keeps_the_others(monkeypatch):
+    """Each Cluster() blocks until its ranks answer; they are built on threads, so a role whose
+    workers are slow to answer does not hold back the next role's processes."""
+    started = threading.Barrier(4, timeout=10)  # every role's start is in flight together
+
+    class FakeCluster:
+        def __init__(self, name, *args):
+            started.wait()
+            if name == "reference":
+                raise RuntimeError("reference failed to start")
+            self.role = name
+
+    import roll.pipeline.rlvr.run as run_module
+
+    monkeypatch.setattr(run_module, "role_classes", lambda name: (FakeCluster, None))
+    cfg = config()
+    run = SimpleNamespace(config=cfg, plan=plan_placement(cfg), resources=None, clusters={})
+    with pytest.raises(RuntimeError, match="reference failed to start"):
+        startup._start_workers(run)
+    # The roles that did start are kept, in config order, so shutdown stops them.
+    assert list(run.clusters) == ["actor_train", "actor_infer", "rewards.math"]
+
+
+def test_startup_metrics_name_each_phase_and_the_time_to_the_first_step():
+    timer = StageTimer()
+    with timer("ray"):
+        time.sleep(0.01)
+    metrics = startup_metrics(timer)
+    assert metrics["startup/ray_s"] >= 0.01
+    # From this process's start: at least as long as the phases it saw.
+    assert metrics["startup/to_first_step_s"] >= metrics["startup/ray_s"]
