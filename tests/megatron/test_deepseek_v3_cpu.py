@@ -47,6 +47,7 @@ from two_rank_training import pg_batch, pg_loss, run_two_ranks, train_strategy  
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
 from roll.models.megatron import convert, families  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 YARN = {
     "rope_type": "yarn",
@@ -201,7 +202,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_logits_match_transformers_and_weights_round_trip(world_size, checkpoints, tmp_path) -> None:
-    args = (world_size, conv._free_port(), checkpoints, CASES[world_size], str(tmp_path))
+    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path))
     mp.spawn(_parity_worker, args=args, nprocs=world_size, join=True)
 
 
