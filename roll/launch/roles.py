@@ -17,12 +17,12 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
 from roll.configs.strategy_configs import (
     FSDP2Config,
-    MegatronConfig,
     PackingOptions,
     SGLangConfig,
     VLLMConfig,
     strategy_config_of,
 )
+from roll.distributed.strategy.base import ValueModelStrategy
 from roll.distributed.strategy.engine_options import (
     EngineOptions,
     dataclass_field_names,
@@ -76,7 +76,7 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
             f"{cfg_path}.sequence_packing",
             "this transformers version cannot confine attention to packed sequences; set it false",
         )
-    if isinstance(typed, MegatronConfig) and role.model_args.is_value_model:
+    if role.model_args.is_value_model and not spec.implements(ValueModelStrategy):
         raise ConfigError(
             f"{name}.model_args.model_type",
             f"{spec.name} has no value head; run the critic with fsdp2_train (model_type 'value')",
