@@ -77,8 +77,8 @@ class SFTPipelineConfig:
     # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
     worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
-    # What the shared helpers (placement, checkpoints, LR schedule) read off an RLVR config: no
-    # critic, and one optimizer step per pipeline step (samples // mini-batch = 0 counts as 1).
+    # What the shared helpers (placement, checkpoints) read off an RLVR config: no critic, one
+    # sample per prompt. The LR schedule's length is max_steps (the SFT run hands it to the worker).
     critic = None
     ppo_epochs = 1
     num_return_sequences_in_group = 1
