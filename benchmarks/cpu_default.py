@@ -9,7 +9,7 @@ TRL's single-process GRPOTrainer on the same task.
 The roll run is ``examples/config/rlvr_config.yaml`` as shipped, with ``max_steps=--steps``,
 validation and checkpoints off (``eval_steps=0 save_steps=0``, as TRL runs neither) and its own
 ``output_dir``. Per stage: the mean over steps 2.. (step 1 holds one-off warm-up), from
-``time/<stage>`` in metrics.jsonl; "step" is ``time/step`` (the stages' sum); start-up is
+``time/<stage>`` in metrics.jsonl; "step" is ``time/step`` (the stages' sum) less validation; start-up is
 ``startup/to_first_step_s`` (process start to the first step) and its phases; wall is the
 process's whole life, shutdown included.
 
@@ -139,8 +139,10 @@ def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = N
     first = next((r["startup/to_first_step_s"] for r in rows if "startup/to_first_step_s" in r), None)
     if first is not None:
         out["startup"] = first
-    for stage in (*STAGES, "step"):
+    for stage in STAGES:
         out[stage] = statistics.mean(r.get(f"time/{stage}", 0.0) for r in timed)
+    # time/step sums every stage of the step, validation included; the table leaves it out.
+    out["step"] = statistics.mean(r["time/step"] - r.get("time/validation", 0.0) for r in timed)
     out["steps"] = float(len(steps))
     ends = meter.line_ages() if meter is not None else []
     if len(ends) == len(rows) and len(steps) > 1:  # one line per step (validation off)
