@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from roll.pipeline.sft.launcher import main  # noqa: E402
+from roll.launch.sft import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -108,6 +108,6 @@ if __name__ == "__main__":
     import fault_injection  # this file under its module name, so Ray can ship its functions
 
     fault_injection.install()
-    from roll.pipeline.rlvr.launcher import main
+    from roll.launch.rlvr import main
 
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Files a config must point at to pass the checks before launch (roll.configs.preflight): a model
+"""Files a config must point at to pass the checks before launch (roll.launch.files): a model
 directory with a config.json and a tokenizer file, and prompt files whose rows carry given tags.
 Nothing here loads; the files only have to exist and parse."""
 

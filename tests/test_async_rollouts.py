@@ -20,8 +20,8 @@ from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
-from roll.configs.validate import validate_config  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
+from roll.launch.checks import check_before_launch  # noqa: E402
 from roll.pipeline.rlvr import rollout_source  # noqa: E402
 from roll.pipeline.rlvr.perf import StageTimer  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
@@ -110,7 +110,7 @@ def test_async_on_colocated_actor_infer_is_a_config_error(setup):
     tmp, model = setup
     cfg = config_dict(tmp, model, tmp / "x", async_generation_ratio=1, off_policy_correction={"mode": "tis"})
     with pytest.raises(ConfigError) as err:
-        validate_config(load(tmp, "colocated_async", cfg))
+        check_before_launch(load(tmp, "colocated_async", cfg), files=False)
     assert str(err.value).startswith("async_generation_ratio: needs a disaggregated actor_infer")
 
 
@@ -127,7 +127,7 @@ def test_async_without_correction_is_a_config_error(setup):
     tmp, model = setup
     cfg = disaggregated(tmp, model, tmp / "y", async_generation_ratio=1)
     with pytest.raises(ConfigError) as err:
-        validate_config(load(tmp, "async_no_tis", cfg))
+        check_before_launch(load(tmp, "async_no_tis", cfg), files=False)
     assert str(err.value).startswith("off_policy_correction.mode:")
 
 
@@ -142,7 +142,7 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
         dynamic_sampling={"enabled": True, "max_rounds": 2},
     )  # fmt: skip
     config = load(tmp, "async", cfg)
-    validate_config(config)
+    check_before_launch(config, files=False)
     rows = read_metrics(run_pipeline(config) / "metrics.jsonl")
     steps = {r["step"]: r for r in rows}
     assert sorted(steps) == [0, 1, 2, 3]
@@ -164,7 +164,7 @@ def test_async_disaggregated_pipeline_on_cpu(setup):
 def test_shipped_async_configs_dry_run(name, capsys, tmp_path):
     from launch_files import point_at_files
 
-    from roll.pipeline.rlvr.launcher import main
+    from roll.launch.rlvr import main
 
     repo = Path(__file__).resolve().parents[1]
     # Its model and prompt files come from prepare_default_example.py: point them at files made here.

@@ -232,8 +232,8 @@ def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, tmp_pa
     from launch_files import launch_overrides, make_launch_files
 
     from roll.configs.errors import RewardError
+    from roll.launch.rlvr import main
     from roll.pipeline.rlvr import pipeline
-    from roll.pipeline.rlvr.launcher import main
 
     exc = (
         CheckpointError("ckpt/step_2/manifest.json: missing")

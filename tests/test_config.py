@@ -14,7 +14,7 @@ from launch_files import launch_overrides, make_launch_files, point_at_files
 from roll.configs.device_mapping import format_device_ids, parse_device_mapping
 from roll.configs.errors import ConfigError
 from roll.configs.loader import apply_overrides, interpolate, load_config
-from roll.pipeline.rlvr.launcher import main
+from roll.launch.rlvr import main
 
 HERE = Path(__file__).parent / "configs"
 GOOD = HERE / "good" / "minimal.yaml"
@@ -285,12 +285,14 @@ def test_worker_error_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
 def test_missing_tracker_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from roll.configs import validate
+    from roll.launch import rules
+    from roll.launch.checks import check_before_launch
 
     real = importlib.util.find_spec
     monkeypatch.delitem(sys.modules, "tensorboard", raising=False)  # as if never imported
     monkeypatch.setattr(
-        validate.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name)
+        rules.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name)
     )
+    config = load_config(HERE / "good" / "minimal.yaml", ["track_with=tensorboard"])
     with pytest.raises(ConfigError, match="track_with: 'tensorboard' needs the tensorboard package"):
-        load_config(HERE / "good" / "minimal.yaml", ["track_with=tensorboard"])
+        check_before_launch(config, files=False)

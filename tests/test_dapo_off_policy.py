@@ -111,6 +111,8 @@ def test_sequence_ratio_overflow_is_bounded():
     ],
 )
 def test_bad_options_name_their_key(override, key):
-    with pytest.raises(ConfigError) as err:
-        load_config("examples/config/rlvr_config.yaml", [override])
+    from roll.launch.checks import check_before_launch
+
+    with pytest.raises(ConfigError) as err:  # ranges at load, named values before launch
+        check_before_launch(load_config("examples/config/rlvr_config.yaml", [override]), files=False)
     assert str(err.value).startswith(f"{key}:")

@@ -4,6 +4,7 @@ weight export; a GPU run (marked gpu) in bf16 with mixed precision."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,18 +51,22 @@ def value_loss(outputs: dict[str, torch.Tensor], micro: Batch) -> tuple[torch.Te
     return (((outputs["values"] - 1.0) ** 2) * mask).sum() / mask.sum(), {}
 
 
-def make_strategy(model_dir, rank, world_size, device="cpu", dtype="fp32", **config):
+def make_strategy(model_dir, rank, world_size, device="cpu", dtype="fp32", schedule=None, **config):
+    """``schedule``: (lr_scheduler_type, total optimizer steps) as the driver would hand them over."""
+    kind, total = schedule or ("constant", None)
     role = RoleConfig(
         model_args=ModelArgs(
             model_name_or_path=str(model_dir), dtype=dtype, model_type=config.pop("model_type", None)
         ),
         training_args=TrainingArgs(
-            learning_rate=config.pop("lr", 1e-2), weight_decay=0.01, max_grad_norm=1.0
+            learning_rate=config.pop("lr", 1e-2), weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type=kind
         ),
         strategy_args=StrategyArgs("fsdp2_train", strategy_config=config),
         infer_batch_size=2,
     )
-    ctx = WorkerContext("actor_train", rank, world_size, rank, torch.device(device), seed=42)
+    ctx = WorkerContext(
+        "actor_train", rank, world_size, rank, torch.device(device), seed=42, total_optimizer_steps=total
+    )
     strategy = load_strategy_class("fsdp2_train")(role, ctx)
     strategy.initialize()
     return strategy
@@ -188,9 +193,7 @@ def test_value_model_trains(model_dir, one_rank):
 
 
 def test_schedule_offload_load_weights_and_errors(model_dir, one_rank, tmp_path):
-    strategy = make_strategy(model_dir, 0, 1)
-    strategy.role_config.training_args.lr_scheduler_type = "linear"
-    strategy.set_total_steps(2)
+    strategy = make_strategy(model_dir, 0, 1, schedule=("linear", 2))
     micro = local_micro_batches(0, 1)
     lrs = [strategy.train_step(micro, policy_loss)["lr"] for _ in range(3)]
     assert lrs == pytest.approx([1e-2, 5e-3, 0.0])
@@ -216,9 +219,9 @@ def test_schedule_offload_load_weights_and_errors(model_dir, one_rank, tmp_path)
         training_args=TrainingArgs(lr_scheduler_type="cosine"),
         strategy_args=StrategyArgs("fsdp2_train"),
     )
-    unset = load_strategy_class("fsdp2_train")(cosine, strategy.ctx)
+    unset = load_strategy_class("fsdp2_train")(cosine, replace(strategy.ctx, total_optimizer_steps=None))
     unset.initialize()
-    with pytest.raises(ValueError, match="call set_total_steps"):
+    with pytest.raises(ValueError, match="set WorkerContext.total_optimizer_steps"):
         unset.train_step(micro, policy_loss)
 
 

@@ -210,7 +210,7 @@ def test_value_model_gives_values_and_cannot_generate(model_dir):
 def test_response_length_of_the_pipeline_pads_every_batch(model_dir, strategy):
     from dataclasses import replace
 
-    ctx = replace(strategy.ctx, pipeline=type("P", (), {"response_length": 10})())
+    ctx = replace(strategy.ctx, response_length=10)
     wide = load_strategy_class("hf_infer")(strategy.role_config, ctx)
     wide.initialize()
     out = wide.generate(prompt_batch(), SamplingParams(n=1, max_new_tokens=32))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROLL = Path(__file__).resolve().parent.parent / "roll"
-LAYERS = ["core", "configs", "utils", "models", "distributed", "planner", "pipeline"]
+LAYERS = ["core", "configs", "utils", "models", "distributed", "planner", "pipeline", "launch"]
 
 
 def upward_imports(package: str) -> list[str]:
@@ -39,12 +39,7 @@ def test_every_package_has_a_layer():
     assert packages == set(LAYERS)
 
 
-# configs/ still asks the strategy and reward registries from inside its checks; those move to a
-# pre-launch step above it (issue 15), after which this mark goes.
-_PENDING = {"configs": pytest.mark.xfail(strict=True, reason="configs/ checks still import registries")}
-
-
-@pytest.mark.parametrize("package", [pytest.param(p, marks=_PENDING.get(p, ())) for p in LAYERS])
+@pytest.mark.parametrize("package", LAYERS)
 def test_no_upward_imports(package):
     assert upward_imports(package) == []
 

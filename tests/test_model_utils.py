@@ -20,7 +20,7 @@ from roll.models.loading import load_model, load_tokenizer, resolve_attn_impleme
 from roll.models.logprobs import entropy_from_logits, log_probs_from_logits, response_log_probs
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
-from roll.utils.lr_schedule import build_lr_lambda, optimizer_steps_per_pipeline_step
+from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
 
 torch.set_num_threads(1)
 
@@ -162,10 +162,13 @@ def test_lr_schedules():
         build_lr_lambda(TrainingArgs(lr_scheduler_type="cosine"), None)
 
 
-def test_optimizer_steps_per_pipeline_step():
-    pipeline = type("P", (), {"rollout_batch_size": 8, "num_return_sequences_in_group": 4, "ppo_epochs": 2})()
+def test_total_optimizer_steps():
+    run = type("P", (), {"rollout_batch_size": 8, "num_return_sequences_in_group": 4, "ppo_epochs": 2})()
+    run.max_steps = 5
     args = TrainingArgs(per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    assert optimizer_steps_per_pipeline_step(pipeline, args, dp_size=2) == 2 * (32 // 8)
+    assert total_optimizer_steps(run, args, dp_size=2) == 5 * 2 * (32 // 8)
+    run.rollout_batch_size = 1  # fewer samples than a mini-batch: still one optimizer step per epoch
+    assert total_optimizer_steps(run, args, dp_size=2) == 5 * 2
 
 
 def test_copy_into_casts_and_checks_everything_before_copying():

@@ -10,7 +10,7 @@ from launch_files import launch_overrides, make_launch_files
 from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
 from roll.configs.roll_compat import translate_roll_keys
-from roll.pipeline.rlvr.launcher import main
+from roll.launch.rlvr import main
 
 HERE = Path(__file__).parent / "configs" / "roll_format"
 
@@ -156,3 +156,49 @@ def test_roll_packing_keys_map_onto_packing_options():
     more = {"use_sequence_packing": True, "sequence_packing_args": {"min_num_micro_batches_train": 4}}
     with pytest.raises(ConfigError, match="min_num_micro_batches_train=4"):
         translate_roll_keys({"actor_train": more})
+
+
+def test_roll_keys_roll_does_its_own_way_are_dropped_with_a_note(capsys):
+    raw = translate_roll_keys(
+        {
+            "logging_dir": "./output/logs",
+            "checkpoint_config": {"type": "file_system", "output_dir": "/ckpt"},
+            "actor_train": {
+                "data_args": {"preprocessing_num_workers": 16, "interleave_probs": "1.0"},
+                "training_args": {"num_train_epochs": 50},
+            },
+            "validation": {"data_args": {"preprocessing_num_workers": 4}},
+        }
+    )
+    assert raw == {
+        "checkpoint_config": {"output_dir": "/ckpt"},
+        "actor_train": {"data_args": {}, "training_args": {}},
+        "validation": {"data_args": {}},
+    }
+    err = capsys.readouterr().err
+    for key in ("logging_dir", "actor_train.data_args.preprocessing_num_workers", "num_train_epochs"):
+        assert key in err, key
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"checkpoint_config": {"type": "s3"}}, "checkpoint_config.type='s3' (remove it; roll checkpoints"),
+        (
+            {"actor_train": {"data_args": {"interleave_probs": "0.7,0.3"}}},
+            "actor_train.data_args.interleave_probs='0.7,0.3'",
+        ),
+    ],
+)
+def test_roll_keys_roll_cannot_honour_are_refused(raw, words):
+    with pytest.raises(ConfigError, match="alibaba/ROLL keys roll does not support") as info:
+        translate_roll_keys(raw)
+    assert words in str(info.value)
+
+
+def test_roll_only_keys_are_unknown_to_roll_own_sections():
+    from roll.configs.loader import build_dataclass
+    from roll.configs.pipeline_config import CheckpointConfig
+
+    with pytest.raises(ConfigError, match="type: unknown key; valid keys: output_dir, max_to_keep"):
+        build_dataclass(CheckpointConfig, {"type": "file_system"})

@@ -11,7 +11,7 @@ import yaml
 from launch_files import make_launch_files
 
 from roll.core.batch import Batch
-from roll.pipeline.rlvr.launcher import main
+from roll.launch.rlvr import main
 from roll.pipeline.rlvr.stages import dp_call
 
 SHAPES = Path(__file__).parent / "configs" / "roll_format" / "uneven"

@@ -102,10 +102,11 @@ def test_apply_sample_options_masks_loss_tokens_and_weights_advantages():
 
 def test_config_refuses_running_and_inverted_thresholds():
     from roll.configs.loader import load_config
+    from roll.launch.checks import check_before_launch
 
     base = Path(__file__).parent / "configs" / "good" / "minimal.yaml"
     with pytest.raises(ConfigError, match="norm_std_type: .*'running' is not supported"):
-        load_config(base, ["norm_std_type=running"])
+        check_before_launch(load_config(base, ["norm_std_type=running"]), files=False)
     with pytest.raises(ConfigError, match="difficulty_low_threshold: must be below"):
         load_config(
             base, ["difficulty_mask=true", "difficulty_low_threshold=0.9", "difficulty_high_threshold=0.1"]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from roll.configs.errors import ConfigError
 from roll.configs.sft_config import load_sft_config
+from roll.launch.checks import check_sft_config
 from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer
 from roll.pipeline.sft.chat_data import encode_chat, load_chat_files, to_sft_batch
 from roll.pipeline.sft.pipeline import run_sft_pipeline
@@ -97,7 +98,9 @@ def config_dict(tmp: Path, model: Path, out: Path, **top) -> dict:
 def load(tmp: Path, name: str, raw: dict):
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_sft_config(path)
+    config = load_sft_config(path)
+    check_sft_config(config)  # as the launcher does before any worker starts
+    return config
 
 
 def test_config_errors_name_the_key(tokenizer, tmp_path):
@@ -199,11 +202,11 @@ RECIPES = {
 def test_recipe_configs_plan_and_fit_their_model(name, capsys):
     import transformers
 
+    from roll.launch.sft import main
     from roll.models.megatron.families import check_model_fits
-    from roll.pipeline.sft.launcher import main
 
     assert main(["--config_name", name, "--dry_run"]) == 0
     assert "megatron_train" in capsys.readouterr().out
-    config = load_sft_config(Path("examples/config") / f"{name}.yaml", check_files=False)
+    config = load_sft_config(Path("examples/config") / f"{name}.yaml")
     cls, shape = RECIPES[name]
     check_model_fits(getattr(transformers, cls)(**shape), config.actor_train.strategy_args.config)

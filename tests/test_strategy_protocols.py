@@ -53,7 +53,7 @@ class _Incomplete:
 
 def test_a_row_whose_class_does_not_conform_is_refused(monkeypatch):
     monkeypatch.setattr(
-        registry, "STRATEGIES", {"bad": StrategySpec("bad", f"{__name__}:_Incomplete", object, "infer")}
+        registry, "STRATEGIES", {"bad": StrategySpec("bad", f"{__name__}:_Incomplete", "infer")}
     )
     registry.check_strategy_class.cache_clear()
     try:

@@ -2,7 +2,10 @@
 
 >>> cfg = load_config("examples/config/rlvr_config.yaml", overrides=["max_steps=3"])
 
-Every problem becomes one ``ConfigError`` naming the key path; nothing is dropped silently.
+Every problem becomes one ``ConfigError`` naming the key path; nothing is dropped silently. This
+parses and types only (keys, types, ranges, inline names, each role's ``strategy_config`` typed by
+its ``strategy_name``); what needs the registries, the placement, the algorithm tables or the files
+is the pre-launch step's (``roll.launch.checks.check_before_launch``), which the launchers run.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import yaml
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError, did_you_mean, join_path
 from roll.configs.ranges import check_fields, check_raw_values, strip_optional
+from roll.configs.role import StrategyArgs
 from roll.configs.roll_compat import translate_roll_keys
+from roll.configs.strategy_configs import STRATEGY_CONFIGS
 
 T = TypeVar("T")
 
@@ -147,14 +152,30 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
         if key in fields and message:
             raise ConfigError(join_path(path, key), message) from None
         raise ConfigError(path or "<root>", str(exc)) from None
-    check_fields(obj, path)  # the ranges and named values declared on the fields (roll.configs.ranges)
+    check_fields(obj, path)  # the ranges and inline names declared on the fields (roll.configs.ranges)
+    if isinstance(obj, StrategyArgs):
+        obj.config = _typed_strategy_config(obj, path)
     return obj
 
 
+def _typed_strategy_config(args: StrategyArgs, path: str) -> Any:
+    """``strategy_config`` built as the options class of ``strategy_name``."""
+    name = args.strategy_name
+    if name not in STRATEGY_CONFIGS:
+        raise ConfigError(
+            join_path(path, "strategy_name"),
+            f"unknown strategy {name!r}{did_you_mean(str(name), STRATEGY_CONFIGS)}; "
+            f"valid names: {', '.join(sorted(STRATEGY_CONFIGS))}",
+        )
+    return build_dataclass(
+        STRATEGY_CONFIGS[name], args.strategy_config or {}, join_path(path, "strategy_config")
+    )
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, config_cls: type[T] | None = None) -> T:
-    """Read, override, interpolate, build and validate an RLVR config file."""
+    """Read, override, interpolate and build an RLVR config file (see the module docstring for
+    what is checked here and what before launch)."""
     from roll.configs.pipeline_config import RLVRConfig
-    from roll.configs.validate import validate_config
 
     raw = read_yaml(path)
     for key in IGNORED_TOP_LEVEL:
@@ -163,9 +184,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None, config_cls
                 f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
             )
     raw = translate_roll_keys(interpolate(apply_overrides(raw, overrides or [])), str(path))
-    config = build_dataclass(config_cls or RLVRConfig, raw)
-    validate_config(config)
-    return config
+    return build_dataclass(config_cls or RLVRConfig, raw)
 
 
 def _build_field(tp: Any, value: Any, path: str, name: str) -> Any:

@@ -18,6 +18,9 @@ KL_ESTIMATORS = f"{_ALGO}.kl:KL_ESTIMATORS"
 KL_REFUSED = f"{_ALGO}.kl:KL_REFUSED"
 NORM_TYPES = f"{_ALGO}.sample_options:NORM_TYPES"
 NORM_REFUSED = f"{_ALGO}.sample_options:NORM_REFUSED"
+TRACKERS = "roll.utils.tracking:TRACKERS"
+DEVICES = "roll.distributed.scheduler.resource_manager:DEVICES"
+MEMORY_CHECKS = "roll.planner.report:MEMORY_CHECKS"
 # numpy's generators take seeds in [0, 2**32).
 MAX_SEED = 2**32 - 1
 
@@ -33,8 +36,8 @@ class ValidationConfig:
 
 @dataclass
 class CheckpointConfig:
-    # Checkpoints go to a file system path (shared by the nodes for multi-node runs).
-    type: str = one_of("file_system", "file_system")
+    # Checkpoints go to this file system path (shared by the nodes for multi-node runs); None:
+    # <output_dir>/checkpoints.
     output_dir: str | None = None
     # Keep at most this many step checkpoints (oldest removed first); None keeps all.
     max_to_keep: int | None = bounded(None, ge=1)
@@ -57,9 +60,8 @@ class RLVRConfig:
     # A fresh run into an output_dir that already holds a run (metrics.jsonl, hf_model/, step
     # checkpoints) is refused unless this is true: it then deletes them (see docs/faults.md).
     overwrite_output_dir: bool = False
-    logging_dir: str | None = None
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
-    track_with: str = one_of("tensorboard", "tensorboard", "wandb", "none")
+    track_with: str = one_of("tensorboard", table=TRACKERS)
     tracker_kwargs: dict[str, Any] = field(default_factory=dict)
     system_envs: dict[str, str] = field(default_factory=dict)
 
@@ -67,13 +69,13 @@ class RLVRConfig:
     num_gpus_per_node: int = bounded(8, ge=1)
     num_nodes: int | None = bounded(None, ge=1)
     # "auto" uses CUDA when it is available, else every device id is a CPU slot.
-    device: str = one_of("auto", "auto", "cpu", "cuda")
+    device: str = one_of("auto", table=DEVICES)
     # Memory plan (roll/planner, docs/memory_planner.md): the device size predicted peaks are checked
     # against (a known GPU, or GiB; at launch the detected device otherwise), and what a device
     # predicted not to fit does: warn, error (a ConfigError before anything starts), or off.
     gpu: str | None = one_of(None, table="roll.planner.devices:KNOWN_GPUS")
     device_memory_gib: float | None = bounded(None, gt=0)
-    memory_check: str = one_of("warn", "warn", "error", "off")
+    memory_check: str = one_of("warn", table=MEMORY_CHECKS)
 
     pretrain: str | None = None
     reward_pretrain: str | None = None

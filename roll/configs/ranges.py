@@ -10,15 +10,17 @@ check, the error message and the docs never hold a copy::
         lr_scheduler_type: str = one_of("constant", table="roll.utils.lr_schedule:DECAYS")
 
 ``check_fields(obj, path)`` (called by the loader for every dataclass it builds) raises one
-``ConfigError`` for the first value out of its range; floats must also be finite. For a dict or
-list field the bound applies to each item. ``python -m roll.configs.ranges`` prints every range
-as the markdown table in docs/config_checks.md (``--update docs/config_checks.md`` rewrites it there).
+``ConfigError`` for the first value out of its range or outside its inline names; floats must also
+be finite. For a dict or list field the bound applies to each item. Names read from a ``table``
+live above configs/ (the algorithms, the models), so the loader does not import them: the
+pre-launch step resolves every table and checks those values (roll.launch.named_values).
+``python -m roll.launch.range_table`` prints every range as the markdown table in
+docs/config_checks.md (``--update docs/config_checks.md`` rewrites it there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import types
 import typing
@@ -88,21 +90,23 @@ class Bounds:
 class Choices:
     """Named values: an inline tuple, or ``table`` = ``"module:NAME"`` of the dict (its keys) or
     tuple that implements them. ``refused`` = ``"module:NAME"`` of a dict name -> reason, for
-    names users try that are known not to work."""
+    names users try that are known not to work. Tables are resolved by the pre-launch step
+    (roll.launch.named_values), never here: configs/ imports nothing above it."""
 
     values: tuple[Any, ...] = ()
     table: str | None = None
     refused: str | None = None
 
-    def allowed(self) -> list[Any]:
-        return list(_load(self.table)) if self.table else list(self.values)
-
-    def violation(self, value: Any) -> str | None:
-        allowed = self.allowed()
+    def violation(
+        self, value: Any, allowed: list[Any] | None = None, reasons: Mapping[str, str] | None = None
+    ) -> str | None:
+        """Why ``value`` is not one of ``allowed`` (default: the inline values), or None;
+        ``reasons`` says why a known-refused name is refused."""
+        allowed = list(self.values) if allowed is None else allowed
+        reasons = reasons or {}
         if value in allowed:
             return None
         names = [a for a in allowed if a is not None]
-        reasons = _load(self.refused) if self.refused else {}
         if isinstance(value, str) and value in reasons:
             return f"{value!r} {reasons[value]}; use one of {names}"
         hint = did_you_mean(value, names) if isinstance(value, str) else ""
@@ -151,7 +155,7 @@ def _check(fields: Any, get: Any, path: str, names_only_str: bool = False) -> No
             continue
         key = join_path(path, f.name)
         choices = f.metadata.get(CHOICES_KEY)
-        if choices is not None and (isinstance(value, str) or not names_only_str):
+        if choices is not None and choices.table is None and (isinstance(value, str) or not names_only_str):
             if problem := choices.violation(value):
                 raise ConfigError(key, problem)
         bounds = f.metadata.get(RANGE_KEY)
@@ -168,26 +172,10 @@ def _check(fields: Any, get: Any, path: str, names_only_str: bool = False) -> No
                 raise ConfigError(key if sub is None else join_path(key, sub), problem)
 
 
-def _load(target: str) -> Any:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _num(x: float | None) -> str:
     if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
         return str(int(x))
     return str(x)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from roll.configs.range_table import markdown, update_doc
-
-    if sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
-        update_doc(sys.argv[2])
-    else:
-        print(markdown(), end="")
 
 
 def strip_optional(tp: Any) -> Any:

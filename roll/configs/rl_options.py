@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from roll.configs.ranges import bounded, one_of
 
-CORRECTION_MODES = ("none", "tis", "mis")
-CORRECTION_LEVELS = ("token", "sequence")
+# Named values come from the table that implements them (see roll.configs.ranges).
+_OFF_POLICY = "roll.pipeline.rlvr.algorithms.off_policy"
 
 
 @dataclass
@@ -48,6 +48,6 @@ class OffPolicyCorrectionConfig:
     weight at ``cap``; ``mis`` masks (weight 0) where it exceeds ``cap``. ``level``: per ``token``, or
     one weight per ``sequence`` from the summed log-ratio."""
 
-    mode: str = one_of("none", *CORRECTION_MODES)
-    level: str = one_of("token", *CORRECTION_LEVELS)
+    mode: str = one_of("none", table=f"{_OFF_POLICY}:CORRECTION_MODES")
+    level: str = one_of("token", table=f"{_OFF_POLICY}:CORRECTION_LEVELS")
     cap: float = bounded(2.0, gt=0)

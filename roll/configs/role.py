@@ -16,6 +16,7 @@ from roll.core.sampling import SamplingParams
 # Named values come from the tables that implement them (see roll.configs.ranges).
 DTYPES = "roll.models.model_options:DTYPES"
 ATTN_IMPLEMENTATIONS = "roll.models.model_options:ATTN_IMPLEMENTATIONS"
+MODEL_TYPES = "roll.models.model_options:MODEL_TYPES"
 LR_SCHEDULES = "roll.utils.lr_schedule:DECAYS"
 
 
@@ -24,7 +25,7 @@ class ModelArgs:
     model_name_or_path: str | None = None
     dtype: str = one_of("bf16", table=DTYPES)
     # None: causal LM. "value" (alias "trl"): a causal LM body with a scalar value head (critic).
-    model_type: str | None = one_of(None, None, "value", "trl")
+    model_type: str | None = one_of(None, table=MODEL_TYPES)
     disable_gradient_checkpointing: bool = False
     # "sdpa", "eager", "flash_attention_2"; ROLL's "fa2" is accepted as flash_attention_2.
     attn_implementation: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
@@ -33,7 +34,7 @@ class ModelArgs:
 
     @property
     def is_value_model(self) -> bool:
-        return self.model_type in ("value", "trl")
+        return self.model_type is not None  # every named type is a value model (MODEL_TYPES)
 
 
 @dataclass
@@ -44,7 +45,6 @@ class TrainingArgs:
     gradient_accumulation_steps: int = bounded(1, ge=1)
     warmup_steps: int = bounded(0, ge=0)
     warmup_ratio: float = bounded(0.0, ge=0, le=1)
-    num_train_epochs: int = bounded(1, ge=1)
     lr_scheduler_type: str = one_of("constant", table=LR_SCHEDULES)
     min_lr_ratio: float = bounded(0.0, ge=0, le=1)
     adam_beta1: float = bounded(0.9, ge=0, lt=1)
@@ -98,16 +98,15 @@ class DataArgs:
     ground_truth: str = "ground_truth"
     tag: str = "tag"
     domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
-    interleave_probs: str | None = None
-    preprocessing_num_workers: int = bounded(1, ge=1)
     max_samples: int | None = bounded(None, ge=1)
 
 
 @dataclass
 class StrategyArgs:
     strategy_name: str
-    # Checked against the strategy's own dataclass by roll.configs.validate, which stores the
-    # typed result in ``config`` (e.g. a MegatronConfig).
+    # Parsed by the loader into the strategy's own dataclass (roll.configs.strategy_configs
+    # STRATEGY_CONFIGS), kept in ``config`` (e.g. a MegatronConfig); roles built in code may set
+    # ``config`` themselves.
     strategy_config: dict[str, Any] | None = None
     config: Any = field(default=None, init=False, repr=False, compare=False)
 

@@ -65,6 +65,26 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.strategy_args.strategy_config.use_batched_model_update": Unsupported(
         "remove it; roll sends weights in model_update_buffer_size_mb buckets"
     ),
+    "*.data_args.interleave_probs": Unsupported(
+        "remove it; roll reads every prompt file with the same weight (weight tags with "
+        "actor_train.data_args.domain_interleave_probs)",
+        (None, 1, 1.0, "1", "1.0"),
+    ),
+    "checkpoint_config.type": Unsupported(
+        "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
+        (None, "file_system"),
+    ),
+}
+
+_PREPROCESS = "roll reads and tokenizes the prompt files once, on the driver"
+_EPOCHS = "an RLVR run lasts max_steps steps (ppo_epochs passes over each step's samples)"
+# ROLL keys for things roll does its own way whatever the value: dropped, each with a note saying how.
+DROPPED: dict[str, str] = {
+    "logging_dir": "roll writes run.log and metrics.jsonl under output_dir (TensorBoard: tracker_kwargs.log_dir)",
+    "*.data_args.preprocessing_num_workers": _PREPROCESS,
+    "rewards.*.data_args.preprocessing_num_workers": _PREPROCESS,
+    "*.training_args.num_train_epochs": _EPOCHS,
+    "rewards.*.training_args.num_train_epochs": _EPOCHS,
 }
 
 # ROLL reward worker class name -> roll reward_fn. Classes not listed are refused.
@@ -118,7 +138,11 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
 def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
     for key in list(node):
         at = f"{path}.{key}" if path else str(key)
-        rule = _match(at)
+        note = _match(at, DROPPED)
+        if note is not None:
+            notes.append(f"{at}: {node.pop(key)!r} dropped; {note}")
+            continue
+        rule = _match(at, UNSUPPORTED)
         if rule is not None:
             value = node.pop(key)
             if _accepted(value, rule.accepted):
@@ -135,8 +159,8 @@ def _accepted(value: Any, accepted: tuple[Any, ...]) -> bool:
     return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted)
 
 
-def _match(path: str) -> Unsupported | None:
-    for pattern, rule in UNSUPPORTED.items():
+def _match(path: str, table: dict[str, Any]) -> Any:
+    for pattern, rule in table.items():
         if path == pattern or ("*" in pattern and fnmatch.fnmatchcase(path, pattern)):
             if pattern.count(".") == path.count("."):
                 return rule

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from roll.configs.errors import ConfigError
-from roll.configs.pipeline_config import MAX_SEED, CheckpointConfig
+from roll.configs.pipeline_config import DEVICES, MAX_SEED, TRACKERS, CheckpointConfig
 from roll.configs.ranges import bounded, one_of
 from roll.configs.role import RoleConfig
 from roll.configs.timeouts import WorkerTimeoutsConfig
@@ -61,12 +60,13 @@ class SFTPipelineConfig:
     output_dir: str = "./output"
     overwrite_output_dir: bool = False
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
-    track_with: str = one_of("tensorboard", "tensorboard", "wandb", "none")
+    track_with: str = one_of("tensorboard", table=TRACKERS)
     tracker_kwargs: dict[str, Any] = field(default_factory=dict)
     system_envs: dict[str, str] = field(default_factory=dict)
     num_gpus_per_node: int = bounded(8, ge=1)
     num_nodes: int | None = bounded(None, ge=1)
-    device: str = one_of("auto", "auto", "cpu", "cuda")
+    device: str = one_of("auto", table=DEVICES)
+    # The model of actor_train when its model_args.model_name_or_path is unset.
     pretrain: str | None = None
 
     max_steps: int = bounded(100, ge=1)
@@ -77,8 +77,8 @@ class SFTPipelineConfig:
     # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
     worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
-    # What the shared helpers (placement, checkpoints, LR schedule) read off an RLVR config: no
-    # critic, and one optimizer step per pipeline step (samples // mini-batch = 0 counts as 1).
+    # What the shared helpers (placement, checkpoints) read off an RLVR config: no critic, one
+    # sample per prompt. The LR schedule's length is max_steps (the SFT run hands it to the worker).
     critic = None
     ppo_epochs = 1
     num_return_sequences_in_group = 1
@@ -88,38 +88,10 @@ class SFTPipelineConfig:
         return {"actor_train": self.actor_train}
 
 
-def validate_sft_config(config: SFTPipelineConfig, check_files: bool = True) -> None:
-    """Role and strategy (as the RLVR checks do), placement, the tracker and (``check_files``)
-    the data files."""
-    from roll.configs.validate import _check_devices_exist, _check_role, _check_tracker
-    from roll.distributed.scheduler.placement import plan_placement
-
-    _check_role("actor_train", config.actor_train, config)
-    _check_devices_exist(config, plan_placement(config))
-    _check_tracker(config)
-    if not config.data.train_files:
-        raise ConfigError("data.train_files", "is required: JSONL files of chat rows")
-    if not check_files:
-        return
-    for key in ("train_files", "val_files"):
-        for i, name in enumerate(getattr(config.data, key)):
-            if not Path(name).is_file():
-                raise ConfigError(f"data.{key}.{i}", f"{name}: no such file")
-    gen = config.generation_eval
-    if gen is not None and (not gen.file_name or not Path(gen.file_name).is_file()):
-        raise ConfigError("generation_eval.file_name", f"{gen.file_name}: no such file")
-    from roll.configs.preflight import check_model_dir
-
-    check_model_dir(
-        config.actor_train.model_args.model_name_or_path, "actor_train.model_args.model_name_or_path"
-    )
-
-
-def load_sft_config(
-    path: str | Path, overrides: list[str] | None = None, check_files: bool = True
-) -> SFTPipelineConfig:
-    """Read, override, interpolate, build and validate an SFT config file (``check_files=False``:
-    without looking for the data files, as ``--dry_run`` plans a cluster's run elsewhere)."""
+def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTPipelineConfig:
+    """Read, override, interpolate and build an SFT config file (keys, types, ranges). The checks
+    that need the strategy registry, placement or the files run before launch
+    (roll.launch.checks.check_sft_config)."""
     from roll.configs.loader import (
         IGNORED_TOP_LEVEL,
         apply_overrides,
@@ -134,6 +106,17 @@ def load_sft_config(
             print(
                 f"roll: ignoring the '{key}' block of {path} (Hydra settings are not used)", file=sys.stderr
             )
-    config = build_dataclass(SFTPipelineConfig, interpolate(apply_overrides(raw, overrides or [])))
-    validate_sft_config(config, check_files)
-    return config
+    data = interpolate(apply_overrides(raw, overrides or []))
+    fill_model_path(data)
+    return build_dataclass(SFTPipelineConfig, data)
+
+
+def fill_model_path(data: dict[str, Any]) -> None:
+    """``pretrain`` is the model of ``actor_train`` unless its model_name_or_path is set."""
+    role = data.get("actor_train")
+    if data.get("pretrain") is None or not isinstance(role, dict):
+        return
+    model_args = role.get("model_args") or {}
+    role["model_args"] = model_args
+    if model_args.get("model_name_or_path") is None:
+        model_args["model_name_or_path"] = data["pretrain"]

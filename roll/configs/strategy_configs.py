@@ -1,6 +1,6 @@
 """Typed ``strategy_config`` for each strategy, loaded strictly like the rest of the config.
 
-These classes import nothing heavy, so configs validate (and ``--dry_run`` plans) on machines
+These classes import nothing heavy, so configs load (and ``--dry_run`` plans) on machines
 where megatron-core, vLLM or SGLang are not installed.
 """
 
@@ -19,8 +19,8 @@ C = TypeVar("C")
 
 
 def typed_strategy_config(role_config: RoleConfig, config_cls: type[C]) -> C:
-    """The role's typed ``strategy_config``: the one validation stored, else built strictly here
-    (strategies constructed directly, e.g. in tests)."""
+    """The role's typed ``strategy_config``: the one the loader parsed (or a caller set), else built
+    strictly here (roles constructed in code, e.g. in tests)."""
     from roll.configs.loader import build_dataclass
 
     args = role_config.strategy_args
@@ -29,6 +29,15 @@ def typed_strategy_config(role_config: RoleConfig, config_cls: type[C]) -> C:
     return build_dataclass(
         config_cls, (args.strategy_config if args else None) or {}, "strategy_args.strategy_config"
     )
+
+
+def strategy_config_of(role_config: RoleConfig) -> Any:
+    """The role's typed ``strategy_config`` whatever its strategy (None for a role without one, or
+    with a strategy name that has no options class)."""
+    args = role_config.strategy_args
+    if args is None or args.strategy_name not in STRATEGY_CONFIGS:
+        return None
+    return typed_strategy_config(role_config, STRATEGY_CONFIGS[args.strategy_name])
 
 
 @dataclass(frozen=True)
@@ -68,9 +77,6 @@ class HFInferConfig(_DataParallelOnly):
     offload_to_cpu: bool = True
 
 
-PACKING_ATTENTION = ("sdpa", "flex")
-
-
 @dataclass
 class PackingOptions:
     """Sequence packing and token-budget micro-batches of a training strategy (docs/packing.md).
@@ -99,7 +105,7 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
 
     reshard_after_forward: bool = True
     # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
-    sharding: str = one_of("full_shard", "full_shard", "no_shard")
+    sharding: str = one_of("full_shard", table="roll.distributed.strategy.fsdp2_strategy:SHARDINGS")
     mixed_precision: bool = True
     cpu_offload: bool = False
 
@@ -155,7 +161,7 @@ class MegatronConfig(PackingOptions):
     # Attention kernel for the plain-torch layer spec: "sdpa" or "local" (megatron-core's unfused one).
     attention_backend: str = one_of("sdpa", "sdpa", "local")
     # Attention over packed rows (roll.models.packed_attention): "sdpa" (per sequence) or "flex".
-    packing_attention: str = one_of("sdpa", *PACKING_ATTENTION)
+    packing_attention: str = one_of("sdpa", table="roll.models.packed_attention:PACKED_ATTENTION_KINDS")
     # Passed through to megatron-core's TransformerConfig untouched (advanced use).
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -225,14 +231,18 @@ class MegatronConfig(PackingOptions):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(f"{path}.overlap_param_gather", "needs use_distributed_optimizer: true")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        full = self.recompute_granularity == "full"
+        if full and self.recompute_method is None and self.recompute_num_layers is None:
+            # megatron-core asserts without both; ROLL (mcore_adapter) defaults to recomputing
+            # every layer, i.e. uniform chunks of one layer. Parsed here, so every reader sees it.
+            self.recompute_method, self.recompute_num_layers = "uniform", 1
+
     def _validate_recompute(self, path: str) -> None:
         """Full recompute needs a method and a layer count (megatron-core asserts at model build,
         on every rank); selective recompute takes neither."""
         if self.recompute_granularity == "full":
-            if self.recompute_method is None and self.recompute_num_layers is None:
-                # megatron-core asserts without both; ROLL (mcore_adapter) defaults to recomputing
-                # every layer, i.e. uniform chunks of one layer.
-                self.recompute_method, self.recompute_num_layers = "uniform", 1
             if self.recompute_method is None:
                 raise ConfigError(
                     f"{path}.recompute_method",
@@ -315,3 +325,15 @@ class SGLangConfig(_EngineTensorParallel):
 def _check_engine_tp(tp: int, num_devices: int, path: str) -> None:
     if num_devices % tp:
         raise ConfigError(path, f"{tp} does not divide the role's {num_devices} devices")
+
+
+# ``strategy_name`` -> its options class: the loader types ``strategy_config`` by it. Every name
+# has a row in roll.distributed.strategy.registry (the implementation; a test keeps them equal).
+STRATEGY_CONFIGS: dict[str, type] = {
+    "hf_infer": HFInferConfig,
+    "fsdp2_train": FSDP2Config,
+    "megatron_train": MegatronConfig,
+    "megatron_infer": MegatronConfig,
+    "vllm": VLLMConfig,
+    "sglang": SGLangConfig,
+}

@@ -17,8 +17,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from roll.configs.errors import ConfigError
-from roll.configs.preflight import check_model_dir
 from roll.configs.role import ModelArgs
+from roll.models.model_dir import check_model_dir
 from roll.models.model_options import ATTN_IMPLEMENTATIONS, DTYPES
 from roll.models.value_model import ValueModel
 

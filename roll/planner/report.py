@@ -129,6 +129,10 @@ def overflow_warning(group: DeviceGroup, capacity: int, source: str) -> str | No
     )
 
 
+# ``memory_check``: what a device predicted not to fit does.
+MEMORY_CHECKS = ("warn", "error", "off")
+
+
 def memory_report(config: RLVRConfig, plan: PlacementPlan) -> MemoryReport:
     """The plan for ``--dry_run`` and launch; with ``memory_check: error`` an overflow is a ConfigError."""
     if config.device == "cpu" or config.memory_check == "off":

@@ -14,6 +14,7 @@ from typing import Any
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import strategy_config_of
 from roll.distributed.scheduler.placement import RolePlan
 from roll.planner import memory as mem
 from roll.planner.model_shape import ModelShape
@@ -107,7 +108,7 @@ def role_memory(
 ) -> RoleMemory:
     """The prediction for one rank of ``name`` (strategies without a formula raise KeyError)."""
     strategy = role.strategy_args.strategy_name if role.strategy_args else "hf_infer"
-    cfg = role.strategy_args.config if role.strategy_args else None
+    cfg = strategy_config_of(role)
     work = workload(config, role, plan.parallel.dp)
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
     inputs = RoleInputs(name, role, cfg, config, plan, shape, work, dtype, capacity)

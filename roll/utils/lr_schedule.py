@@ -72,17 +72,14 @@ def build_lr_lambda(args: TrainingArgs, total_steps: int | None) -> Callable[[in
     return lr_lambda
 
 
-def optimizer_steps_per_pipeline_step(pipeline: RLVRConfig, args: TrainingArgs, dp_size: int) -> int:
-    """How many optimizer steps one RLVR step takes: ppo_epochs x mini-batches, where a mini-batch
-    is per_device_train_batch_size x gradient_accumulation_steps x dp_size samples of the
-    rollout_batch_size x num_return_sequences_in_group samples of a step."""
-    samples = pipeline.rollout_batch_size * pipeline.num_return_sequences_in_group
+def total_optimizer_steps(run: RLVRConfig, args: TrainingArgs, dp_size: int) -> int:
+    """The LR schedule length of a training role: max_steps x ppo_epochs x mini-batches per step,
+    where a mini-batch is per_device_train_batch_size x gradient_accumulation_steps x dp_size of the
+    rollout_batch_size x num_return_sequences_in_group samples of a step (at least one). The driver
+    computes it once per role and hands it to the workers (``WorkerContext.total_optimizer_steps``).
+
+    >>> total_optimizer_steps(config, config.actor_train.training_args, dp_size=2)
+    """
+    samples = run.rollout_batch_size * run.num_return_sequences_in_group
     mini_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
-    return pipeline.ppo_epochs * max(1, samples // mini_batch)
-
-
-def total_optimizer_steps(pipeline: RLVRConfig | None, args: TrainingArgs, dp_size: int) -> int | None:
-    """max_steps x optimizer steps per RLVR step; None without a pipeline config."""
-    if pipeline is None:
-        return None
-    return pipeline.max_steps * optimizer_steps_per_pipeline_step(pipeline, args, dp_size)
+    return run.max_steps * run.ppo_epochs * max(1, samples // mini_batch)

@@ -23,6 +23,9 @@ from roll.utils.atomic_io import append_line_durably, disk_full_as, write_file_d
 
 logger = logging.getLogger("roll")
 
+# ``track_with`` -> the package it needs (None: metrics.jsonl only, which is always written).
+TRACKERS: dict[str, str | None] = {"tensorboard": "tensorboard", "wandb": "wandb", "none": None}
+
 CONSOLE_KEYS = (
     "critic/score/mean",
     "val/score/mean",

@@ -47,6 +47,7 @@ from two_rank_training import pg_batch, pg_loss, run_two_ranks, train_strategy  
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
 from roll.models.megatron import convert, families  # noqa: E402
+from roll.utils.ports import free_port  # noqa: E402
 
 YARN = {
     "rope_type": "yarn",
@@ -201,7 +202,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_logits_match_transformers_and_weights_round_trip(world_size, checkpoints, tmp_path) -> None:
-    args = (world_size, conv._free_port(), checkpoints, CASES[world_size], str(tmp_path))
+    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path))
     mp.spawn(_parity_worker, args=args, nprocs=world_size, join=True)
 
 
@@ -432,12 +433,12 @@ def test_recipe_plans_and_fits_deepseek_v3(capsys) -> None:
     """The 512-GPU recipe (TP1 x PP16 x EP32, stages of 3 / 14 x 4 / 2 layers) passes --dry_run and
     fits DeepSeek-V3's published shape (transformers' DeepseekV3Config defaults)."""
     from roll.configs.sft_config import load_sft_config
-    from roll.pipeline.sft.launcher import main
+    from roll.launch.sft import main
 
     repo = Path(__file__).resolve().parents[2]
     assert main(["--config_name", RECIPE, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
     assert "megatron_train" in capsys.readouterr().out
-    config = load_sft_config(repo / "examples/config" / f"{RECIPE}.yaml", check_files=False)
+    config = load_sft_config(repo / "examples/config" / f"{RECIPE}.yaml")
     families.check_model_fits(transformers.DeepseekV3Config(), config.actor_train.strategy_args.config)
 
 

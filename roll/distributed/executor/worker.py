@@ -80,7 +80,8 @@ class Worker:
             local_rank=int(os.environ["LOCAL_RANK"]),
             device=self._pick_device(),
             seed=seed,
-            pipeline=pipeline_config,
+            # An RLVR run pads generations to its response_length; an SFT run has none.
+            response_length=getattr(pipeline_config, "response_length", None),
         )
         random.seed(seed + rank)
         np.random.seed((seed + rank) % 2**32)

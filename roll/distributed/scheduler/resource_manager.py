@@ -58,10 +58,14 @@ class DeviceSlot:
     num_cpus: int
 
 
+# ``device``: "auto" picks CUDA when the driver sees it.
+DEVICES = ("auto", "cuda", "cpu")
+
+
 def resolve_device(device: str) -> str:
     """ "auto" -> "cuda" when this machine has CUDA, else "cpu"; "cuda"/"cpu" stay."""
-    if device not in ("auto", "cuda", "cpu"):
-        raise ConfigError("device", f"expected 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device not in DEVICES:
+        raise ConfigError("device", f"expected one of {list(DEVICES)}, got {device!r}")
     if device == "auto":
         import torch  # here, so the bundle probe (which imports this module) does not load torch
 

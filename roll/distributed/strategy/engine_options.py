@@ -3,7 +3,10 @@
 * the engine's constructor arguments from ``strategy_config`` + ``model_args``, each remembering
   the config key it came from, checked against the option names of the installed engine
   (``dataclasses.fields(vllm.EngineArgs)`` / SGLang's ``ServerArgs``): an unknown option is a
-  ConfigError naming ``<role>.strategy_args.strategy_config.<key>`` with a did-you-mean;
+  ConfigError naming ``<role>.strategy_args.strategy_config.<key>`` with a did-you-mean. The
+  pre-launch step builds and checks the same options where the driver imports the engine
+  (roll.launch.roles); the worker checks again because only its process is sure to have the
+  engine that runs;
 * importing the engine with a ConfigError that names the pip extra when it is missing;
 * small shared helpers (typed config, response width).
 

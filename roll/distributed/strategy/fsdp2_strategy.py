@@ -24,9 +24,8 @@ Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models
 re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
 gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
 
-LR schedule: ``roll.utils.lr_schedule``; its total step count is max_steps x ppo_epochs x
-mini-batches per step (``total_optimizer_steps``) when the pipeline config is known, or whatever
-``set_total_steps`` sets (needed for linear/cosine schedules without a pipeline config).
+LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
+driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
 from roll.core.batch import Batch
@@ -57,10 +55,12 @@ from roll.models.logprobs import batch_temperature, response_log_probs, transfor
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
-from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
 
 TRAINER_STATE = "trainer_state.json"
+# ``strategy_config.sharding``: shard across all ranks, or full replicas (DDP-like); see _build_mesh.
+SHARDINGS = ("full_shard", "no_shard")
 
 
 class FSDP2TrainStrategy:
@@ -75,17 +75,12 @@ class FSDP2TrainStrategy:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.step = 0
         self.total_steps: int | None = None
-        # Set while a linear/cosine schedule still lacks its length (see set_total_steps).
+        # Set while a linear/cosine schedule lacks its length (ctx.total_optimizer_steps is None).
         self._schedule_error: str | None = None
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
         """Process group, model (``roll.models.loading``), FSDP2 sharding, AdamW and LR schedule."""
-        if self.config.sequence_packing and not transformers_detects_packing():
-            raise ConfigError(
-                "strategy_args.strategy_config.sequence_packing",
-                "this transformers version cannot confine attention to packed sequences; set it false",
-            )
         if self.ctx.is_cuda:
             torch.cuda.set_device(self.ctx.device)
         init_default_group(
@@ -110,10 +105,9 @@ class FSDP2TrainStrategy:
             weight_decay=args.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
-        total = total_optimizer_steps(self.ctx.pipeline, args, self.ctx.world_size)
         try:
-            self.set_total_steps(total)
-        except ValueError as exc:  # linear/cosine without a known length: set_total_steps must follow
+            self._set_schedule_length(self.ctx.total_optimizer_steps)
+        except ValueError as exc:  # linear/cosine without a length: reported by the first train_step
             self._schedule_error = str(exc)
 
     def _build_mesh(self) -> DeviceMesh:
@@ -141,7 +135,7 @@ class FSDP2TrainStrategy:
         fully_shard(model, **kwargs)
         return model
 
-    def set_total_steps(self, total_steps: int | None) -> None:
+    def _set_schedule_length(self, total_steps: int | None) -> None:
         """Rebuild the LR schedule for ``total_steps`` optimizer steps, keeping the step count."""
         lr_lambda = build_lr_lambda(self.role_config.training_args, total_steps)
         self.total_steps = total_steps
@@ -186,7 +180,7 @@ class FSDP2TrainStrategy:
         norm skips the update (``skipped`` = 1).
         """
         if self._schedule_error:
-            raise ValueError(f"{self._schedule_error}; call set_total_steps(n) before training")
+            raise ValueError(f"{self._schedule_error}; set WorkerContext.total_optimizer_steps")
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
@@ -373,7 +367,7 @@ class FSDP2TrainStrategy:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = trainer["step"]
         if trainer["total_steps"] is not None:
-            self.set_total_steps(trainer["total_steps"])
+            self._set_schedule_length(trainer["total_steps"])
         dist.barrier()
 
 

@@ -127,7 +127,7 @@ def _pad_responses(
 
 def response_width(ctx: WorkerContext, params: SamplingParams) -> int:
     """R of the generation Batch: the run's ``response_length`` (``max_new_tokens`` without a run)."""
-    return ctx.pipeline.response_length if ctx.pipeline is not None else params.max_new_tokens
+    return ctx.response_length if ctx.response_length is not None else params.max_new_tokens
 
 
 def capped(params: SamplingParams, max_new_tokens: int) -> SamplingParams:

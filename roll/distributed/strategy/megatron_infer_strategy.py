@@ -19,7 +19,6 @@ from collections.abc import Iterator
 
 import torch
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
@@ -36,7 +35,6 @@ from roll.models.megatron.forward import shape_sync_group
 from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
 from roll.models.megatron.runtime import (
     build_chunks,
-    check_policy_model,
     forward_log_probs,
     megatron_config,
     move_params,
@@ -59,7 +57,6 @@ class MegatronInferStrategy:
     def initialize(self) -> None:
         from roll.models.loading import load_tokenizer
 
-        check_policy_model(self.role_config, "megatron_infer")
         self.hf_config, self.chunks = build_chunks(self.role_config, self.ctx, self.config)
         for chunk in self.chunks:
             chunk.eval()
@@ -80,11 +77,6 @@ class MegatronInferStrategy:
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
         prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
-        if self.config.context_parallel_size > 1:
-            raise ConfigError(
-                "strategy_args.strategy_config.context_parallel_size",
-                "megatron_infer generates without context parallelism; use CP for log-prob passes only",
-            )
         self._ensure_loaded()
         width = response_width(self.ctx, params)
         params = capped(params, width)

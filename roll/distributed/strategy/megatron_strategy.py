@@ -49,12 +49,11 @@ from roll.models.megatron.offload import StateOffloader
 from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
-    check_policy_model,
     forward_log_probs,
     megatron_config,
 )
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
-from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
+from roll.utils.lr_schedule import build_lr_lambda
 
 
 class MegatronTrainStrategy:
@@ -70,13 +69,17 @@ class MegatronTrainStrategy:
         self.offloader: StateOffloader | None = None
         self.step_count = 0
         self._loader = None  # NamedTensorLoader of the model update in progress
-        self._lr_lambda = build_lr_lambda(role_config.training_args, None) if _constant(role_config) else None
+        # LR factor per optimizer step, over the schedule length the driver computed; None (a
+        # linear/cosine schedule without a length): the learning rate stays constant.
+        total = ctx.total_optimizer_steps
+        self._lr_lambda = (
+            build_lr_lambda(role_config.training_args, total) if total or _constant(role_config) else None
+        )
 
     # ------------------------------------------------------------------------------------- setup
     def initialize(self, hf_config: Any = None) -> None:
         """Parallel state, model (HF weights of ``model_name_or_path``; random weights of
         ``hf_config``'s architecture when given, for benchmarks), DDP, optimizer."""
-        check_policy_model(self.role_config, "megatron_train")
         self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
         if self.config.freeze_moe_router:
             freeze_routers(chunks)
@@ -84,16 +87,6 @@ class MegatronTrainStrategy:
         self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
         _configure_schedule(self.model)
         self.offloader = StateOffloader(self.model, self.optimizer)
-        dp_size = parallel.dp_layout()[1]
-        self.set_total_steps(
-            total_optimizer_steps(self.ctx.pipeline, self.role_config.training_args, dp_size)
-        )
-
-    def set_total_steps(self, total_steps: int | None) -> None:
-        """The number of optimizer steps of the run (for warmup ratio and LR decay)."""
-        args = self.role_config.training_args
-        if total_steps or _constant(self.role_config):
-            self._lr_lambda = build_lr_lambda(args, total_steps)
 
     def dp_layout(self) -> tuple[int, int, bool]:
         return parallel.dp_layout()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from roll.configs.errors import ConfigError, did_you_mean
-from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, SGLangConfig, VLLMConfig
+from roll.configs.strategy_configs import STRATEGY_CONFIGS
 from roll.distributed.strategy.base import (
     OPTIONAL_PROTOCOLS,
     BroadcastBucketEngine,
@@ -40,7 +40,6 @@ class StrategySpec:
     name: str
     # "module:ClassName", imported lazily.
     target: str
-    config_cls: type
     side: Literal["train", "infer"]
     # pip extra that provides the engine, named in the error when the import fails.
     extra: str | None = None
@@ -64,6 +63,11 @@ class StrategySpec:
     def required_protocols(self) -> tuple[type, ...]:
         return (TrainStrategy if self.side == "train" else InferenceStrategy, *self.protocols)
 
+    @property
+    def config_cls(self) -> type:
+        """The options class of ``strategy_config``, which the loader parses (STRATEGY_CONFIGS)."""
+        return STRATEGY_CONFIGS[self.name]
+
     def implements(self, protocol: type) -> bool:
         """Whether the row declares ``protocol`` (or a Protocol that extends it), e.g.
         ``implements(ValueModelStrategy)`` for a critic; true of the class once it is loaded."""
@@ -77,21 +81,18 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "hf_infer",
             f"{_S}.hf_strategy:HFInferStrategy",
-            HFInferConfig,
             "infer",
             protocols=(ValueModelStrategy, HFWeightSource),
         ),
         StrategySpec(
             "fsdp2_train",
             f"{_S}.fsdp2_strategy:FSDP2TrainStrategy",
-            FSDP2Config,
             "train",
             protocols=(ValueModelStrategy,),
         ),
         StrategySpec(
             "megatron_train",
             f"{_S}.megatron_strategy:MegatronTrainStrategy",
-            MegatronConfig,
             "train",
             extra="megatron",
             requires=("megatron.core",),
@@ -101,7 +102,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "megatron_infer",
             f"{_S}.megatron_infer_strategy:MegatronInferStrategy",
-            MegatronConfig,
             "infer",
             extra="megatron",
             requires=("megatron.core",),
@@ -110,7 +110,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "vllm",
             f"{_S}.vllm_strategy:VLLMStrategy",
-            VLLMConfig,
             "infer",
             extra="vllm",
             requires=("vllm",),
@@ -121,7 +120,6 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec(
             "sglang",
             f"{_S}.sglang_strategy:SGLangStrategy",
-            SGLangConfig,
             "infer",
             extra="sglang",
             requires=("sglang",),

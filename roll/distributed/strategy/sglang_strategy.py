@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
 from roll.core.batch import Batch
@@ -89,10 +88,11 @@ class SGLangStrategy:
     def initialize(self) -> None:
         """Start ``sglang.Engine`` after checking every option against the installed ``ServerArgs``."""
         role = self.ctx.role
-        _check_role_fits(self.config, role)
         sglang = import_engine("sglang", role, "sglang")
         server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
         options = sglang_engine_options(self.config, self.role_config, role, self.ctx.seed + self.ctx.rank)
+        # Also checked before launch where the driver imports SGLang (roll.launch.roles); here for
+        # drivers without it: only this process is sure to have the engine that will run.
         options.check(dataclass_field_names(server_args), "SGLang", "sglang")
         self.engine = sglang.Engine(**options.kwargs)
         margs = self.role_config.model_args
@@ -316,11 +316,3 @@ def _ok(result: Any, call: str) -> None:
         raise RuntimeError(f"SGLang {call} failed: {result[1] if len(result) > 1 else ''}")
     if getattr(result, "success", True) is False:
         raise RuntimeError(f"SGLang {call} failed: {getattr(result, 'message', '')}")
-
-
-def _check_role_fits(config: SGLangConfig, role: str) -> None:
-    if role != "actor_infer" and config.load_format == "dummy":
-        raise ConfigError(
-            f"{role}.strategy_args.strategy_config.load_format",
-            f"'dummy' gives random weights and only actor_infer gets model updates; {role} needs real ones",
-        )

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import VLLMConfig, typed_strategy_config
 from roll.core.batch import Batch
@@ -70,7 +69,6 @@ from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
     response_width,
-    sampling_temperature,
 )
 from roll.models.loading import load_tokenizer
 
@@ -100,7 +98,6 @@ class VLLMStrategy:
     def initialize(self) -> None:
         """Start ``vllm.LLM`` after checking every option against the installed ``vllm.EngineArgs``."""
         role = self.ctx.role
-        check_role_fits(self.config, role, self.ctx)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
         # TP>1 worker processes must not be forked from a process that has touched CUDA (a TP=2 test
         # on 2 x H200 failed so: "WorkerProc initialization failed").
@@ -109,6 +106,8 @@ class VLLMStrategy:
         options = vllm_engine_options(
             self.config, self.role_config, role, self.ctx.seed + self.ctx.rank, EXTENSION
         )
+        # Also checked before launch where the driver imports vLLM (roll.launch.roles); here for
+        # drivers without it: only this process is sure to have the engine that will run.
         options.check(dataclass_field_names(self._vllm.EngineArgs), "vLLM", "vllm")
         self.llm = self._vllm.LLM(**options.kwargs)
         margs = self.role_config.model_args
@@ -343,26 +342,3 @@ def _agreed(results: list[Any]) -> Any:
     if any(r != results[0] for r in results[1:]):
         raise RuntimeError(f"TP workers disagree on a received bucket: {results}")
     return results[0] if results else None
-
-
-def check_role_fits(config: VLLMConfig, role: str, ctx: WorkerContext) -> None:
-    """Options that only make sense for a role that receives model updates, and scoring limits."""
-    path = f"{role}.strategy_args.strategy_config"
-    if role != "actor_infer":
-        if config.load_format == "dummy":
-            raise ConfigError(
-                f"{path}.load_format",
-                f"'dummy' gives random weights and only actor_infer gets model updates; {role} needs real ones",
-            )
-        if config.sleep_level == 2:
-            raise ConfigError(
-                f"{path}.sleep_level",
-                f"2 discards the weights and only actor_infer gets them back by model update; use 1 for {role}",
-            )
-    if role == "reference" and ctx.pipeline is not None:
-        temperature = sampling_temperature(ctx.pipeline.actor_infer.generating_args.temperature)
-        if temperature != 1.0:
-            raise ConfigError(
-                f"{role}.strategy_args.strategy_name",
-                f"vllm scores with temperature 1 but actor_infer samples at {temperature}; use megatron_infer or hf_infer",
-            )

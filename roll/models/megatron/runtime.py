@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import MegatronConfig, typed_strategy_config
 from roll.core.batch import Batch
@@ -33,16 +32,8 @@ from roll.models.microbatch import invert, split_by_tokens
 
 
 def megatron_config(role_config: RoleConfig) -> MegatronConfig:
-    """The role's typed MegatronConfig (validated by roll.configs.validate, or built here)."""
+    """The role's typed MegatronConfig (parsed by the loader, or built here)."""
     return typed_strategy_config(role_config, MegatronConfig)
-
-
-def check_policy_model(role_config: RoleConfig, strategy: str) -> None:
-    if role_config.model_args.is_value_model:
-        raise ConfigError(
-            "model_args.model_type",
-            f"{strategy} has no value head; run the critic with fsdp2_train (model_type 'value')",
-        )
 
 
 def build_chunks(

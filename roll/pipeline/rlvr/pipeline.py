@@ -1,6 +1,7 @@
 """The RLVR step loop. Read ``run_pipeline`` top to bottom: that is the whole algorithm.
 
 config = load_config("examples/config/rlvr_config.yaml")
+check_before_launch(config)   # roll.launch.checks: what the launcher checks before any worker starts
 run_pipeline(config)
 """
 

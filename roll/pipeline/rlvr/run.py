@@ -134,15 +134,6 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     return sampler, val
 
 
-def total_optimizer_steps(config: RLVRConfig, role: str, plan: PlacementPlan) -> int:
-    args = getattr(config, role).training_args
-    samples = config.rollout_batch_size * config.num_return_sequences_in_group
-    per_step = samples // (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * plan.roles[role].parallel.dp
-    )
-    return config.max_steps * config.ppo_epochs * max(per_step, 1)
-
-
 def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
     """The cluster and worker classes of a role: reward roles score, every other role runs a model."""
     from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker

@@ -125,11 +125,14 @@ def _start_workers(run: RLVRRun) -> None:
 
 def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
     """Every rank's ``initialize`` of role ``name``, started (trainers get their optimizer steps)."""
-    from roll.pipeline.rlvr.run import total_optimizer_steps
     from roll.pipeline.workers.model_worker import ModelWorker
     from roll.pipeline.workers.reward_worker import RewardWorker
+    from roll.utils.lr_schedule import total_optimizer_steps
 
     if name.startswith("rewards."):
         return run.clusters[name].async_call(RewardWorker.initialize)
-    steps = total_optimizer_steps(run.config, name, run.plan) if name in ("actor_train", "critic") else None
+    steps = None
+    if name in ("actor_train", "critic"):  # the LR schedule length, computed here once per role
+        dp = run.plan.roles[name].parallel.dp
+        steps = total_optimizer_steps(run.config, getattr(run.config, name).training_args, dp)
     return run.model(name).async_call(ModelWorker.initialize, steps)

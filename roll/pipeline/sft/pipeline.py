@@ -1,6 +1,7 @@
 """The SFT step loop: ``actor_train`` (fsdp2_train or megatron_train) trained on chat data.
 
     config = load_sft_config("examples/config/sft_config.yaml")
+    check_sft_config(config)             # roll.launch.checks, as the launcher does
     run_dir = run_sft_pipeline(config)   # metrics.jsonl, curves, checkpoints/, hf_model/
 
 Each step draws ``per_device_train_batch_size x gradient_accumulation_steps x DP`` conversations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
-from roll.configs.sft_config import SFTDataConfig, SFTPipelineConfig, validate_sft_config
+from roll.configs.sft_config import SFTDataConfig, SFTPipelineConfig
 from roll.pipeline.sft.pipeline import run_sft_pipeline
 
 WARM_START_TRAINING = TrainingArgs(
@@ -36,7 +36,7 @@ def warm_start_config(
         device_mapping=[0],
         system_envs={"OMP_NUM_THREADS": str(threads)},
     )
-    config = SFTPipelineConfig(
+    return SFTPipelineConfig(
         actor_train=role,
         data=SFTDataConfig(train_files=[str(sft_file)], response_key="target", max_length=512),
         exp_name="warm_start",
@@ -49,8 +49,6 @@ def warm_start_config(
         max_steps=steps,
         logging_steps=100,
     )
-    validate_sft_config(config)
-    return config
 
 
 def warm_start(base: Path, sft_file: Path, run_dir: Path, steps: int, seed: int, threads: int) -> Path:

@@ -35,10 +35,11 @@ from roll.utils.rng import rng_state, seed_everything, set_rng_state
 class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def initialize(self, total_optimizer_steps: int | None = None) -> None:
+        """Build and start the strategy; a training role gets its LR schedule length from the
+        driver (``roll.utils.lr_schedule.total_optimizer_steps``)."""
+        self.ctx.total_optimizer_steps = total_optimizer_steps
         self.create_strategy()
         self.strategy.initialize()
-        if total_optimizer_steps and hasattr(self.strategy, "set_total_steps"):
-            self.strategy.set_total_steps(total_optimizer_steps)
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:

@@ -60,7 +60,7 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
 
 
 # Names other frameworks accept that cannot work here, with the reason (the config check before
-# launch names it too: roll.configs.ranges).
+# launch names it too: roll.launch.named_values).
 KL_REFUSED: dict[str, str] = {
     "full": "needs the full vocabulary distributions of policy and reference, which the pipeline "
     "does not keep (only sampled-token log-probs)",

@@ -19,6 +19,9 @@ import torch
 from roll.pipeline.rlvr.algorithms.masked import masked_mean, masked_sum
 
 LOG_RATIO_BOUND = 20.0
+# ``off_policy_correction.mode`` ("none": no weights) and ``.level``, as implemented below.
+CORRECTION_MODES = ("none", "tis", "mis")
+CORRECTION_LEVELS = ("token", "sequence")
 
 
 def importance_weights(

@@ -135,7 +135,7 @@ def check_domain_probs(
 ) -> dict[str, float]:
     """The probabilities, checked: every key is one of the data's ``domains`` or the name of a
     reward role (``role_tags``: name -> tag_included) whose tags have rows, every domain is covered
-    by one key, sum ~1 (also run before launch on the files' tags: roll.configs.preflight)."""
+    by one key, sum ~1 (also run before launch on the files' tags: roll.launch.files)."""
     key_of = interleave_keys(probs, domains, role_tags)
     for key, p in probs.items():
         if key not in key_of.values():

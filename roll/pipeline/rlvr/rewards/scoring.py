@@ -114,7 +114,7 @@ def reward_options(reward_fn: str, path: str = "reward_fn") -> list[str] | None:
 
 def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str = "reward_kwargs") -> None:
     """Raise a ConfigError naming any key of ``reward_kwargs`` the reward function does not accept
-    (run before launch by roll.configs.preflight: a misspelt key would fail every sample)."""
+    (run before launch by roll.launch.files: a misspelt key would fail every sample)."""
     reward_path = path.rsplit(".", 1)[0] + ".reward_fn" if "." in path else "reward_fn"
     accepted = reward_options(reward_fn, reward_path)
     if accepted is None:

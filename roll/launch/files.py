@@ -1,22 +1,30 @@
-"""Checks of what a loaded config points at, run by the launcher before anything starts, for
-``--dry_run`` and a real launch alike: model and tokenizer directories, prompt files, tag routing
-to reward roles, reward-function options, and the checkpoint to resume from.
+"""Checks of what a loaded config points at, run before anything starts, for ``--dry_run`` and a
+real launch alike: model and tokenizer directories, prompt files, tag routing to reward roles,
+reward-function options, and the checkpoint to resume from.
 
-    config = load_config(path, overrides)   # values, ranges, placement (roll.configs.validate)
-    check_before_launch(config)             # the files and functions those values name
+    check_files(config)             # after the checks of the values (roll.launch.checks)
 
-Each failure is one ``ConfigError`` naming the key path. Field ranges are checked earlier, by the
-loader (roll.configs.ranges).
+Each failure is one ``ConfigError`` naming the key path.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig
+from roll.configs.strategy_configs import MegatronConfig, strategy_config_of
+from roll.models.megatron.families import check_model_fits
+from roll.models.model_dir import check_model_dir
+from roll.pipeline.rlvr.checkpoint import resolve_resume
+from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
+from roll.pipeline.rlvr.data.sampler import check_domain_probs
+from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
+from roll.pipeline.rlvr.run import build_tag_routes
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -24,7 +32,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 NO_TOKENIZER_ROLES = ("critic",)
 
 
-def check_before_launch(config: RLVRConfig) -> None:
+def check_files(config: RLVRConfig) -> None:
     """Raise one ConfigError for the first thing the config names that is missing or cannot work."""
     for name, role in config.roles().items():
         if not loads_model(role):
@@ -33,6 +41,7 @@ def check_before_launch(config: RLVRConfig) -> None:
         check_model_dir(role.model_args.model_name_or_path, key)
         if name not in NO_TOKENIZER_ROLES:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
+        check_megatron_layout(name, role)
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args")
     tags = train.copy()
     if config.validation is not None and config.validation.data_args.file_name:
@@ -40,14 +49,10 @@ def check_before_launch(config: RLVRConfig) -> None:
     check_tag_routes(config, tags)
     probs = config.actor_train.data_args.domain_interleave_probs
     if probs:
-        from roll.pipeline.rlvr.data.sampler import check_domain_probs
-
         role_tags = {name: reward.tag_included for name, reward in config.rewards.items()}
         check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs", role_tags)
     check_reward_options(config)
     if config.resume_from_checkpoint not in (False, None, ""):
-        from roll.pipeline.rlvr.checkpoint import resolve_resume
-
         resolve_resume(config)
 
 
@@ -55,26 +60,27 @@ def loads_model(role: RoleConfig) -> bool:
     """Every role but a rule reward (scored by a Python function; its model_args go unused)."""
     if not isinstance(role, RewardConfig):
         return True
-    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
-
     return get_reward_spec(role.reward_fn).kind == "model"
 
 
-def check_model_dir(path: str | None, key: str = "model_args.model_name_or_path") -> str:
-    """``path`` is a Hugging Face model directory (it holds a config.json); returns it."""
-    if not path:
-        raise ConfigError(key, "is not set; point it at a Hugging Face model directory")
-    if not Path(path).is_dir():
-        hint = f"relative paths start at {Path.cwd()}"
-        if _looks_like_hub_name(path):
-            hint = (
-                "roll loads local directories; download it first, e.g. huggingface-cli download "
-                f"{path} --local-dir models/{path.split('/')[-1]}, and point {key} there"
-            )
-        raise ConfigError(key, f"model directory {path!r} does not exist ({hint})")
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(key, f"{path!r} is not a Hugging Face model directory (no config.json there)")
-    return path
+def check_megatron_layout(name: str, role: RoleConfig) -> None:
+    """A megatron role's parallel layout against its model (heads per TP rank, layers per pipeline
+    stage, experts per EP rank), read from config.json as the worker would build it."""
+    cfg = strategy_config_of(role)
+    if not isinstance(cfg, MegatronConfig):
+        return
+    path = Path(role.model_args.model_name_or_path)
+    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+        return  # not a config transformers can read; the worker's model load names it
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
+    try:
+        check_model_fits(hf_config, cfg, f"{name}.strategy_args.strategy_config")
+    except ConfigError as exc:
+        if exc.path.startswith(name):
+            raise
+        raise ConfigError(f"{name}.{exc.path}", exc.message) from None
 
 
 def check_tokenizer_dir(path: str, key: str) -> None:
@@ -87,8 +93,6 @@ def check_tokenizer_dir(path: str, key: str) -> None:
 
 def prompt_tags(data_args: DataArgs, prefix: str) -> Counter[str]:
     """Rows per tag over the good rows of every prompt file (bad rows are reported at load)."""
-    from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
-
     tags: Counter[str] = Counter()
     for path in resolve_files(data_args, prefix):
         tags.update(tag for _, _, tag, _ in read_rows(path, data_args, []))
@@ -102,8 +106,6 @@ def prompt_tags(data_args: DataArgs, prefix: str) -> Counter[str]:
 
 def check_tag_routes(config: RLVRConfig, tags: Counter[str]) -> None:
     """Every reward role's tags occur in the data, and every tag of the data has a reward role."""
-    from roll.pipeline.rlvr.run import build_tag_routes
-
     routes, catch_all = build_tag_routes(config)
     for name, reward in config.rewards.items():
         for i, tag in enumerate(reward.tag_included):
@@ -125,12 +127,5 @@ def check_tag_routes(config: RLVRConfig, tags: Counter[str]) -> None:
 
 def check_reward_options(config: RLVRConfig) -> None:
     """Every ``reward_kwargs`` key is an option of the reward function it is passed to."""
-    from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
-
     for name, reward in config.rewards.items():
         check_reward_kwargs(reward.reward_fn, reward.reward_kwargs, f"rewards.{name}.reward_kwargs")
-
-
-def _looks_like_hub_name(path: str) -> bool:
-    """``org/name`` as on the Hugging Face hub (not ``./x``, ``/x`` or ``a/b/c``)."""
-    return not path.startswith((".", "/", "~")) and path.count("/") == 1

@@ -14,20 +14,21 @@ import sys
 
 from roll.configs.errors import ConfigError, StorageError
 from roll.distributed.scheduler.errors import WorkerError
-from roll.pipeline.rlvr.launcher import config_file, parse_args
+from roll.launch.rlvr import config_file, parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from roll.configs.sft_config import load_sft_config
-        from roll.distributed.scheduler.placement import format_plan, plan_placement
+        from roll.distributed.scheduler.placement import format_plan
+        from roll.launch.checks import check_sft_config
 
-        path = config_file(args.config_path, args.config_name)
-        config = load_sft_config(path, args.overrides, check_files=not args.dry_run)
+        config = load_sft_config(config_file(args.config_path, args.config_name), args.overrides)
+        plan = check_sft_config(config, files=not args.dry_run)
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
-            print(format_plan(plan_placement(config), device_kind=kind))
+            print(format_plan(plan, device_kind=kind))
             return 0
         from roll.pipeline.sft.pipeline import run_sft_pipeline
 

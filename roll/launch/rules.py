@@ -1,107 +1,38 @@
-"""Cross-field checks that run before anything starts. Each failure is one ConfigError."""
+"""Rules across keys of an RLVR run: devices that exist, batch sizes that divide, colocated engines
+that can release their memory, the roles the algorithm needs, asynchronous generation's layout, the
+tracker's package. Each failure is one ``ConfigError`` naming the key.
+
+    plan = plan_placement(config)
+    check_run_rules(config, plan)
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.loader import build_dataclass
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.role import RewardConfig, RoleConfig
-from roll.configs.strategy_configs import PackingOptions
+from roll.configs.strategy_configs import strategy_config_of
+from roll.distributed.scheduler.placement import PlacementPlan
+from roll.launch.roles import TRAIN_ROLES
+from roll.utils.tracking import TRACKERS
 
-TRAIN_ROLES = ("actor_train", "critic")
-# Largest share of a device a vLLM engine may claim next to a training role (see _check_colocation).
+# Largest share of a device a vLLM engine may claim next to a training role (see check_colocation).
 COLOCATED_ENGINE_MEMORY = 0.9
 
 
-def validate_config(config: RLVRConfig) -> None:
-    """Check roles, strategies, placement, batch sizes, colocation and the algorithm's needs."""
-    from roll.distributed.scheduler.placement import plan_placement
-
-    for name, role in config.roles().items():
-        _check_role(name, role, config)
-    plan = plan_placement(config)
-    _check_devices_exist(config, plan)
-    _check_batch_sizes(config, plan)
-    _check_colocation(config, plan)
-    _check_algorithm(config)
-    _check_async(config, plan)
-    _check_tracker(config)
+def check_run_rules(config: RLVRConfig, plan: PlacementPlan) -> None:
+    check_devices_exist(config, plan)
+    check_batch_sizes(config, plan)
+    check_colocation(config, plan)
+    check_algorithm(config)
+    check_async(config, plan)
+    check_tracker(config)
 
 
-def _check_role(name: str, role: RoleConfig, config: RLVRConfig) -> None:
-    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
-
-    is_reward = isinstance(role, RewardConfig)
-    if is_reward:
-        _check_reward(name, role)
-    if role.strategy_args is None:
-        if is_reward and role.device_mapping is None:
-            return
-        raise ConfigError(
-            f"{name}.strategy_args", "is required: set strategy_name (e.g. hf_infer) and strategy_config"
-        )
-    if role.device_mapping is None:
-        raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
-    spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
-    check_engine_version(spec, f"{name}.strategy_args.strategy_name")
-    if name in TRAIN_ROLES and spec.side != "train":
-        raise ConfigError(
-            f"{name}.strategy_args.strategy_name",
-            f"{spec.name!r} cannot train; use fsdp2_train or megatron_train",
-        )
-    if name == "actor_infer" and spec.side != "infer":
-        raise ConfigError(
-            f"{name}.strategy_args.strategy_name",
-            f"{spec.name!r} cannot generate; use hf_infer, megatron_infer, vllm or sglang",
-        )
-    cfg_path = f"{name}.strategy_args.strategy_config"
-    typed = build_dataclass(spec.config_cls, role.strategy_args.strategy_config or {}, cfg_path)
-    typed.validate(len(role.device_mapping), cfg_path)
-    _check_token_budgets(typed, config, cfg_path)
-    if name == "actor_infer" and getattr(typed, "context_parallel_size", 1) > 1:
-        raise ConfigError(
-            f"{cfg_path}.context_parallel_size",
-            "generation has no context parallelism; use it on other roles",
-        )
-    role.strategy_args.config = typed
-    if not role.model_args.model_name_or_path:
-        raise ConfigError(
-            f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
-        )
-
-
-def _check_token_budgets(typed: object, config: RLVRConfig, path: str) -> None:
-    """A token budget must hold the longest sequence a step can have: prompt + response in an RLVR
-    run, ``data.max_length`` in an SFT run."""
-    if not isinstance(typed, PackingOptions):
-        return
-    if hasattr(config, "prompt_length"):
-        longest, what = config.prompt_length + config.response_length, "prompt_length + response_length"
-    else:
-        longest, what = config.data.max_length, "data.max_length"
-    for key in ("max_tokens_per_microbatch", "infer_max_tokens_per_microbatch"):
-        budget = getattr(typed, key)
-        if budget is not None and budget < longest:
-            raise ConfigError(
-                f"{path}.{key}", f"{budget} tokens cannot hold one sequence of {what} = {longest}"
-            )
-
-
-def _check_reward(name: str, role: RewardConfig) -> None:
-    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
-
-    spec = get_reward_spec(role.reward_fn, f"{name}.reward_fn")
-    if spec.kind == "model" and (role.strategy_args is None or role.device_mapping is None):
-        raise ConfigError(
-            f"{name}.strategy_args",
-            f"reward {spec.name!r} runs a model: set strategy_args, device_mapping and model_args",
-        )
-
-
-def _check_devices_exist(config: RLVRConfig, plan) -> None:
+def check_devices_exist(config: Any, plan: PlacementPlan) -> None:
     if config.num_nodes is None:
         return
     limit = config.num_nodes * config.num_gpus_per_node
@@ -115,7 +46,7 @@ def _check_devices_exist(config: RLVRConfig, plan) -> None:
             )
 
 
-def _check_batch_sizes(config: RLVRConfig, plan) -> None:
+def check_batch_sizes(config: RLVRConfig, plan: PlacementPlan) -> None:
     samples = config.rollout_batch_size * config.num_return_sequences_in_group
     for name in TRAIN_ROLES:
         role = getattr(config, name)
@@ -152,7 +83,7 @@ def _check_batch_sizes(config: RLVRConfig, plan) -> None:
         )
 
 
-def _check_colocation(config: RLVRConfig, plan) -> None:
+def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
     roles = config.roles()
     for owners, devices in plan.shared:
         trains = [o for o in owners if o in TRAIN_ROLES]
@@ -160,7 +91,7 @@ def _check_colocation(config: RLVRConfig, plan) -> None:
             continue
         for name in owners:
             args = roles[name].strategy_args
-            typed = args.config if args is not None else None
+            typed = strategy_config_of(roles[name])
             strategy = args.strategy_name if args is not None else ""
             if strategy == "vllm" and typed.sleep_level == 0:
                 raise ConfigError(
@@ -189,7 +120,7 @@ def _check_colocation(config: RLVRConfig, plan) -> None:
                 )
 
 
-def _check_algorithm(config: RLVRConfig) -> None:
+def check_algorithm(config: RLVRConfig) -> None:
     if config.adv_estimator == "gae" and config.critic is None:
         raise ConfigError("critic", "adv_estimator 'gae' needs a critic role")
     if config.critic is not None and config.adv_estimator != "gae":
@@ -215,13 +146,9 @@ def _check_algorithm(config: RLVRConfig) -> None:
             seen[tag] = name
 
 
-# track_with -> the package it needs.
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
-def _check_tracker(config: RLVRConfig) -> None:
+def check_tracker(config: Any) -> None:
     """The tracker's package is installed: found now, not after every worker has started."""
-    package = TRACKER_PACKAGES.get(config.track_with)
+    package = TRACKERS.get(config.track_with)
     if package and package not in sys.modules and importlib.util.find_spec(package) is None:
         raise ConfigError(
             "track_with",
@@ -230,7 +157,7 @@ def _check_tracker(config: RLVRConfig) -> None:
         )
 
 
-def _check_async(config: RLVRConfig, plan) -> None:
+def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
     """Asynchronous generation needs actor_infer on devices of its own (it keeps generating while
     the other roles run) and trains on samples one weight version old, so it needs the correction."""
     if not config.async_generation_ratio:

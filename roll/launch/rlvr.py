@@ -45,7 +45,7 @@ def config_file(config_path: str, config_name: str) -> Path:
     path = Path(config_path) / name
     if not path.exists() and not Path(config_path).is_absolute():
         # Also accept paths relative to the repository root when started from elsewhere.
-        alt = Path(__file__).resolve().parents[3] / config_path / name
+        alt = Path(__file__).resolve().parents[2] / config_path / name
         if alt.exists():
             return alt
     return path
@@ -56,13 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     take_signals()
     try:
         from roll.configs.loader import load_config
-        from roll.configs.preflight import check_before_launch
-        from roll.distributed.scheduler.placement import format_plan, plan_placement
+        from roll.distributed.scheduler.placement import format_plan
+        from roll.launch.checks import check_before_launch
         from roll.planner.report import memory_report
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
-        check_before_launch(config)  # files, tags, reward options: for --dry_run and a launch alike
-        plan = plan_placement(config)
+        plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"

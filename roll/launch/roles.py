@@ -1,0 +1,170 @@
+"""Each role against the strategy registry and the strategy's own options: the strategy exists and
+fits the role, its ``strategy_config`` fits the role's devices and token budgets, a reward role's
+function exists, and what an engine-backed strategy would refuse once started (its options against
+the engine's argument dataclass when the engine imports here, options that only an updated role can
+use). Each failure is one ``ConfigError`` naming the key.
+
+    check_role("actor_infer", config.actor_infer, config)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from roll.configs.errors import ConfigError
+from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import RewardConfig, RoleConfig
+from roll.configs.strategy_configs import (
+    FSDP2Config,
+    PackingOptions,
+    SGLangConfig,
+    VLLMConfig,
+    strategy_config_of,
+)
+from roll.distributed.strategy.base import ValueModelStrategy
+from roll.distributed.strategy.engine_options import (
+    EngineOptions,
+    dataclass_field_names,
+    sglang_engine_options,
+    vllm_engine_options,
+)
+from roll.distributed.strategy.generation import sampling_temperature
+from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+from roll.models.logprobs import transformers_detects_packing
+from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+
+TRAIN_ROLES = ("actor_train", "critic")
+
+
+def check_role(name: str, role: RoleConfig, config: Any) -> None:
+    """One role of an RLVR or SFT config (``config`` gives the run's lengths and sampling)."""
+    is_reward = isinstance(role, RewardConfig)
+    if is_reward:
+        _check_reward(name, role)
+    if role.strategy_args is None:
+        if is_reward and role.device_mapping is None:
+            return
+        raise ConfigError(
+            f"{name}.strategy_args", "is required: set strategy_name (e.g. hf_infer) and strategy_config"
+        )
+    if role.device_mapping is None:
+        raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
+    spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
+    check_engine_version(spec, f"{name}.strategy_args.strategy_name")
+    if name in TRAIN_ROLES and spec.side != "train":
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_name",
+            f"{spec.name!r} cannot train; use fsdp2_train or megatron_train",
+        )
+    if name == "actor_infer" and spec.side != "infer":
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_name",
+            f"{spec.name!r} cannot generate; use hf_infer, megatron_infer, vllm or sglang",
+        )
+    cfg_path = f"{name}.strategy_args.strategy_config"
+    typed = strategy_config_of(role)
+    typed.validate(len(role.device_mapping), cfg_path)
+    _check_token_budgets(typed, config, cfg_path)
+    if name == "actor_infer" and getattr(typed, "context_parallel_size", 1) > 1:
+        raise ConfigError(
+            f"{cfg_path}.context_parallel_size",
+            "generation has no context parallelism; use it on other roles",
+        )
+    if isinstance(typed, FSDP2Config) and typed.sequence_packing and not transformers_detects_packing():
+        raise ConfigError(
+            f"{cfg_path}.sequence_packing",
+            "this transformers version cannot confine attention to packed sequences; set it false",
+        )
+    if role.model_args.is_value_model and not spec.implements(ValueModelStrategy):
+        raise ConfigError(
+            f"{name}.model_args.model_type",
+            f"{spec.name} has no value head; run the critic with fsdp2_train (model_type 'value')",
+        )
+    if isinstance(typed, VLLMConfig):
+        check_vllm_role(typed, name, role, config)
+    if isinstance(typed, SGLangConfig):
+        check_sglang_role(typed, name, role, config)
+    if not role.model_args.model_name_or_path:
+        raise ConfigError(
+            f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
+        )
+
+
+def _check_token_budgets(typed: object, config: Any, path: str) -> None:
+    """A token budget must hold the longest sequence a step can have: prompt + response in an RLVR
+    run, ``data.max_length`` in an SFT run."""
+    if not isinstance(typed, PackingOptions):
+        return
+    if hasattr(config, "prompt_length"):
+        longest, what = config.prompt_length + config.response_length, "prompt_length + response_length"
+    else:
+        longest, what = config.data.max_length, "data.max_length"
+    for key in ("max_tokens_per_microbatch", "infer_max_tokens_per_microbatch"):
+        budget = getattr(typed, key)
+        if budget is not None and budget < longest:
+            raise ConfigError(
+                f"{path}.{key}", f"{budget} tokens cannot hold one sequence of {what} = {longest}"
+            )
+
+
+def _check_reward(name: str, role: RewardConfig) -> None:
+    spec = get_reward_spec(role.reward_fn, f"{name}.reward_fn")
+    if spec.kind == "model" and (role.strategy_args is None or role.device_mapping is None):
+        raise ConfigError(
+            f"{name}.strategy_args",
+            f"reward {spec.name!r} runs a model: set strategy_args, device_mapping and model_args",
+        )
+
+
+# ------------------------------------------------------------------------------- engines
+
+
+def check_vllm_role(cfg: VLLMConfig, name: str, role: RoleConfig, config: RLVRConfig) -> None:
+    """Options only a role that receives model updates can use, the temperature a vLLM reference
+    scores at, and the engine options (against vllm.EngineArgs when vLLM imports here)."""
+    path = f"{name}.strategy_args.strategy_config"
+    if name != "actor_infer":
+        if cfg.load_format == "dummy":
+            raise ConfigError(
+                f"{path}.load_format",
+                f"'dummy' gives random weights and only actor_infer gets model updates; {name} needs real ones",
+            )
+        if cfg.sleep_level == 2:
+            raise ConfigError(
+                f"{path}.sleep_level",
+                f"2 discards the weights and only actor_infer gets them back by model update; use 1 for {name}",
+            )
+    if name == "reference":
+        temperature = sampling_temperature(config.actor_infer.generating_args.temperature)
+        if temperature != 1.0:
+            raise ConfigError(
+                f"{name}.strategy_args.strategy_name",
+                f"vllm scores with temperature 1 but actor_infer samples at {temperature}; use megatron_infer or hf_infer",
+            )
+    from roll.distributed.strategy.vllm_strategy import EXTENSION
+
+    options = vllm_engine_options(cfg, role, name, config.seed, EXTENSION)
+    _check_engine_options(options, "vllm", lambda m: m.EngineArgs, "vLLM")
+
+
+def check_sglang_role(cfg: SGLangConfig, name: str, role: RoleConfig, config: RLVRConfig) -> None:
+    """``load_format: dummy`` only on actor_infer; the engine options (against SGLang's
+    ServerArgs when SGLang imports here)."""
+    if name != "actor_infer" and cfg.load_format == "dummy":
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_config.load_format",
+            f"'dummy' gives random weights and only actor_infer gets model updates; {name} needs real ones",
+        )
+    options = sglang_engine_options(cfg, role, name, config.seed)
+    _check_engine_options(options, "sglang.srt.server_args", lambda m: m.ServerArgs, "SGLang")
+
+
+def _check_engine_options(options: EngineOptions, module: str, args_cls: Any, engine: str) -> None:
+    """Every option is one the installed engine accepts, when the engine imports on the driver. A
+    driver without it (the engine lives on the GPU nodes) leaves this to the worker's own check."""
+    try:
+        accepted = dataclass_field_names(args_cls(importlib.import_module(module)))
+    except Exception:  # not installed here, or fails to import: the worker that needs it reports it
+        return
+    options.check(accepted, engine, module.split(".")[0])
