@@ -20,6 +20,7 @@ from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
+from roll.configs.role import GeneratingArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.launch.checks import check_before_launch  # noqa: E402
 from roll.pipeline.rlvr import rollout_source  # noqa: E402
@@ -47,10 +48,7 @@ class FakeSampler:
 
 
 def fake_run(async_ratio: int, max_steps: int = 3) -> SimpleNamespace:
-    args = SimpleNamespace(
-        num_return_sequences=1, max_new_tokens=4, min_new_tokens=0, do_sample=True, temperature=1.0,
-        top_p=1.0, top_k=-1, repetition_penalty=1.0, stop_strings=None,
-    )  # fmt: skip
+    args = GeneratingArgs(max_new_tokens=4)
     config = SimpleNamespace(
         async_generation_ratio=async_ratio, max_steps=max_steps, seed=0,
         actor_infer=SimpleNamespace(generating_args=args),
