@@ -1,4 +1,5 @@
-"""Fixtures shared by the end-to-end Megatron pipeline tests on CPU."""
+"""Fixtures shared by the tests: the end-to-end Megatron pipeline tests on CPU, and the rendezvous
+variables every test gets back as it found them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "output" / "default_example"
 SHIM = REPO / "tests" / "megatron" / "ray_cpu_shim"
+
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_rendezvous_env():
+    """A test that joins a process group in the pytest process sets MASTER_PORT there; a later
+    single-rank group would reuse that port, by then possibly another process's (EADDRINUSE)."""
+    saved = {name: os.environ.get(name) for name in RENDEZVOUS_VARS}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -200,10 +200,10 @@ def test_packing_options_are_range_checked(cls, data: dict, key: str) -> None:
 
 
 def test_megatron_packing_kernel_and_backend_checks() -> None:
-    from roll.configs.ranges import check_fields
+    from roll.launch.named_values import check_named_values
 
     with pytest.raises(ConfigError, match="cfg.packing_attention"):
-        check_fields(MegatronConfig(packing_attention="dense"), "cfg")
+        check_named_values(MegatronConfig(packing_attention="dense"), "cfg")
     with pytest.raises(ConfigError, match="cfg.sequence_packing"):
         MegatronConfig(sequence_packing=True, attention_backend="local").validate(1, "cfg")
     local = MegatronConfig(attention_backend="local")
