@@ -82,6 +82,15 @@ class ValueModel(nn.Module):
         return self.value_head.weight.dtype
 
 
+def check_output_kind(role: str, is_value_model: bool, values: bool) -> None:
+    """A strategy asked for values (``values``) or log-probs must hold that kind of model; the
+    error names the call that fits."""
+    if values and not is_value_model:
+        raise ValueError(f"{role}: compute_values needs a value model (model_args.model_type: value)")
+    if not values and is_value_model:
+        raise ValueError(f"{role}: a value model has values, not log-probs (compute_values)")
+
+
 def response_values(model: nn.Module, batch: Batch, packed: bool = False) -> torch.Tensor:
     """Values [B, R] for the response window: position t is the value of the state before
     ``responses[:, t]`` (column P + t - 1), 0 on response padding. ``packed``: the rows packed

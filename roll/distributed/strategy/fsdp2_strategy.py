@@ -53,7 +53,7 @@ from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
-from roll.models.value_model import ValueModel, response_values
+from roll.models.value_model import ValueModel, check_output_kind, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
@@ -214,16 +214,12 @@ class FSDP2TrainStrategy:
 
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs", "entropy"} [B, R] of a policy model, as the training forward computes them."""
-        if self.is_value_model:
-            raise ValueError(f"{self.ctx.role}: a value model has values, not log-probs (compute_values)")
+        check_output_kind(self.ctx.role, self.is_value_model, values=False)
         return self._infer(batch)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B, R] of a value model (``model_args.model_type: value``)."""
-        if not self.is_value_model:
-            raise ValueError(
-                f"{self.ctx.role}: compute_values needs a value model (model_args.model_type: value)"
-            )
+        check_output_kind(self.ctx.role, self.is_value_model, values=True)
         return self._infer(batch)["values"]
 
     @torch.no_grad()

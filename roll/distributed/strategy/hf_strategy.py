@@ -42,7 +42,7 @@ from roll.distributed.strategy.generation import (
 )
 from roll.models.loading import load_model, load_tokenizer
 from roll.models.logprobs import batch_temperature, response_log_probs
-from roll.models.value_model import ValueModel, response_values
+from roll.models.value_model import ValueModel, check_output_kind, response_values
 from roll.models.weights import copy_into
 from roll.utils.rng import device_rng_state, set_device_rng_state
 
@@ -79,16 +79,12 @@ class HFInferStrategy:
     # ----------------------------------------------------------------------------------- forward
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs", "entropy"} [B, R] at the batch's sampling temperature, on CPU."""
-        if self.is_value_model:
-            raise ValueError(f"{self.ctx.role}: a value model has values, not log-probs (compute_values)")
+        check_output_kind(self.ctx.role, self.is_value_model, values=False)
         return self._forward(batch)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B, R] of a value model (``model_args.model_type: value``), on CPU."""
-        if not self.is_value_model:
-            raise ValueError(
-                f"{self.ctx.role}: compute_values needs a value model (model_args.model_type: value)"
-            )
+        check_output_kind(self.ctx.role, self.is_value_model, values=True)
         return self._forward(batch)["values"]
 
     @torch.no_grad()
