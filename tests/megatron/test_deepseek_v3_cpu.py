@@ -172,26 +172,6 @@ def _run_case(case: conv.Case, ckpt: str, scratch: Path) -> None:
         conv._check_save(chunks, hf_config, ckpt, scratch / "saved")
 
 
-def _parity_worker(rank: int, world: int, port: int, ckpts: dict, cases: list, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    compat.apply()
-    from megatron.core import parallel_state as ps
-
-    try:
-        for i, case in enumerate(cases):
-            try:
-                _run_case(case, ckpts[case.family], Path(scratch) / f"case{i}")
-            except Exception as err:
-                raise AssertionError(f"rank {rank}, case {case}: {err}") from err
-            finally:
-                ps.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("deepseek")
@@ -202,8 +182,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_logits_match_transformers_and_weights_round_trip(world_size, checkpoints, tmp_path) -> None:
-    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path))
-    mp.spawn(_parity_worker, args=args, nprocs=world_size, join=True)
+    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path), _run_case)
+    mp.spawn(conv._worker, args=args, nprocs=world_size, join=True)
 
 
 def test_yarn_and_the_expert_bias_matter(tmp_path) -> None:
