@@ -64,7 +64,14 @@ def make_model(preset: str, layers: int | None, out: Path, device: str, **overri
 
 
 def sft_config(
-    name: str, out: Path, model: Path, args: argparse.Namespace, strategy: str, layout: dict, batch: int, accum: int
+    name: str,
+    out: Path,
+    model: Path,
+    args: argparse.Namespace,
+    strategy: str,
+    layout: dict,
+    batch: int,
+    accum: int,
 ) -> Path:
     """A config file for one run: ``batch`` rows per rank and micro-batch, ``accum`` micro-batches."""
     raw = {
@@ -188,7 +195,9 @@ def case_dense(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                    {"tensor_model_parallel_size": 2}, args.batch, 2)
     )  # fmt: skip
     fsdp2 = run_sft(
-        sft_config("dense_fsdp2_dp2", out, model, args, "fsdp2_train", {"sharding": "full_shard"}, args.batch, 1)
+        sft_config(
+            "dense_fsdp2_dp2", out, model, args, "fsdp2_train", {"sharding": "full_shard"}, args.batch, 1
+        )
     )
     rel = [abs(a - b) / abs(b) for a, b in zip(megatron["losses"], fsdp2["losses"], strict=True)]
     ok = max(rel) <= args.tolerance and megatron["losses"][-1] < megatron["losses"][0] - 0.5
@@ -224,7 +233,9 @@ def main() -> int:
     parser.add_argument("--out", default="output/sft_checks")
     parser.add_argument("--case", choices=("moe", "dense", "all"), default="all")
     parser.add_argument("--device", default="cuda", help="the configs' device (cuda or cpu)")
-    parser.add_argument("--init_device", default=None, help="where random weights are drawn (default: --device)")
+    parser.add_argument(
+        "--init_device", default=None, help="where random weights are drawn (default: --device)"
+    )
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="rows per rank and micro-batch")
