@@ -10,8 +10,9 @@ tokenizer and SFT data; each run is ``examples/start_sft_pipeline.py`` on a conf
 Checks (exit 1 if one fails):
 - moe: the training loss falls in both runs; frozen: every router weight of the exported model
   equals the starting checkpoint's bit for bit; not frozen: they moved.
-- dense: megatron_train (TP2, two micro-batches) and fsdp2_train (DP2) take the same rows each step
-  and their per-step training losses agree within ``--tolerance`` (relative).
+- dense: megatron_train (TP2, two micro-batches) and fsdp2_train (DP2) take the same rows each step;
+  their training losses agree to 1e-3 over the first 4 steps and their last-10-step means within
+  ``--tolerance`` (relative; see ``compare_curves``).
 ``--tiny`` shrinks both models to test size (for a CPU run of the plumbing with ``--device cpu``,
 where megatron_train needs the test shims: ROLL_TEST_MEGATRON_CPU=1 and tests/megatron/ray_cpu_shim
 on PYTHONPATH).
@@ -199,8 +200,7 @@ def case_dense(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             "dense_fsdp2_dp2", out, model, args, "fsdp2_train", {"sharding": "full_shard"}, args.batch, 1
         )
     )
-    rel = [abs(a - b) / abs(b) for a, b in zip(megatron["losses"], fsdp2["losses"], strict=True)]
-    ok = max(rel) <= args.tolerance and megatron["losses"][-1] < megatron["losses"][0] - 0.5
+    ok, verdict = compare_curves(megatron["losses"], fsdp2["losses"], args.tolerance)
     rows = []
     for name, result in (("dense_megatron_tp2", megatron), ("dense_fsdp2_dp2", fsdp2)):
         rows.append(
@@ -211,14 +211,33 @@ def case_dense(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "router max |change|": "-",
                 "train s/step": f"{result['step_s']:.3f}",
                 "wall s": f"{result['wall_s']:.0f}",
-                "check": f"max rel. loss diff {max(rel):.4f} (mean {sum(rel) / len(rel):.4f}): "
-                + ("ok" if ok else "FAILED"),
+                "check": verdict + (": ok" if ok else ": FAILED"),
             }
         )
     (out / "dense_losses.json").write_text(
         json.dumps({"megatron_tp2": megatron["losses"], "fsdp2_dp2": fsdp2["losses"]})
     )
     return rows
+
+
+def compare_curves(a: list[float], b: list[float], tolerance: float, early: int = 4) -> tuple[bool, str]:
+    """Whether two runs' per-step training losses agree: the first ``early`` steps within 1e-3
+    (relative; same weights and rows, so only rounding differs), and the means of the last 10 steps
+    within ``tolerance`` (relative). Later steps are not compared one by one: from random weights,
+    Adam turns rounding differences in near-zero gradients into full-size updates (lr x sign), so
+    single steps drift apart by a few percent in fp32 as in bf16 while the curves keep together."""
+    if len(a) != len(b) or len(a) < early + 10:
+        return False, f"{len(a)} vs {len(b)} steps (need >= {early + 10} each)"
+    first = max(abs(x - y) / abs(y) for x, y in zip(a[:early], b[:early]))
+    tail_a, tail_b = sum(a[-10:]) / 10, sum(b[-10:]) / 10
+    tail = abs(tail_a - tail_b) / tail_b
+    falls = a[-1] < a[0] - 0.5 and b[-1] < b[0] - 0.5
+    ok = first <= 1e-3 and tail <= tolerance and falls
+    step_max = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return ok, (
+        f"steps 1-{early} rel. diff {first:.1e}; last-10 means {tail_a:.3f} vs {tail_b:.3f} "
+        f"({tail:.1%}); any single step <= {step_max:.1%}"
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -241,7 +260,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="rows per rank and micro-batch")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--moe_layers", type=int, default=4)
-    parser.add_argument("--tolerance", type=float, default=0.03, help="dense: max relative loss difference")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.03,
+        help="dense: relative difference of the last-10-step mean losses",
+    )
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     args.init_device = args.init_device or args.device

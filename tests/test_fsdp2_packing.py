@@ -25,6 +25,8 @@ from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models.microbatch import rebudget
 from roll.pipeline.rlvr.algorithms.losses import actor_loss, critic_loss
+from roll.pipeline.sft.chat_data import ChatExample, to_sft_batch
+from roll.pipeline.sft.stages import sft_loss, step_loss
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 TOL = dict(atol=2e-5, rtol=2e-4)
@@ -204,3 +206,37 @@ def test_packing_follows_what_transformers_can_do(policy, monkeypatch) -> None:
     assert not policy.packing
     # sequence_packing: true on such a transformers is refused before launch
     # (tests/test_launch_checks.py), not by a started worker.
+
+
+def sft_batch(rows: int = 6) -> Batch:
+    """Chat rows of 9..19 tokens whose trained tokens (``loss_mask``) have holes, as multi-turn
+    conversations do (user turns between answers)."""
+    gen = torch.Generator().manual_seed(1)
+    examples = []
+    for i in range(rows):
+        length = 9 + (i * 7) % 11
+        ids = torch.randint(5, VOCAB_SIZE, (length,), generator=gen).tolist()
+        start = 2 + i % 4
+        mask = [0] * start + [1] * (length - start)
+        mask[start + 2 : start + 4] = [0, 0]  # a context span between two trained spans
+        examples.append(ChatExample(ids, mask, f"rows:{i}"))
+    return to_sft_batch(examples, pad_token_id=0)
+
+
+def test_sft_loss_is_one_token_mean_however_split_or_packed(policy) -> None:
+    """The SFT loss weights micro-batches by their trained tokens (``loss_mask``, not every
+    response token): per-row micro-batches, packed rows and a token budget give the gradient of
+    the whole batch's token mean, and ``step_loss`` reports that mean."""
+    box = capture_grads(policy)
+    batch = sft_batch()
+    assert batch["loss_mask"].sum() < batch["response_mask"].sum()
+    one = grads(policy, box, [batch], sft_loss)
+    assert_close(one, grads(policy, box, batch.split(1), sft_loss), "per-row micro-batches")
+    assert_close(one, grads(policy, box, batch.split(4), sft_loss, sequence_packing=True), "packed")
+    assert_close(one, grads(policy, box, [batch], sft_loss, max_tokens_per_microbatch=24), "budget")
+    policy.config.sequence_packing, policy.config.max_tokens_per_microbatch = False, None
+    whole = policy.train_step([batch], sft_loss)
+    rows = policy.train_step(batch.split(1), sft_loss)
+    assert step_loss([rows]) == pytest.approx(step_loss([whole]), rel=1e-6)
+    assert step_loss([whole]) == pytest.approx(whole["loss"], rel=1e-6)
+    assert rows["loss"] != pytest.approx(whole["loss"], rel=1e-3)  # the plain micro-batch mean differs

@@ -167,7 +167,9 @@ def invert(order: Sequence[int]) -> torch.Tensor:
 
 
 def _normaliser(batch: Batch, mode: str) -> float:
-    mask = batch["response_mask"].bool()
+    # The tokens the loss is taken over: SFT batches mark them in ``loss_mask`` (assistant turns
+    # only); RL batches take every response token.
+    mask = (batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]).bool()
     if mode == "token-mean":
         return float(mask.sum())
     return float((mask.sum(-1) > 0).sum())

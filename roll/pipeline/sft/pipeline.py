@@ -6,7 +6,8 @@
 
 Each step draws ``per_device_train_batch_size x gradient_accumulation_steps x DP`` conversations
 (epochs of shuffled rows from a generator seeded with ``seed``) and takes one optimizer step on
-the mean negative log-likelihood of their assistant tokens. Every ``eval_steps`` the held-out loss
+the mean negative log-likelihood of all their assistant tokens (one token mean over the step,
+whatever the micro-batches, ranks or packing). Every ``eval_steps`` the held-out loss
 (and, with ``generation_eval``, sampled accuracy) is logged. Checkpoints reuse the RLVR machinery
 (``roll.pipeline.rlvr.checkpoint``: manifest, atomic rename, verified resume) and hold the
 trainer's states, the sampler position and the RNG, so a resumed run continues bit-identically.
@@ -24,7 +25,7 @@ from roll.pipeline.rlvr.perf import StageTimer
 from roll.pipeline.rlvr.run import setup_logging
 from roll.pipeline.sft.chat_data import to_sft_batch
 from roll.pipeline.sft.run import SFTRun, build_sft_run, shutdown_sft_run
-from roll.pipeline.sft.stages import generation_accuracy, sft_loss, validation_loss
+from roll.pipeline.sft.stages import generation_accuracy, sft_loss, step_loss, validation_loss
 from roll.utils.rng import rng_state, set_rng_state
 
 logger = logging.getLogger("roll")
@@ -48,7 +49,12 @@ def run_sft_pipeline(config: SFTPipelineConfig) -> Path:
             batch = to_sft_batch([run.train[i] for i in rows], run.tokenizer.pad_token_id)
             with timer("train"):
                 per_rank = run.trainer.train_step(batch, sft_loss, seed=config.seed + step)
-            metrics = {f"train/{k}": sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+            metrics = {
+                f"train/{k}": sum(m[k] for m in per_rank) / len(per_rank)
+                for k in per_rank[0]
+                if k not in ("loss", "nll_sum", "loss_tokens")
+            }
+            metrics["train/loss"] = step_loss(per_rank)
             metrics["train/tokens"] = float(batch["loss_mask"].sum())
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):

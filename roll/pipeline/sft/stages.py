@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -16,12 +17,27 @@ if TYPE_CHECKING:
     from roll.pipeline.sft.run import SFTRun
 
 
-def sft_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean negative log-likelihood of the micro-batch's assistant tokens (``loss_mask``)."""
+def _token_mean_nll(
+    outputs: dict[str, torch.Tensor], batch: Batch, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     mask = batch["loss_mask"].to(outputs["log_probs"].dtype)
-    tokens = mask.sum().clamp(min=1.0)
-    loss = -(outputs["log_probs"] * mask).sum() / tokens
-    return loss, {}
+    nll = -(outputs["log_probs"] * mask).sum()
+    loss = nll / mask.sum().clamp(min=1.0)
+    return loss, {"nll_sum": float(nll.detach()), "loss_tokens": float(mask.sum())}
+
+
+# Mean negative log-likelihood of the step's assistant tokens (``loss_mask``). Declared token-mean,
+# so the strategies weight each micro-batch by its share of the step's trained tokens over all DP
+# ranks (``roll.models.microbatch.loss_weights``): the gradient is that of the token mean over the
+# whole step, however rows are split into micro-batches, token-budget micro-batches or packed rows.
+# ``nll_sum`` / ``loss_tokens`` let the driver report that same mean (``step_loss``).
+sft_loss = functools.partial(_token_mean_nll, loss_agg_mode="token-mean")
+
+
+def step_loss(per_rank: list[dict[str, float]]) -> float:
+    """The step's token-mean NLL from the trainer's per-rank metrics: every rank averages its
+    micro-batches' metrics over the same number of micro-batches, so the ratio of the sums is exact."""
+    return sum(m["nll_sum"] for m in per_rank) / max(sum(m["loss_tokens"] for m in per_rank), 1e-12)
 
 
 def validation_loss(run: SFTRun, rows_per_call: int = 64) -> float:
