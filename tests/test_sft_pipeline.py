@@ -121,7 +121,10 @@ def test_config_errors_name_the_key(tokenizer, tmp_path):
 def test_sft_run_validates_checkpoints_resumes_and_exports(tokenizer, tmp_path):
     model = tmp_path / "model"
     save_model_and_tokenizer(build_tiny_qwen2(tokenizer, SMALL, seed=0), tokenizer, model)
-    rows = [{"messages": chat(q, f"The sum is {sum(int(x) for x in q[8:-1].split(' plus '))}.")} for q in QUESTIONS]
+    rows = [
+        {"messages": chat(q, f"The sum is {sum(int(x) for x in q[8:-1].split(' plus '))}.")}
+        for q in QUESTIONS
+    ]
     write_rows(tmp_path / "train.jsonl", rows[:24])
     write_rows(tmp_path / "val.jsonl", rows[24:])
     try:
@@ -152,7 +155,10 @@ def test_sft_run_validates_checkpoints_resumes_and_exports(tokenizer, tmp_path):
 def test_sft_run_with_megatron_tp2(tokenizer, tmp_path, shimmed_ray):
     model = tmp_path / "model"
     save_model_and_tokenizer(build_tiny_qwen2(tokenizer, SMALL, seed=0), tokenizer, model)
-    rows = [{"messages": chat(q, f"The sum is {sum(int(x) for x in q[8:-1].split(' plus '))}.")} for q in QUESTIONS]
+    rows = [
+        {"messages": chat(q, f"The sum is {sum(int(x) for x in q[8:-1].split(' plus '))}.")}
+        for q in QUESTIONS
+    ]
     write_rows(tmp_path / "train.jsonl", rows[:24])
     write_rows(tmp_path / "val.jsonl", rows[24:])
     raw = config_dict(tmp_path, model, tmp_path / "mega", save_steps=0)
