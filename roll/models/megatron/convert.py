@@ -185,10 +185,14 @@ def load_mcore_weights(chunks: list[Any], mcore_dir: str | Path) -> None:
 def whole_model_config(manifest: dict[str, Any]) -> MegatronConfig:
     """The layout that holds every parameter whole (TP = PP = EP = 1), its vocab padded as the
     checkpoint's (the padding depends on the TP it was written with)."""
-    return dataclasses.replace(layout_config(1, 1, 1), make_vocab_size_divisible_by=manifest["padded_vocab_size"])
+    return dataclasses.replace(
+        layout_config(1, 1, 1), make_vocab_size_divisible_by=manifest["padded_vocab_size"]
+    )
 
 
-def read_mcore(mcore_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = DEFAULT_MAX_SHARD) -> Any:
+def read_mcore(
+    mcore_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = DEFAULT_MAX_SHARD
+) -> Any:
     """This rank's part of ``mcore-to-hf`` (collective over the default group, any world size):
     HF safetensors parts of at most ``max_shard_size`` bytes each (see ``stream_export``).
     Returns the parts written (rank ``i % world`` wrote part i)."""
@@ -213,10 +217,12 @@ def read_mcore(mcore_dir: str | Path, out_dir: str | Path, max_shard_size: str |
 
 
 def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> None:
+    """One rank of the CLI: on a GPU of its own for ``hf-to-mcore`` where CUDA exists (NCCL),
+    else (and always for ``mcore-to-hf``, which never touches a GPU) on the CPU over gloo."""
     from roll.utils.process_group import init_default_group
 
     device = torch.device("cpu")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and command == "hf-to-mcore":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     init_default_group(rank, world, device, master_addr="127.0.0.1", master_port=port)
@@ -226,16 +232,10 @@ def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> N
         torch.distributed.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    import torch.multiprocessing as mp
-
-    from roll.utils.ports import free_port
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="HF <-> megatron-core dist checkpoint conversion")
     sub = parser.add_subparsers(dest="command", required=True)
-    to_mcore = sub.add_parser("hf-to-mcore")
+    to_mcore = sub.add_parser("hf-to-mcore", help="one process per rank of the layout (TP x PP x EP)")
     to_mcore.add_argument("--hf", required=True)
     to_mcore.add_argument("--out", required=True)
     for flag in ("tp", "pp", "ep"):
@@ -244,19 +244,47 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("mcore-to-hf")
     to_hf.add_argument("--mcore", required=True)
     to_hf.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    to_hf.add_argument(
+        "--max_shard_size",
+        default=DEFAULT_MAX_SHARD,
+        help="most bytes per safetensors file (2GB, 500MB, ...)",
+    )
+    to_hf.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes writing files (default: the checkpoint's TP x PP x EP)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from roll.models.megatron.stream_export import parse_size
+    from roll.utils.ports import free_port
+
+    args = _parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
             cfg = layout_config(args.tp, args.pp, args.ep, args.vpp)
             check_layout(args.hf, cfg)
+            world = world_size(cfg)
             call = (args.hf, args.out, cfg)
         else:
-            cfg = layout_config(**read_manifest(args.mcore)["layout"])
-            call = (args.mcore, args.out)
+            world = args.workers or world_size(layout_config(**read_manifest(args.mcore)["layout"]))
+            if world < 1:
+                raise ConfigError("--workers", f"must be >= 1, got {world}")
+            try:
+                size = parse_size(args.max_shard_size)
+            except ValueError as err:
+                raise ConfigError("--max_shard_size", str(err)) from None
+            call = (args.mcore, args.out, size)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    world = world_size(cfg)
     mp.spawn(_rank_main, args=(free_port(), world, args.command, call), nprocs=world, join=True)
     print(f"{args.command}: wrote {args.out}")
     return 0

@@ -90,7 +90,8 @@ class _Checkpoint:
 
     def __init__(self, hf_dir: str | Path, stack: ExitStack):
         self.dir = Path(hf_dir)
-        self.stack = stack
+        self.files_open = ExitStack()
+        stack.callback(self.close_files)
         self.handles: dict[str, Any] = {}
         index = self.dir / INDEX_FILE
         if index.exists():
@@ -104,10 +105,16 @@ class _Checkpoint:
 
     def _open(self, file: str) -> Any:
         if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(
+            self.handles[file] = self.files_open.enter_context(
                 safe_open(self.dir / file, framework="pt", device="cpu")
             )
         return self.handles[file]
+
+    def close_files(self) -> None:
+        """Close the open files (they reopen on the next read): their memory-mapped pages leave
+        the process, so streaming readers do not accumulate the files in their resident set."""
+        self.files_open.close()
+        self.handles = {}
 
     def where(self, name: str) -> str:
         return f"tensor {name!r} in {self.dir / self.files[name]}"
@@ -157,7 +164,7 @@ def _read_pieces(
             pieces.append(ckpt.meta(name, shape))
             continue
         piece = ckpt.read(name, dim, start, stop)
-        if weight.layout == wm.VOCAB:
+        if weight.layout == wm.VOCAB and stop - start < info.padded_vocab_size // size:
             padded = torch.zeros(info.padded_vocab_size // size, *shape[1:], dtype=piece.dtype)
             padded[: stop - start] = piece
             piece = padded

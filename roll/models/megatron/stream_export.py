@@ -31,8 +31,9 @@ import torch.distributed as dist
 from roll.models.megatron import hf_io
 from roll.models.megatron import weight_mapping as wm
 
-DEFAULT_MAX_SHARD = "2GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+# Size suffixes: decimal (KB, MB, GB, TB, as transformers' max_shard_size) and binary (KiB ... TiB).
+_UNITS = {"": 1, "B": 1} | {f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGT")}
+_UNITS |= {f"{p}IB": 1024 ** (i + 1) for i, p in enumerate("KMGT")}
 
 
 def parse_size(text: str | int) -> int:
@@ -129,7 +130,8 @@ def _write_part(part: list[_Entry], values: dict[str, torch.Tensor], info: Any, 
     tensors = {}
     for entry in part:
         hf = hf_io._hf_tensors(entry.weight, values.pop(entry.weight.mcore), info, gather=False)
-        tensors.update((name, t.contiguous().clone()) for name, t in zip(entry.weight.hf, hf))
+        # A fused parameter's HF tensors are views of one buffer: safetensors wants them apart.
+        tensors.update((n, t.clone() if len(hf) > 1 else t.contiguous()) for n, t in zip(entry.weight.hf, hf))
     save_file(tensors, path, metadata={"format": "pt"})
 
 

@@ -108,7 +108,9 @@ def bind_sharded(
     out = []
     for sh in sharded_tensors(sharded):
         if _storage_key(sh.data) not in params:
-            raise hf_io.CheckpointError(f"{where}: no HF tensor makes megatron's {sh.key!r} (offset {sh.global_offset})")
+            raise hf_io.CheckpointError(
+                f"{where}: no HF tensor makes megatron's {sh.key!r} (offset {sh.global_offset})"
+            )
         weight, param = params[_storage_key(sh.data)]
         view = (tuple(sh.data.shape), sh.data.stride(), sh.data.storage_offset() - param.storage_offset())
         out.append((sh, weight, param, view))
@@ -154,6 +156,7 @@ class HFSource:
 
     def _materialize(self, weight: wm.BoundWeight, param: torch.Tensor) -> torch.Tensor:
         value = hf_io.weight_value(self.ckpt, weight, self.info, param.shape)
+        self.ckpt.close_files()
         value = value.to(param.dtype).contiguous()
         if value.untyped_storage().nbytes() != value.nbytes:
             value = value.clone()
