@@ -195,6 +195,43 @@ def _lazy_planner_class() -> type:
     return LazySavePlanner
 
 
+def _writer_class() -> type:
+    import os
+
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemWriter, _write_item
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.futures import Future
+
+    class StreamingFileSystemWriter(FileSystemWriter):
+        """PyTorch's file-system writer (one ``.distcp`` file per rank, the same format), writing
+        each item as soon as the planner resolves it and keeping nothing: PyTorch's own loop also
+        keeps the last tensor of every key until the file is done (for its safetensors format),
+        which for per-layer keys (MoE models) is most of the model."""
+
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results = []
+            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as stream:
+                for item in plan.items:
+                    data = planner.resolve_data(item)
+                    if item.type != WriteItemType.BYTE_IO:
+                        data = data.detach().cpu()
+                        if data.untyped_storage().nbytes() != data.nbytes:
+                            data = data.clone()  # torch.save writes a view's whole storage
+                    results.append(
+                        _write_item(self.transforms, stream, data, item, file_name, self.serialization_format)
+                    )
+                    del data
+                if self.sync_files:
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            future: Future = Future()
+            future.set_result(results)
+            return future
+
+    return StreamingFileSystemWriter
+
+
 def _strategy_class() -> type:
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
@@ -202,9 +239,9 @@ def _strategy_class() -> type:
         """megatron's ``torch_dist`` format, written one tensor at a time through ``source``.
 
         As ``TorchDistSaveShardedStrategy``: main replicas only, megatron's ShardedTensors
-        translated to PyTorch's, megatron's save planner; but PyTorch's synchronous single-thread
-        ``FileSystemWriter`` (no copy ahead) instead of megatron's writer, which resolves every
-        tensor of the rank before it writes any.
+        translated to PyTorch's, megatron's save planner; but a writer that resolves each tensor
+        just before writing it (``StreamingFileSystemWriter``) instead of megatron's, which
+        resolves every tensor of the rank before it writes any.
         """
 
         def __init__(self, source: HFSource):
@@ -225,9 +262,7 @@ def _strategy_class() -> type:
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
                 sharded_state_dict, keep_only_main_replica=True
             )
-            writer = dcp.FileSystemWriter(
-                str(checkpoint_dir), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0
-            )
+            writer = _writer_class()(str(checkpoint_dir), single_file_per_rank=True)
             planner = _lazy_planner_class()(self.source)
             dcp.save(mcore_to_pyt_state_dict(flat, is_loading=False), storage_writer=writer, planner=planner)
             self.source.release()
