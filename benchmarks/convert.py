@@ -15,17 +15,19 @@ touched: page cache, given back under memory pressure); ``maxrss`` is ``wait4``'
 (the largest single process of the tree, file pages included). The round trip compares every
 tensor of the two HF directories one at a time.
 
-``--startup``: the same number of ranks as the layout run ``MegatronTrainStrategy.initialize()``
-(bf16, the layout's TP/PP/EP) twice each, alternating: from HF (``model_name_or_path``) and from
-the dist checkpoint (``strategy_config.mcore_checkpoint``); the table gives each run's seconds
-(rank 0, barrier to barrier) and whether both starts hold the same weights (a float64 checksum
-per parameter). The first run reads the files cold unless they are in the page cache already.
-On CPU this runs through the CPU test shims (tests/megatron), fp32.
+``--startup``: ``MegatronTrainStrategy.initialize()`` (bf16, the layout's TP/PP/EP, one process
+per rank, each start in a fresh world) from HF (``model_name_or_path``) and from the dist
+checkpoint (``strategy_config.mcore_checkpoint``), alternating, ``--startup_repeats`` times each;
+the table gives each start's seconds (rank 0, barrier to barrier: model build, weight load, DDP
+and optimizer set-up) and whether both starts hold the same weights (a float64 checksum per
+parameter on every rank). The first start may read cold files; later ones find them in the page
+cache. On CPU this runs through the CPU test shims (tests/megatron), fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -116,7 +118,10 @@ def write_input(preset: str, layers: int | None, out: Path, dtype: torch.dtype) 
 
     tok_dir = out.parent / "tokenizer"
     build_tiny_tokenizer().save_pretrained(tok_dir)
-    return write_random_checkpoint(preset, out, num_hidden_layers=layers, tokenizer_dir=tok_dir, dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # transformers' initialisation is slow on CPU
+    return write_random_checkpoint(
+        preset, out, num_hidden_layers=layers, tokenizer_dir=tok_dir, device=device, dtype=dtype
+    )
 
 
 def same_tensors(a: Path, b: Path) -> tuple[bool, int]:
@@ -143,10 +148,9 @@ def same_tensors(a: Path, b: Path) -> tuple[bool, int]:
 
 
 # ------------------------------------------------------------------------------------ start-up
-def _startup_rank(
-    rank: int, port: int, world: int, hf_dir: str, mcore_dir: str, layout: dict, repeats: int, out: str
-) -> None:
-    import gc
+def _startup_rank(rank: int, port: int, world: int, hf_dir: str, layout: dict, out: str) -> None:
+    """One rank of a fresh world: ``MegatronTrainStrategy.initialize()`` once, timed barrier to
+    barrier; rank 0 writes the seconds and every rank its parameters' checksums."""
     import json
     import warnings
 
@@ -163,54 +167,37 @@ def _startup_rank(
     if cuda:
         torch.cuda.set_device(device)
     init_default_group(rank, world, device, master_addr="127.0.0.1", master_port=port)
-    shims = None
-    if not cuda:
-        sys.path.insert(0, str(ROOT / "tests" / "megatron"))
-        import compat
-        from cuda_on_cpu import cuda_on_cpu
+    with contextlib.ExitStack() as stack:
+        if not cuda:
+            sys.path.insert(0, str(ROOT / "tests" / "megatron"))
+            import compat
+            from cuda_on_cpu import cuda_on_cpu
 
-        compat.apply()
-        shims = cuda_on_cpu()
-        shims.__enter__()
-    rows, sums = [], {}
-    try:
-        for i in range(2 * repeats):
-            source = ("hf", "mcore")[i % 2]
-            strategy_config = dict(layout, **({"mcore_checkpoint": mcore_dir} if source == "mcore" else {}))
-            role = RoleConfig(
-                model_args=ModelArgs(model_name_or_path=hf_dir, dtype="bf16" if cuda else "fp32"),
-                training_args=TrainingArgs(learning_rate=1e-6),
-                strategy_args=StrategyArgs("megatron_train", strategy_config),
-            )
-            strategy = load_strategy_class("megatron_train")(
-                role, WorkerContext("actor_train", rank, world, rank, device)
-            )
-            dist.barrier()
-            start = time.perf_counter()
-            strategy.initialize()
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            seconds = time.perf_counter() - start
-            checksum = [float(p.detach().double().sum()) for c in strategy.model for p in c.parameters()]
-            sums.setdefault(source, checksum)
-            rows.append({"source": source, "seconds": seconds})
-            del strategy
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        same = sums["hf"] == sums["mcore"]
-        agreed = [None] * world
-        dist.all_gather_object(agreed, same)
-        if rank == 0:
-            Path(out).write_text(json.dumps({"rows": rows, "same_weights": all(agreed)}))
-    finally:
-        if shims is not None:
-            shims.__exit__(None, None, None)
-        dist.destroy_process_group()
+            compat.apply()
+            stack.enter_context(cuda_on_cpu())
+        stack.callback(dist.destroy_process_group)
+        role = RoleConfig(
+            model_args=ModelArgs(model_name_or_path=hf_dir, dtype="bf16" if cuda else "fp32"),
+            training_args=TrainingArgs(learning_rate=1e-6),
+            strategy_args=StrategyArgs("megatron_train", dict(layout)),
+        )
+        strategy = load_strategy_class("megatron_train")(
+            role, WorkerContext("actor_train", rank, world, rank, device)
+        )
+        dist.barrier()
+        start = time.perf_counter()
+        strategy.initialize()
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        checksum = [float(p.detach().double().sum()) for c in strategy.model for p in c.parameters()]
+        Path(f"{out}.rank{rank}").write_text(json.dumps({"seconds": seconds, "checksum": checksum}))
 
 
 def measure_startup(hf_dir: Path, mcore_dir: Path, args: argparse.Namespace, scratch: Path) -> dict:
+    """``args.startup_repeats`` starts from HF and as many from the dist checkpoint, alternating,
+    each in a fresh world of TP x PP x EP processes."""
     import json
 
     import torch.multiprocessing as mp
@@ -225,10 +212,18 @@ def measure_startup(hf_dir: Path, mcore_dir: Path, args: argparse.Namespace, scr
     if args.vpp:
         layout["virtual_pipeline_model_parallel_size"] = args.vpp
     world = args.tp * args.pp * args.ep
-    out = scratch / "startup.json"
-    call = (world, str(hf_dir), str(mcore_dir), layout, args.startup_repeats, str(out))
-    mp.spawn(_startup_rank, args=(free_port(), *call), nprocs=world, join=True)
-    return json.loads(out.read_text())
+    rows, sums = [], {}
+    for i in range(2 * args.startup_repeats):
+        source = ("hf", "mcore")[i % 2]
+        config = dict(layout, **({"mcore_checkpoint": str(mcore_dir)} if source == "mcore" else {}))
+        out = scratch / f"startup{i}"
+        mp.spawn(
+            _startup_rank, args=(free_port(), world, str(hf_dir), config, str(out)), nprocs=world, join=True
+        )
+        ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+        rows.append({"source": source, "seconds": ranks[0]["seconds"]})
+        sums.setdefault(source, [r["checksum"] for r in ranks])
+    return {"rows": rows, "same_weights": sums["hf"] == sums["mcore"]}
 
 
 # ---------------------------------------------------------------------------------------- main

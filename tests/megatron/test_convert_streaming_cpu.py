@@ -147,6 +147,8 @@ def test_bad_input_is_one_line(group, hf_dir: Path, tmp_path: Path, capsys) -> N
     assert capsys.readouterr().err.strip().startswith("ConfigError: --max_shard_size: 'lots' is not a size")
     assert convert.main([*args[:-1], "0"]) == 2
     assert capsys.readouterr().err.strip() == "ConfigError: --max_shard_size: '0': a size must be positive"
+    assert convert.main([*args[:-1], "1GB", "--workers", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "ConfigError: --workers: must be >= 1, got 0"
 
     # An HF tensor of the wrong shape: CheckpointError naming it and its file, nothing written.
     bad = tmp_path / "bad"

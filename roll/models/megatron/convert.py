@@ -1,16 +1,17 @@
-"""Offline HF <-> megatron-core dist checkpoint conversion.
+"""Offline HF <-> megatron-core dist checkpoint conversion, streaming tensor by tensor.
 
     python -m roll.models.megatron.convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2 --ep 1 [--vpp 2]
-    python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR
+    python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR [--max_shard_size 2GB]
 
 ``hf-to-mcore`` starts TP x PP x DP ranks (DP = EP, so the experts split over EP ranks; one process
-per GPU where CUDA exists, gloo on CPU), each building its chunks of the layout, reading only its
-own slices of the HF safetensors (``hf_io.load_hf_weights``) and writing them with megatron's
-``dist_checkpointing`` under ``DIR/mcore``. ``DIR`` also gets the HF ``config.json``, the tokenizer
-and ``roll_mcore.json`` (model type, layout, padded vocab). ``mcore-to-hf`` loads such a checkpoint
-into the layout it was written with and writes the HF safetensors back (``hf_io.save_hf_checkpoint``,
-one part per exporting rank). The conversion is exact: an HF -> mcore -> HF round trip gives the
-original tensors bit for bit.
+per GPU where CUDA exists, gloo on CPU), each building its chunks of the layout on the ``meta``
+device and writing them with megatron's ``dist_checkpointing`` under ``DIR/mcore``, each tensor
+read from its slices of the HF safetensors only when the writer writes it
+(``stream_save.save_from_hf``: a rank holds one parameter at a time). ``DIR`` also gets the HF
+``config.json``, the tokenizer and ``roll_mcore.json`` (model type, layout, padded vocab).
+``mcore-to-hf`` writes the HF safetensors back in parts of at most ``--max_shard_size`` bytes,
+each worker loading only the tensors of the part it writes (``stream_export.export_to_hf``). The
+conversion is exact: an HF -> mcore -> HF round trip gives the original tensors bit for bit.
 
 The per-rank halves (``write_mcore``, ``read_mcore``) are what the CLI's ranks run; they are
 collective over the default process group.
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             world = world_size(cfg)
             call = (args.hf, args.out, cfg)
         else:
-            world = args.workers or world_size(layout_config(**read_manifest(args.mcore)["layout"]))
+            world = world_size(layout_config(**read_manifest(args.mcore)["layout"]))
+            world = world if args.workers is None else args.workers
             if world < 1:
                 raise ConfigError("--workers", f"must be >= 1, got {world}")
             try:
