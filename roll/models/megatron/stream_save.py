@@ -8,13 +8,14 @@ strategy (``StreamingSaveStrategy``) that writes PyTorch's distributed-checkpoin
 megatron's own ``torch_dist`` strategy does, but asks for each tensor only when the writer is
 about to write it: the planner's ``resolve_data`` reads that parameter's slices of the HF files
 (``hf_io.weight_value``, the loader of the strategies), hands out the view the ShardedTensor
-describes, and the tensor is written and dropped before the next is read. The two halves of a
-swiglu ``linear_fc1`` come one after the other (the writer keeps the plan's order), so one
-parameter value is kept for the next request.
+describes, and the writer (``StreamingFileSystemWriter``) writes it and drops it before it asks
+for the next. Items come in the plan's order, so the two halves of a swiglu ``linear_fc1`` come one
+after the other and share one read (the last parameter value is kept for the next request).
 
-So a rank holds about one parameter (plus its pieces while they are fused) at a time;
-``HFSource.peak_bytes`` is the most parameter-value bytes that were alive at once. The result is
-an ordinary ``torch_dist`` checkpoint: ``dist_checkpointing.load`` reads it unchanged.
+So a rank holds one parameter value at a time (plus, while it is read, the HF pieces it is fused
+from); ``HFSource.peak_bytes`` is the most parameter-value bytes that were alive at once. The
+result is an ordinary ``torch_dist`` checkpoint (PyTorch's ``.distcp`` files and ``.metadata``,
+megatron's ``metadata.json`` and ``common.pt``): ``dist_checkpointing.load`` reads it unchanged.
 
 >>> chunks = meta_chunks(hf_config, megatron_cfg, torch.bfloat16)
 >>> source = save_from_hf(chunks, "/models/Qwen2.5-7B", "/ckpt/q7/mcore")   # collective
