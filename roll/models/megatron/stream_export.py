@@ -11,11 +11,13 @@ the parameters' shapes), unfuses them into HF tensors (``hf_io._hf_tensors``, th
 strategies) and writes them as ``model-0000i-of-0000N.safetensors`` (``model.safetensors`` when
 there is one part). Rank 0 writes the index, ``config.json`` and the tokenizer.
 
-So a rank holds one part at a time (its parameters, then their HF tensors: about two parts'
-bytes at the peak). The loads are collective (every rank takes part in every round, loading
+So a rank holds one part at a time: its parameters, turned into HF tensors one by one (a fused
+parameter's q/k/v or gate/up are copied apart), plus the checkpoint chunk being read. The loads
+are collective (every rank takes part in every round, loading
 nothing once it has no part left).
 
->>> export_to_hf("/ckpt/q7", "/models/q7-back", hf_config, manifest, max_shard_bytes=2 << 30)
+>>> chunks = stream_save.meta_chunks(hf_config, whole_model_cfg, torch.bfloat16)   # TP = PP = EP = 1
+>>> parts = export_to_hf(chunks, "/ckpt/q7/mcore", "/models/q7-back", max_shard_bytes=2 * 10**9)
 """
 
 from __future__ import annotations
@@ -135,11 +137,14 @@ def _write_part(part: list[_Entry], values: dict[str, torch.Tensor], info: Any, 
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def _write_index(parts: list[list[_Entry]], out: Path, info: wm.ConversionInfo) -> None:
+def _check_complete(parts: list[list[_Entry]], info: wm.ConversionInfo) -> None:
     names = [name for part in parts for entry in part for name in entry.weight.hf]
     missing = sorted(wm.expected_hf_names(info) - set(names))
     if missing or len(names) != len(set(names)):
         raise RuntimeError(f"export is missing HF tensors {missing[:8]} or repeats some")
+
+
+def _write_index(parts: list[list[_Entry]], out: Path) -> None:
     if len(parts) == 1:
         return
     weight_map = {
@@ -159,6 +164,7 @@ def export_to_hf(
     group; returns the parts (what each holds)."""
     info = hf_io.unwrap(chunks[0]).roll_hf_info
     parts = plan_parts(_entries(chunks, str(mcore_dir)), max_shard_bytes)
+    _check_complete(parts, info)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,5 +176,5 @@ def export_to_hf(
             _write_part(part, values, info, out / part_file(index, len(parts)))
         del values
     if rank == 0:
-        _write_index(parts, out, info)
+        _write_index(parts, out)
     return parts
