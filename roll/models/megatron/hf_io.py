@@ -126,8 +126,10 @@ class _Checkpoint:
 
     def meta(self, name: str, shape: list[int]) -> torch.Tensor:
         """An empty ``meta`` tensor of ``shape`` and of the dtype ``name`` has in the file."""
-        dtype = _SAFETENSORS_DTYPES[self._open(self.files[name]).get_slice(name).get_dtype()]
-        return torch.empty(shape, dtype=dtype, device="meta")
+        dtype = self._open(self.files[name]).get_slice(name).get_dtype()
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.where(name)} has dtype {dtype}, which roll does not convert")
+        return torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype], device="meta")
 
     def read(self, name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """The whole tensor (``dim`` None) or rows/columns [start, stop) of dim 0/1."""
