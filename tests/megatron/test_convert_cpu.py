@@ -1,8 +1,9 @@
 """``roll.models.megatron.convert`` on two CPU ranks (gloo, fp32, the CPU shims): HF -> mcore dist
 checkpoint -> HF gives every original tensor bit for bit, for each family roll knows and several
-layouts; megatron_train starts from the dist checkpoint (``mcore_checkpoint``) with the same weights
-as from HF; a layout the model cannot split and a checkpoint of another family / TP are one-line
-errors."""
+layouts, each rank holding one parameter value at a time while it writes (the export in parts of
+20 kB); megatron_train starts from the dist checkpoint (``mcore_checkpoint``) with the same
+weights as from HF; a layout the model cannot split and a checkpoint of another family / TP are
+one-line errors."""
 
 from __future__ import annotations
 
@@ -116,8 +117,13 @@ def _worker(rank: int, port: int, scratch: str) -> None:
             for name, tp, pp, ep, vpp in LAYOUTS:
                 tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
                 mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
-                convert.write_mcore(Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp))
-                convert.read_mcore(mcore, back)
+                source = convert.write_mcore(
+                    Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp)
+                )
+                largest = max(p.numel() * p.element_size() for _, p, _ in source.items.values())
+                if source.peak_bytes > largest:  # one parameter value at a time
+                    bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
+                convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
                 if rank == 0:
                     original, again = _tensors(Path(scratch, name)), _tensors(back)
                     if original.keys() != again.keys():

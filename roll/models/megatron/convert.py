@@ -1,16 +1,17 @@
-"""Offline HF <-> megatron-core dist checkpoint conversion.
+"""Offline HF <-> megatron-core dist checkpoint conversion, streaming tensor by tensor.
 
     python -m roll.models.megatron.convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2 --ep 1 [--vpp 2]
-    python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR
+    python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR [--max_shard_size 2GB]
 
 ``hf-to-mcore`` starts TP x PP x DP ranks (DP = EP, so the experts split over EP ranks; one process
-per GPU where CUDA exists, gloo on CPU), each building its chunks of the layout, reading only its
-own slices of the HF safetensors (``hf_io.load_hf_weights``) and writing them with megatron's
-``dist_checkpointing`` under ``DIR/mcore``. ``DIR`` also gets the HF ``config.json``, the tokenizer
-and ``roll_mcore.json`` (model type, layout, padded vocab). ``mcore-to-hf`` loads such a checkpoint
-into the layout it was written with and writes the HF safetensors back (``hf_io.save_hf_checkpoint``,
-one part per exporting rank). The conversion is exact: an HF -> mcore -> HF round trip gives the
-original tensors bit for bit.
+per GPU where CUDA exists, gloo on CPU), each building its chunks of the layout on the ``meta``
+device and writing them with megatron's ``dist_checkpointing`` under ``DIR/mcore``, each tensor
+read from its slices of the HF safetensors only when the writer writes it
+(``stream_save.save_from_hf``: a rank holds one parameter at a time). ``DIR`` also gets the HF
+``config.json``, the tokenizer and ``roll_mcore.json`` (model type, layout, padded vocab).
+``mcore-to-hf`` writes the HF safetensors back in parts of at most ``--max_shard_size`` bytes,
+each worker loading only the tensors of the part it writes (``stream_export.export_to_hf``). The
+conversion is exact: an HF -> mcore -> HF round trip gives the original tensors bit for bit.
 
 The per-rank halves (``write_mcore``, ``read_mcore``) are what the CLI's ranks run; they are
 collective over the default process group.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
 
 MANIFEST = "roll_mcore.json"
+DEFAULT_MAX_SHARD = "2GB"
 SUBDIR = "mcore"
 LAYOUT_KEYS = {
     "tp": "tensor_model_parallel_size",
@@ -76,22 +79,18 @@ def check_layout(hf_dir: str | Path, cfg: MegatronConfig) -> Any:
     return hf_config
 
 
-def _chunks(hf_config: Any, cfg: MegatronConfig, dtype: torch.dtype) -> list[Any]:
+def _init_parallel(cfg: MegatronConfig) -> None:
     from roll.core.worker_context import WorkerContext
-    from roll.models.megatron.model_builder import build_model_chunks
     from roll.models.megatron.parallel import init_parallel
-    from roll.models.megatron.runtime import mark_tensor_parallel_params
 
     rank = torch.distributed.get_rank()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    init_parallel(WorkerContext("convert", rank, torch.distributed.get_world_size(), rank, device), cfg)
-    chunks = build_model_chunks(hf_config, cfg, dtype)
-    mark_tensor_parallel_params(chunks)
-    return [c.to(device) for c in chunks]
+    init_parallel(WorkerContext("convert", rank, torch.distributed.get_world_size(), rank, _device()), cfg)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -109,27 +108,23 @@ def _cpu_safe_sync() -> Iterator[None]:
         yield
 
 
-def _sharded(chunks: list[Any]) -> dict[str, Any]:
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-
-
-def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) -> None:
-    """This rank's part of ``hf-to-mcore`` (collective)."""
-    from megatron.core import dist_checkpointing
-
-    from roll.models.megatron.hf_io import load_hf_weights
+def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) -> Any:
+    """This rank's part of ``hf-to-mcore`` (collective). Returns the ``stream_save.HFSource`` that
+    fed the writer (``peak_bytes``: the most parameter bytes this rank held at once)."""
+    from roll.models.megatron.stream_save import meta_chunks, save_from_hf
 
     hf_config = check_layout(hf_dir, cfg)
     dtype = getattr(hf_config, "torch_dtype", None) or torch.float32
-    chunks = _chunks(hf_config, cfg, dtype)
-    load_hf_weights(chunks, hf_dir)
+    _init_parallel(cfg)
+    chunks = meta_chunks(hf_config, cfg, dtype)
     out = Path(out_dir)
     (out / SUBDIR).mkdir(parents=True, exist_ok=True)
     with _cpu_safe_sync():
-        dist_checkpointing.save(_sharded(chunks), str(out / SUBDIR))
+        source = save_from_hf(chunks, hf_dir, out / SUBDIR)
     if torch.distributed.get_rank() == 0:
-        _write_side_files(Path(hf_dir), out, hf_config, cfg, chunks[0].roll_hf_info.padded_vocab_size, dtype)
+        _write_side_files(Path(hf_dir), out, hf_config, cfg, source.info.padded_vocab_size, dtype)
     torch.distributed.barrier()
+    return source
 
 
 def _write_side_files(
@@ -180,31 +175,55 @@ def load_mcore_weights(chunks: list[Any], mcore_dir: str | Path) -> None:
     VPP layout of the same TP)."""
     from megatron.core import dist_checkpointing
 
+    from roll.models.megatron.stream_save import sharded_state_dict
+
     with _cpu_safe_sync():
-        state = dist_checkpointing.load(_sharded(chunks), str(Path(mcore_dir) / SUBDIR))
+        state = dist_checkpointing.load(sharded_state_dict(chunks), str(Path(mcore_dir) / SUBDIR))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[f"model{i}"], strict=True)
 
 
-def read_mcore(mcore_dir: str | Path, out_dir: str | Path) -> None:
-    """This rank's part of ``mcore-to-hf`` (collective over the manifest's layout)."""
+def whole_model_config(manifest: dict[str, Any]) -> MegatronConfig:
+    """The layout that holds every parameter whole (TP = PP = EP = 1), its vocab padded as the
+    checkpoint's (the padding depends on the TP it was written with)."""
+    return dataclasses.replace(
+        layout_config(1, 1, 1), make_vocab_size_divisible_by=manifest["padded_vocab_size"]
+    )
+
+
+def read_mcore(
+    mcore_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = DEFAULT_MAX_SHARD
+) -> Any:
+    """This rank's part of ``mcore-to-hf`` (collective over the default group, any world size):
+    HF safetensors parts of at most ``max_shard_size`` bytes each (see ``stream_export``).
+    Returns the parts written (rank ``i % world`` wrote part i)."""
     from transformers import AutoConfig
 
-    from roll.models.megatron.hf_io import save_hf_checkpoint
+    from roll.models.megatron.hf_io import _copy_tokenizer
+    from roll.models.megatron.stream_export import export_to_hf, parse_size
+    from roll.models.megatron.stream_save import meta_chunks
 
     manifest = read_manifest(mcore_dir)
-    cfg = layout_config(**manifest["layout"])
     hf_config = AutoConfig.from_pretrained(mcore_dir)
-    chunks = _chunks(hf_config, cfg, getattr(torch, manifest["dtype"]))
-    load_mcore_weights(chunks, mcore_dir)
-    save_hf_checkpoint(chunks, hf_config, out_dir, tokenizer_dir=str(mcore_dir))
+    cfg = whole_model_config(manifest)
+    _init_parallel(cfg)
+    chunks = meta_chunks(hf_config, cfg, getattr(torch, manifest["dtype"]))
+    with _cpu_safe_sync():
+        parts = export_to_hf(chunks, Path(mcore_dir) / SUBDIR, out_dir, parse_size(max_shard_size))
+    if torch.distributed.get_rank() == 0:
+        hf_config.save_pretrained(out_dir)
+        _copy_tokenizer(str(mcore_dir), Path(out_dir))
+    torch.distributed.barrier()
+    return parts
 
 
 def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> None:
+    """One rank of the CLI: on a GPU of its own for ``hf-to-mcore`` where CUDA exists (NCCL),
+    else (and always for ``mcore-to-hf``, which never touches a GPU) on the CPU over gloo."""
     from roll.utils.process_group import init_default_group
 
     device = torch.device("cpu")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and command == "hf-to-mcore":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     init_default_group(rank, world, device, master_addr="127.0.0.1", master_port=port)
@@ -214,16 +233,10 @@ def _rank_main(rank: int, port: int, world: int, command: str, args: tuple) -> N
         torch.distributed.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    import torch.multiprocessing as mp
-
-    from roll.utils.ports import free_port
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="HF <-> megatron-core dist checkpoint conversion")
     sub = parser.add_subparsers(dest="command", required=True)
-    to_mcore = sub.add_parser("hf-to-mcore")
+    to_mcore = sub.add_parser("hf-to-mcore", help="one process per rank of the layout (TP x PP x EP)")
     to_mcore.add_argument("--hf", required=True)
     to_mcore.add_argument("--out", required=True)
     for flag in ("tp", "pp", "ep"):
@@ -232,19 +245,48 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("mcore-to-hf")
     to_hf.add_argument("--mcore", required=True)
     to_hf.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    to_hf.add_argument(
+        "--max_shard_size",
+        default=DEFAULT_MAX_SHARD,
+        help="most bytes per safetensors file (2GB, 500MB, ...)",
+    )
+    to_hf.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes writing files (default: the checkpoint's TP x PP x EP)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from roll.models.megatron.stream_export import parse_size
+    from roll.utils.ports import free_port
+
+    args = _parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
             cfg = layout_config(args.tp, args.pp, args.ep, args.vpp)
             check_layout(args.hf, cfg)
+            world = world_size(cfg)
             call = (args.hf, args.out, cfg)
         else:
-            cfg = layout_config(**read_manifest(args.mcore)["layout"])
-            call = (args.mcore, args.out)
+            world = world_size(layout_config(**read_manifest(args.mcore)["layout"]))
+            world = world if args.workers is None else args.workers
+            if world < 1:
+                raise ConfigError("--workers", f"must be >= 1, got {world}")
+            try:
+                size = parse_size(args.max_shard_size)
+            except ValueError as err:
+                raise ConfigError("--max_shard_size", str(err)) from None
+            call = (args.mcore, args.out, size)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    world = world_size(cfg)
     mp.spawn(_rank_main, args=(free_port(), world, args.command, call), nprocs=world, join=True)
     print(f"{args.command}: wrote {args.out}")
     return 0

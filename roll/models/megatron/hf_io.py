@@ -42,6 +42,21 @@ from roll.models.megatron import weight_mapping as wm
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors' dtype names (``get_slice(name).get_dtype()``) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 SINGLE_FILE = "model.safetensors"
 
 
@@ -75,7 +90,8 @@ class _Checkpoint:
 
     def __init__(self, hf_dir: str | Path, stack: ExitStack):
         self.dir = Path(hf_dir)
-        self.stack = stack
+        self.files_open = ExitStack()
+        stack.callback(self.close_files)
         self.handles: dict[str, Any] = {}
         index = self.dir / INDEX_FILE
         if index.exists():
@@ -89,10 +105,16 @@ class _Checkpoint:
 
     def _open(self, file: str) -> Any:
         if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(
+            self.handles[file] = self.files_open.enter_context(
                 safe_open(self.dir / file, framework="pt", device="cpu")
             )
         return self.handles[file]
+
+    def close_files(self) -> None:
+        """Close the open files (they reopen on the next read): their memory-mapped pages leave
+        the process, so streaming readers do not accumulate the files in their resident set."""
+        self.files_open.close()
+        self.handles = {}
 
     def where(self, name: str) -> str:
         return f"tensor {name!r} in {self.dir / self.files[name]}"
@@ -101,6 +123,13 @@ class _Checkpoint:
         if name not in self.files:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         return list(self._open(self.files[name]).get_slice(name).get_shape())
+
+    def meta(self, name: str, shape: list[int]) -> torch.Tensor:
+        """An empty ``meta`` tensor of ``shape`` and of the dtype ``name`` has in the file."""
+        dtype = self._open(self.files[name]).get_slice(name).get_dtype()
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.where(name)} has dtype {dtype}, which roll does not convert")
+        return torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype], device="meta")
 
     def read(self, name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """The whole tensor (``dim`` None) or rows/columns [start, stop) of dim 0/1."""
@@ -111,15 +140,18 @@ class _Checkpoint:
 
 
 # --------------------------------------------------------------------------------------- load
-def _read_pieces(ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionInfo) -> list[torch.Tensor]:
-    """This rank's piece of each HF tensor of ``weight`` (vocab pieces zero-padded to full length)."""
+def _read_pieces(
+    ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionInfo, read: bool = True
+) -> list[torch.Tensor]:
+    """This rank's piece of each HF tensor of ``weight`` (vocab pieces zero-padded to full length);
+    with ``read=False`` empty ``meta`` tensors of the pieces' shapes (nothing is read)."""
     _, rank, size = _group_rank_size(weight.expert)
     dim = wm.TP_DIM[weight.layout]
     pieces = []
     for name in weight.hf:
         shape = ckpt.shape(name)
         if dim is None:
-            pieces.append(ckpt.read(name, None))
+            pieces.append(ckpt.read(name, None) if read else ckpt.meta(name, shape))
             continue
         if dim >= len(shape):
             raise CheckpointError(f"{ckpt.where(name)} has shape {shape}; expected at least {dim + 1} dims")
@@ -127,8 +159,14 @@ def _read_pieces(ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionI
             start, stop = wm.shard_range(weight.layout, shape[dim], size, rank, info.padded_vocab_size)
         except ValueError as err:
             raise CheckpointError(f"{ckpt.where(name)} (shape {shape}): {err}") from err
+        if not read:
+            shape = [*shape[:dim], stop - start, *shape[dim + 1 :]]
+            if weight.layout == wm.VOCAB:
+                shape[0] = info.padded_vocab_size // size
+            pieces.append(ckpt.meta(name, shape))
+            continue
         piece = ckpt.read(name, dim, start, stop)
-        if weight.layout == wm.VOCAB:
+        if weight.layout == wm.VOCAB and stop - start < info.padded_vocab_size // size:
             padded = torch.zeros(info.padded_vocab_size // size, *shape[1:], dtype=piece.dtype)
             padded[: stop - start] = piece
             piece = padded
@@ -136,21 +174,35 @@ def _read_pieces(ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionI
     return pieces
 
 
-def _load_weight(
-    ckpt: _Checkpoint, weight: wm.BoundWeight, param: torch.Tensor, info: wm.ConversionInfo
-) -> None:
-    pieces = _read_pieces(ckpt, weight, info)
+def weight_value(
+    ckpt: _Checkpoint,
+    weight: wm.BoundWeight,
+    info: wm.ConversionInfo,
+    shape: torch.Size | tuple[int, ...],
+    read: bool = True,
+) -> torch.Tensor:
+    """This rank's value of the Megatron parameter ``weight`` (of ``shape``) from the HF tensors;
+    with ``read=False`` a ``meta`` tensor (shapes checked, nothing read). CheckpointError naming the
+    tensor and file when the HF tensors do not make a parameter of ``shape``."""
+    pieces = _read_pieces(ckpt, weight, info, read)
     try:
         value = wm.fuse(weight.layout, pieces, info.heads)
     except RuntimeError as err:
         raise CheckpointError(f"{ckpt.where(weight.hf[0])}: cannot build {weight.mcore}: {err}") from err
-    if value.shape != param.shape:
+    if tuple(value.shape) != tuple(shape):
         shapes = {name: ckpt.shape(name) for name in weight.hf}
         _, rank, size = _group_rank_size(weight.expert)
         raise CheckpointError(
             f"{ckpt.where(weight.hf[0])}: HF tensors {shapes} give {list(value.shape)} for Megatron parameter "
-            f"{weight.mcore} of TP rank {rank}/{size}, which has shape {list(param.shape)}"
+            f"{weight.mcore} of TP rank {rank}/{size}, which has shape {list(shape)}"
         )
+    return value
+
+
+def _load_weight(
+    ckpt: _Checkpoint, weight: wm.BoundWeight, param: torch.Tensor, info: wm.ConversionInfo
+) -> None:
+    value = weight_value(ckpt, weight, info, param.shape)
     with torch.no_grad():
         param.copy_(value)
 
