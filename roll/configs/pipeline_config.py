@@ -95,6 +95,12 @@ class RLVRConfig:
     # Algorithm.
     adv_estimator: str = one_of("grpo", table=ADV_ESTIMATORS)
     ppo_epochs: int = bounded(1, ge=1)
+    # Where the PPO ratio's old log-probs come from. "auto": from the training forward itself
+    # (detached), with no pass of their own, where that gives exactly the same values: one PPO epoch
+    # whose step is one optimizer step, a strategy that returns them (fsdp2_train), and nothing that
+    # reads them before training (add_token_level_kl, overlong.filter); else a separate forward.
+    # "always": the separate forward every step (roll.pipeline.rlvr.stages.old_log_probs_from_train).
+    recompute_old_log_probs: str = one_of("auto", "auto", "always")
     gamma: float = bounded(1.0, ge=0, le=1)
     lambd: float = bounded(1.0, ge=0, le=1)
     pg_clip: float = bounded(0.2, ge=0)

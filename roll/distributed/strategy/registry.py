@@ -58,6 +58,10 @@ class StrategySpec:
     # (two Ray round trips per stage saved); megatron's offloader frees and restores storage on
     # any device, which the CPU pipeline tests exercise, so its calls stay.
     offloads_on_cpu: bool = False
+    # Training side: whether every row's ``log_probs`` reach ``loss_fn`` on the DP group's output
+    # rank, so the worker can return them from ``train_step`` (``train_step_with_log_probs``) and a
+    # one-update step needs no separate old-log-probs pass (``recompute_old_log_probs: auto``).
+    records_train_log_probs: bool = False
 
     @property
     def required_protocols(self) -> tuple[type, ...]:
@@ -89,6 +93,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             f"{_S}.fsdp2_strategy:FSDP2TrainStrategy",
             "train",
             protocols=(ValueModelStrategy,),
+            records_train_log_probs=True,
         ),
         StrategySpec(
             "megatron_train",

@@ -44,19 +44,19 @@ def run_pipeline(config: RLVRConfig) -> Path:
             with timer("reference"):
                 batch = stages.compute_reference_log_probs(run, batch)
             with timer("old_log_probs"):
-                batch = stages.compute_old_log_probs(run, batch)
-            batch, off_policy_metrics = stages.compute_off_policy_weights(run, batch)
+                batch = stages.compute_old_log_probs(run, batch)  # or the train forward's (auto)
+            batch = stages.compute_off_policy_weights(run, batch)
             with timer("values"):
                 batch = stages.compute_values(run, batch)
             with timer("advantages"):
                 batch, adv_metrics = stages.compute_advantages_stage(run, batch)
             with timer("train"):
-                train_metrics = stages.train_models(run, batch, step)
+                batch, train_metrics = stages.train_models(run, batch, step)
             with timer("wait_rollouts"):
                 rollouts.settle()  # async: step + 1 finishes generating before the weights change
             with timer("model_update"):
                 update_metrics = update_inference_weights(run, step)
-            metrics = stages.rollout_metrics(run, batch) | sampling_metrics | off_policy_metrics
+            metrics = stages.rollout_metrics(run, batch) | sampling_metrics
             metrics |= adv_metrics | train_metrics | update_metrics
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):

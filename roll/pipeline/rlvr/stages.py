@@ -14,6 +14,7 @@ import torch
 
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
+from roll.distributed.strategy.registry import get_strategy_spec
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
@@ -24,7 +25,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
     response_length_stats,
     score_stats_by_domain,
 )
-from roll.pipeline.rlvr.algorithms.off_policy import importance_weights
+from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
 from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
@@ -107,7 +108,10 @@ def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
 
 def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     """The trainer's log-probs before the update: the PPO ratio's denominator and the measure of
-    train/inference mismatch."""
+    train/inference mismatch. Left to the training forward (``train_models`` puts them in the batch)
+    where ``old_log_probs_from_train`` says that gives the same values."""
+    if old_log_probs_from_train(run, batch):
+        return batch
     actor = run.model("actor_train")
     with on_devices(run, "actor_train"):
         out = dp_call(
@@ -118,24 +122,57 @@ def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     return batch.union(out)
 
 
-def compute_off_policy_weights(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[str, float]]:
+def old_log_probs_from_train(run: RLVRRun, batch: Batch) -> bool:
+    """Whether the training forward gives exactly the old log-probs (``recompute_old_log_probs:
+    auto``): the step is one optimizer step over the whole batch (one PPO epoch, each rank's rows one
+    mini-batch), so every micro-batch's forward runs before the update, and nothing reads them
+    before training (``add_token_level_kl`` puts them into the rewards; ``overlong.filter`` masks
+    rows out of the training batch that the metrics still read). The strategy must return them
+    (its registry row's ``records_train_log_probs``)."""
+    config = run.config
+    if config.recompute_old_log_probs == "always" or config.ppo_epochs != 1:
+        return False
+    if config.add_token_level_kl or config.overlong.filter:
+        return False
+    if not get_strategy_spec(config.actor_train.strategy_args.strategy_name).records_train_log_probs:
+        return False
+    args = config.actor_train.training_args
+    rows_per_rank = -(-len(batch) // run.model("actor_train").dp_size)
+    return rows_per_rank <= args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def compute_off_policy_weights(run: RLVRRun, batch: Batch) -> Batch:
     """``is_weights`` [B, R] from ``off_policy_correction`` (TIS / MIS of old_log_probs over the
-    engine's infer_logprobs); nothing when the mode is ``none``."""
+    engine's infer_logprobs); nothing when the mode is ``none``, or when the old log-probs come
+    from the training forward (the loss computes the same weights from them)."""
     correction = run.config.off_policy_correction
     if correction.mode == "none":
-        return batch, {}
+        return batch
     if "infer_logprobs" not in batch:
         strategy = run.config.actor_infer.strategy_args.strategy_name
         raise RuntimeError(
             f"off_policy_correction.mode={correction.mode!r} needs the engine's log-probs, and actor_infer "
             f"({strategy}) returned none; set off_policy_correction.mode: none"
         )
-    weights, metrics = importance_weights(
+    if "old_log_probs" in batch:
+        batch.tensors["is_weights"] = correction_weights(
+            batch["old_log_probs"], batch["infer_logprobs"], batch["response_mask"],
+            correction.mode, correction.level, correction.cap,
+        )  # fmt: skip
+    return batch
+
+
+def off_policy_metrics(run: RLVRRun, batch: Batch) -> dict[str, float]:
+    """``off_policy/*`` (``importance_weights``) of the step's old log-probs, after training (they
+    may come from the training forward); nothing when the correction is off."""
+    correction = run.config.off_policy_correction
+    if correction.mode == "none":
+        return {}
+    _, metrics = importance_weights(
         batch["old_log_probs"], batch["infer_logprobs"], batch["response_mask"],
         correction.mode, correction.level, correction.cap,
     )  # fmt: skip
-    batch.tensors["is_weights"] = weights
-    return batch, metrics
+    return metrics
 
 
 def compute_values(run: RLVRRun, batch: Batch) -> Batch:
@@ -169,26 +206,35 @@ def compute_advantages_stage(run: RLVRRun, batch: Batch) -> tuple[Batch, dict[st
     return batch, metrics
 
 
-def train_models(run: RLVRRun, batch: Batch, step: int) -> dict[str, float]:
+def train_models(run: RLVRRun, batch: Batch, step: int) -> tuple[Batch, dict[str, float]]:
+    """Train the critic (when configured) and the actor; returns the batch, with ``old_log_probs``
+    and ``entropy`` from the actor's training forward when ``compute_old_log_probs`` left them to it,
+    and the metrics."""
     config = run.config
     metrics: dict[str, float] = {}
     train_fields = [k for k in _TRAIN_FIELDS if k in batch]
+    if config.off_policy_correction.mode != "none" and "old_log_probs" not in batch:
+        train_fields.append("infer_logprobs")  # the loss computes the weights
+    train_batch = batch.select(train_fields)
     if config.overlong.filter and "truncated" in batch:
         # DAPO overlong filtering: truncated responses leave the loss (and its token count).
         keep = (~batch["truncated"]).unsqueeze(-1).to(batch["response_mask"].dtype)
-        batch = batch.select(train_fields)
-        batch.tensors["response_mask"] = batch["response_mask"] * keep
+        train_batch.tensors["response_mask"] = batch["response_mask"] * keep
+    seed = config.seed + step
     if "critic" in run.clusters:
         with on_devices(run, "critic"):
             out = run.model("critic").train_step(
-                batch.select(train_fields), make_critic_loss_fn(config), config.seed + step, config.ppo_epochs
+                train_batch, make_critic_loss_fn(config), seed, config.ppo_epochs
             )
         metrics |= _mean_over_ranks(out, "critic")
+    actor, loss_fn = run.model("actor_train"), make_actor_loss_fn(config)
     with on_devices(run, "actor_train"):
-        out = run.model("actor_train").train_step(
-            batch.select(train_fields), make_actor_loss_fn(config), config.seed + step, config.ppo_epochs
-        )
-    return metrics | _mean_over_ranks(out, "actor")
+        if "old_log_probs" in batch:
+            out = actor.train_step(train_batch, loss_fn, seed, config.ppo_epochs)
+        else:
+            out, recorded = actor.train_step_with_log_probs(train_batch, loss_fn, seed)
+            batch = batch.union(recorded)
+    return batch, metrics | _mean_over_ranks(out, "actor")
 
 
 def rollout_metrics(run: RLVRRun, batch: Batch) -> dict[str, float]:
@@ -203,7 +249,7 @@ def rollout_metrics(run: RLVRRun, batch: Batch) -> dict[str, float]:
         metrics["actor/ref_kl"] = masked_mean(kl, mask.float()).item()
     if "entropy" in batch:
         metrics["rollout/entropy"] = masked_mean(batch["entropy"], mask.float()).item()
-    return metrics
+    return metrics | off_policy_metrics(run, batch)
 
 
 def run_validation(run: RLVRRun, step: int) -> dict[str, float]:

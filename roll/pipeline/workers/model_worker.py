@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from roll.core.batch import Batch
-from roll.core.loss import LossFn
+from roll.core.loss import ROW_INDEX, LogProbRecorder, LossFn
 from roll.core.sampling import SamplingParams
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
@@ -82,6 +82,25 @@ class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
                     collected[key].append(float(value))
         return {key: float(np.mean(values)) for key, values in collected.items()}
 
+    @register(Dispatch.DP_COMPUTE)
+    def train_step_with_log_probs(
+        self, batch: Batch, loss_fn: LossFn, seed: int
+    ) -> tuple[dict[str, float], Batch]:
+        """``train_step`` of one epoch on a shard that is one mini-batch (one optimizer step, every
+        micro-batch's forward before it), returning with its metrics the ``log_probs`` and
+        ``entropy`` that forward computed: the old log-probs, without a pass of their own. Rows
+        are named by ``row_index`` (a token budget may move rows between ranks)."""
+        args = self.role_config.training_args
+        mini = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        if len(batch) > mini:
+            raise ValueError(
+                f"{self.role}: train_step_with_log_probs needs one optimizer step, but {len(batch)} rows "
+                f"per rank make {-(-len(batch) // mini)} mini-batches of {mini}"
+            )
+        recorder = LogProbRecorder(loss_fn)
+        metrics = self.train_step(batch, recorder, seed, 1)
+        return metrics, recorder.batch()
+
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self) -> None:
         self.strategy.offload_states()
@@ -136,6 +155,18 @@ class ModelCluster(Cluster):
         """One metrics dict per DP rank."""
         return self.call(ModelWorker.train_step, batch, loss_fn, seed, ppo_epochs)
 
+    def train_step_with_log_probs(
+        self, batch: Batch, loss_fn: LossFn, seed: int
+    ) -> tuple[list[dict[str, float]], Batch]:
+        """One optimizer step (one epoch, one mini-batch per rank) that also returns the log-probs its
+        forward computed before the update: (metrics per DP rank, ``old_log_probs`` and ``entropy``
+        [B, R] in ``batch``'s row order)."""
+        rows = Batch.from_dict({ROW_INDEX: torch.arange(len(batch))})
+        results = self.call(ModelWorker.train_step_with_log_probs, batch.union(rows), loss_fn, seed)
+        metrics = [m for m, _ in results]
+        recorded = Batch.concat([b for _, b in results])
+        return metrics, in_row_order(recorded, len(batch), self.role)
+
     def offload_states(self) -> None:
         self.call(ModelWorker.offload_states)
 
@@ -154,3 +185,21 @@ class ModelCluster(Cluster):
     def model_update_version(self) -> list[int | None]:
         """The weight version every rank holds (see ``roll.distributed.model_update``)."""
         return self.call(ModelWorker.model_update_version)
+
+
+def in_row_order(recorded: Batch, rows: int, role: str) -> Batch:
+    """``old_log_probs`` and ``entropy`` [rows, R] from a ``LogProbRecorder``'s rows, which came in
+    any order and from any rank; a row no rank recorded is an error."""
+    index = recorded[ROW_INDEX]
+    seen = torch.zeros(rows, dtype=torch.bool)
+    seen[index] = True
+    if not seen.all():
+        missing = (~seen).nonzero().flatten().tolist()
+        raise RuntimeError(f"{role}: the training forward gave no log-probs for rows {missing[:8]}")
+    out = {}
+    for key, name in (("log_probs", "old_log_probs"), ("entropy", "entropy")):
+        if key in recorded:
+            values = recorded[key]
+            out[name] = values.new_zeros((rows, *values.shape[1:]))
+            out[name][index] = values
+    return Batch.from_dict(out)

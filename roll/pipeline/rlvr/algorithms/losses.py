@@ -7,7 +7,8 @@ function pickles cheaply when the pipeline sends it to the train workers through
     metrics = strategy.train_step(micro_batches, loss_fn)
 
 Actor micro-batch fields: ``advantages``, ``response_mask`` (always), ``old_log_probs`` (optional,
-see ``actor_loss``), ``ref_log_probs`` (when ``use_kl_loss``). Actor outputs: ``log_probs`` and
+see ``actor_loss``), ``ref_log_probs`` (when ``use_kl_loss``), ``is_weights`` or, without old
+log-probs, ``infer_logprobs`` (when ``off_policy_correction`` is on). Actor outputs: ``log_probs`` and
 ``entropy`` ``[b, R]``. Critic: outputs ``values``; micro-batch ``returns``, ``response_mask`` and,
 for value clipping, ``values`` (the critic's values before the update).
 """
@@ -23,6 +24,7 @@ from roll.core.batch import Batch
 from roll.core.loss import LossFn
 from roll.pipeline.rlvr.algorithms.kl import get_kl_estimator
 from roll.pipeline.rlvr.algorithms.masked import agg_loss, masked_mean
+from roll.pipeline.rlvr.algorithms.off_policy import correction_weights
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -150,17 +152,24 @@ def actor_loss(
     use_kl_loss: bool,
     kl_loss_coef: float,
     kl_loss_type: str,
+    correction: tuple[str, str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``total = pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss`` (KL only when ``use_kl_loss``).
 
-    Without ``old_log_probs`` in the micro-batch (one update per rollout batch, nothing to be off
-    policy from) the ratio uses the detached current log-probs: r == 1 in value, but its gradient is
-    the policy gradient ``-A * grad log pi``.
+    Without ``old_log_probs`` in the micro-batch (one update per rollout batch: the forward before
+    the update gives them, see ``recompute_old_log_probs``) the ratio uses the detached current
+    log-probs: r == 1 in value, but its gradient is the policy gradient ``-A * grad log pi``. The
+    off-policy weights (``correction`` = off_policy_correction's (mode, level, cap)) are then
+    computed here from those same detached log-probs and ``infer_logprobs``; with old log-probs
+    the micro-batch brings them as ``is_weights``.
     """
     log_probs = outputs["log_probs"]
     mask = batch["response_mask"]
-    old_log_probs = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
+    recorded = "old_log_probs" not in batch
+    old_log_probs = log_probs.detach() if recorded else batch["old_log_probs"]
     weights = batch["is_weights"] if "is_weights" in batch else None
+    if weights is None and recorded and correction is not None:
+        weights = correction_weights(old_log_probs, batch["infer_logprobs"], mask, *correction)
     loss, pg_metrics = policy_loss(
         log_probs,
         old_log_probs,
@@ -218,6 +227,8 @@ def make_actor_loss_fn(config: RLVRConfig) -> LossFn:
         raise ValueError(f"dual_clip_c: must be > 1, got {dual_clip_c}")
     if config.use_kl_loss:
         get_kl_estimator(config.kl_loss_type, "kl_loss_type")
+    off_policy = config.off_policy_correction
+    correction = None if off_policy.mode == "none" else (off_policy.mode, off_policy.level, off_policy.cap)
     return functools.partial(
         actor_loss,
         clip_low=clip_low,
@@ -228,6 +239,7 @@ def make_actor_loss_fn(config: RLVRConfig) -> LossFn:
         use_kl_loss=config.use_kl_loss,
         kl_loss_coef=float(config.kl_loss_coef),
         kl_loss_type=config.kl_loss_type,
+        correction=correction,
     )
 
 

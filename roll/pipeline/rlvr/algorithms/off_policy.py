@@ -35,6 +35,36 @@ def importance_weights(
     """Weights ``[B, R]`` (0 on padding) and metrics of the raw ratio and of the correction:
     ``off_policy/ratio_{mean,min,max,p50,p95}`` over the tokens (or sequences), ``off_policy/capped_frac``
     (share truncated or masked) and ``off_policy/weight_mean``."""
+    weights, samples = _weights(old_log_probs, infer_logprobs, response_mask, mode, level, cap)
+    mask = response_mask.to(old_log_probs.dtype)
+    return weights, _ratio_metrics(samples, cap) | {
+        "off_policy/weight_mean": masked_mean(weights, mask).item()
+    }
+
+
+def correction_weights(
+    old_log_probs: torch.Tensor,
+    infer_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    level: str,
+    cap: float,
+) -> torch.Tensor:
+    """The weights of ``importance_weights`` alone (no metrics): a row's weights depend on that row
+    only, so a micro-batch's are those of the whole batch (the loss computes them per micro-batch
+    when the old log-probs come from its own forward)."""
+    return _weights(old_log_probs, infer_logprobs, response_mask, mode, level, cap)[0]
+
+
+def _weights(
+    old_log_probs: torch.Tensor,
+    infer_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    level: str,
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B, R], the raw ratios the metrics describe: per valid token or per sequence)."""
     mask = response_mask.to(old_log_probs.dtype)
     log_ratio = (old_log_probs - infer_logprobs) * mask
     if level == "sequence":
@@ -54,10 +84,7 @@ def importance_weights(
         weights = torch.where(over, torch.zeros_like(ratio), ratio)
     else:
         raise ValueError(f"mode: expected 'tis' or 'mis', got {mode!r}")
-    weights = weights * mask
-    return weights, _ratio_metrics(samples, cap) | {
-        "off_policy/weight_mean": masked_mean(weights, mask).item()
-    }
+    return weights * mask, samples
 
 
 def _ratio_metrics(samples: torch.Tensor, cap: float) -> dict[str, float]:
