@@ -183,6 +183,31 @@ def test_hf_weights_match_the_hf_state_dict_and_export_loads(two_rank_result, mo
     assert torch.allclose(got, expected_logps, atol=1e-5)
 
 
+def _gather_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from roll.distributed.strategy.fsdp2_strategy import gather_dim0_shards
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    gen = torch.Generator().manual_seed(0)
+    # Uneven splits (5 rows: 3 + 2), a rank with no rows (1 row), more dims.
+    fulls = [torch.randn(shape, generator=gen) for shape in ((5, 3), (1,), (4,), (7, 2, 2))]
+    shards = [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
+    gathered = gather_dim0_shards(shards, torch.device("cpu"), mesh.get_group())
+    assert all(torch.equal(g, f) for g, f in zip(gathered, fulls))
+    assert all(torch.equal(g, s.full_tensor()) for g, s in zip(gathered, shards))
+    Path(out, f"ok{rank}").touch()
+    dist.destroy_process_group()
+
+
+def test_grouped_gather_of_uneven_shards_equals_full_tensor(tmp_path):
+    mp.spawn(_gather_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
 def test_value_model_trains(model_dir, one_rank):
     critic = make_strategy(model_dir, 0, 1, model_type="value", lr=1e-2)
     micro = local_micro_batches(0, 1)
