@@ -105,6 +105,9 @@ class FSDP2TrainStrategy:
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
+            # The multi-tensor update, which torch picks only for CUDA tensors: on CPU the per-tensor
+            # loop dispatches every op of every DTensor shard (27 -> 7 ms CPU per step, example model).
+            foreach=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         try:
