@@ -223,16 +223,16 @@ def test_the_pass_runs_where_the_train_forward_is_not_the_same(config):
     assert batch["old_log_probs"].unique().tolist() == [-1.0] and "is_weights" in batch
 
 
-def test_the_worker_refuses_to_record_over_several_optimizer_steps():
+@pytest.mark.parametrize(("rows", "epochs", "steps"), [(4, 1, 2), (2, 2, 2)])
+def test_the_worker_refuses_to_record_over_several_optimizer_steps(rows, epochs, steps):
     worker = SimpleNamespace(
         role="actor_train",
         role_config=RoleConfig(
             training_args=TrainingArgs(per_device_train_batch_size=2, gradient_accumulation_steps=1)
         ),
-        train_step=lambda *args: pytest.fail("trained"),
     )
-    batch = Batch.from_dict({"x": torch.zeros(4)})
+    batch = Batch.from_dict({"x": torch.zeros(rows)})
     with pytest.raises(
-        ValueError, match="needs one optimizer step, but 4 rows per rank make 2 mini-batches of 2"
+        ValueError, match=f"record_log_probs needs one optimizer step, .* make {steps} of 2 rows"
     ):
-        ModelWorker.train_step_with_log_probs(worker, batch, lambda o, m: None, 0)
+        ModelWorker.train_step(worker, batch, lambda o, m: None, 0, epochs, record_log_probs=True)

@@ -59,7 +59,7 @@ class StrategySpec:
     # any device, which the CPU pipeline tests exercise, so its calls stay.
     offloads_on_cpu: bool = False
     # Training side: whether every row's ``log_probs`` reach ``loss_fn`` on the DP group's output
-    # rank, so the worker can return them from ``train_step`` (``train_step_with_log_probs``) and a
+    # rank, so the worker can return them from ``train_step`` (``record_log_probs``) and a
     # one-update step needs no separate old-log-probs pass (``recompute_old_log_probs: auto``).
     records_train_log_probs: bool = False
 

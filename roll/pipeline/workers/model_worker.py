@@ -32,6 +32,16 @@ from roll.distributed.scheduler.cluster import Cluster
 from roll.utils.rng import rng_state, seed_everything, set_rng_state
 
 
+@dataclasses.dataclass
+class TrainStepResult:
+    """What ``ModelWorker.train_step`` returns from a rank: its metrics (the mean over its optimizer
+    steps) and, with ``record_log_probs``, the rows' ``row_index``, ``log_probs`` and ``entropy`` of
+    the training forward."""
+
+    metrics: dict[str, float]
+    log_probs: Batch | None = None
+
+
 class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def initialize(self, total_optimizer_steps: int | None = None) -> None:
@@ -67,11 +77,26 @@ class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
         return Batch.from_dict({"values": self.strategy.compute_values(batch).cpu()})
 
     @register(Dispatch.DP_COMPUTE)
-    def train_step(self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1) -> dict[str, float]:
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1, record_log_probs: bool = False
+    ) -> TrainStepResult:
         """``ppo_epochs`` passes over this rank's shard, one optimizer step per mini-batch of
-        per_device_train_batch_size x gradient_accumulation_steps rows, shuffled per epoch."""
+        per_device_train_batch_size x gradient_accumulation_steps rows, shuffled per epoch.
+
+        ``record_log_probs``: the step must be one optimizer step (one epoch, the shard one
+        mini-batch), so every micro-batch's forward runs before the update; the ``log_probs`` and
+        ``entropy`` it computed come back in ``TrainStepResult.log_probs`` by ``row_index`` (a token
+        budget may move rows between ranks): the old log-probs, without a pass of their own."""
         args = self.role_config.training_args
         mini = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        recorder = None
+        if record_log_probs:
+            if ppo_epochs != 1 or len(batch) > mini:
+                raise ValueError(
+                    f"{self.role}: record_log_probs needs one optimizer step, but {ppo_epochs} epoch(s) of "
+                    f"{len(batch)} rows per rank make {ppo_epochs * -(-len(batch) // mini)} of {mini} rows"
+                )
+            loss_fn = recorder = LogProbRecorder(loss_fn)
         generator = torch.Generator().manual_seed(seed)
         collected: dict[str, list[float]] = defaultdict(list)
         for _ in range(ppo_epochs):
@@ -80,26 +105,8 @@ class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
                 micro_batches = mini_batch.split(args.per_device_train_batch_size)
                 for key, value in self.strategy.train_step(micro_batches, loss_fn).items():
                     collected[key].append(float(value))
-        return {key: float(np.mean(values)) for key, values in collected.items()}
-
-    @register(Dispatch.DP_COMPUTE)
-    def train_step_with_log_probs(
-        self, batch: Batch, loss_fn: LossFn, seed: int
-    ) -> tuple[dict[str, float], Batch]:
-        """``train_step`` of one epoch on a shard that is one mini-batch (one optimizer step, every
-        micro-batch's forward before it), returning with its metrics the ``log_probs`` and
-        ``entropy`` that forward computed: the old log-probs, without a pass of their own. Rows
-        are named by ``row_index`` (a token budget may move rows between ranks)."""
-        args = self.role_config.training_args
-        mini = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        if len(batch) > mini:
-            raise ValueError(
-                f"{self.role}: train_step_with_log_probs needs one optimizer step, but {len(batch)} rows "
-                f"per rank make {-(-len(batch) // mini)} mini-batches of {mini}"
-            )
-        recorder = LogProbRecorder(loss_fn)
-        metrics = self.train_step(batch, recorder, seed, 1)
-        return metrics, recorder.batch()
+        metrics = {key: float(np.mean(values)) for key, values in collected.items()}
+        return TrainStepResult(metrics, recorder.batch() if recorder is not None else None)
 
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self) -> None:
@@ -153,7 +160,7 @@ class ModelCluster(Cluster):
         self, batch: Batch, loss_fn: LossFn, seed: int, ppo_epochs: int = 1
     ) -> list[dict[str, float]]:
         """One metrics dict per DP rank."""
-        return self.call(ModelWorker.train_step, batch, loss_fn, seed, ppo_epochs)
+        return [r.metrics for r in self.call(ModelWorker.train_step, batch, loss_fn, seed, ppo_epochs)]
 
     def train_step_with_log_probs(
         self, batch: Batch, loss_fn: LossFn, seed: int
@@ -162,10 +169,9 @@ class ModelCluster(Cluster):
         forward computed before the update: (metrics per DP rank, ``old_log_probs`` and ``entropy``
         [B, R] in ``batch``'s row order)."""
         rows = Batch.from_dict({ROW_INDEX: torch.arange(len(batch))})
-        results = self.call(ModelWorker.train_step_with_log_probs, batch.union(rows), loss_fn, seed)
-        metrics = [m for m, _ in results]
-        recorded = Batch.concat([b for _, b in results])
-        return metrics, in_row_order(recorded, len(batch), self.role)
+        results = self.call(ModelWorker.train_step, batch.union(rows), loss_fn, seed, 1, True)
+        recorded = Batch.concat([r.log_probs for r in results])
+        return [r.metrics for r in results], in_row_order(recorded, len(batch), self.role)
 
     def offload_states(self) -> None:
         self.call(ModelWorker.offload_states)
