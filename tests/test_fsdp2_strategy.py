@@ -208,6 +208,20 @@ def test_grouped_gather_of_uneven_shards_equals_full_tensor(tmp_path):
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
+def test_no_reshard_after_forward_trains_alike_and_leaves_no_forward_gathered(model_dir, one_rank, tmp_path):
+    from torch.distributed.tensor import DTensor
+
+    kept = make_strategy(model_dir, 0, 1, reshard_after_forward=False)
+    default = make_strategy(model_dir, 0, 1)
+    for strategy in (kept, default):
+        strategy.compute_log_probs(global_batch())  # a forward without backward
+        assert all(isinstance(p, DTensor) for p in strategy.model.parameters())
+    assert train(kept, 2, local_micro_batches(0, 1)) == train(default, 2, local_micro_batches(0, 1))
+    kept.compute_log_probs(global_batch())
+    kept.save_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(full_params(kept)[k], v) for k, v in full_params(default).items())
+
+
 def test_value_model_trains(model_dir, one_rank):
     critic = make_strategy(model_dir, 0, 1, model_type="value", lr=1e-2)
     micro = local_micro_batches(0, 1)

@@ -41,7 +41,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from roll.configs.role import RoleConfig
@@ -239,6 +245,12 @@ class FSDP2TrainStrategy:
             micro, order = split_by_tokens(batch, budget, self._group())
         parts = [self._forward(m.to(self.ctx.device)) for m in micro]
         self.model.train()
+        if not self.config.reshard_after_forward:
+            # Training reshards after the backward; a forward without one leaves the parameters
+            # gathered (and the model half sharded for state_dict/checkpoints): free them here.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         out = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in parts[0]}
         return out if order is None else {key: value[invert(order)] for key, value in out.items()}
 
