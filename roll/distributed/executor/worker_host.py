@@ -69,8 +69,13 @@ class HostRef:
 
     def __init__(self, actor: ray.actor.ActorHandle, members: tuple[tuple[str, int], ...]):
         self.actor = actor
-        self.users = set(members)
+        self.members = members
+        self.users: set[tuple[str, int]] = set()  # members whose worker was added and not released
         self._lock = threading.Lock()
+
+    def use(self, role: str, rank: int) -> None:
+        with self._lock:
+            self.users.add((role, rank))
 
     def release(self, role: str, rank: int) -> None:
         """Member (role, rank) is done; the last one out kills the host."""
@@ -103,6 +108,7 @@ class HostedWorker:
 
     def add(self, worker_cls: type, args: tuple) -> ray.ObjectRef:
         """Build the member's worker in the host (the first call of its concurrency group)."""
+        self.host.use(self.role, self.rank)
         return self._send("add").remote(self.role, self.rank, worker_cls, args)
 
     def __getattr__(self, method: str) -> _Method:

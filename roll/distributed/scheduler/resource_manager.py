@@ -144,7 +144,13 @@ def keep_signal_handlers() -> Iterator[None]:
     """``ray.init`` replaces the driver's SIGTERM handler (``sys.exit`` plus a C++ stack dump); keep
     the Python handlers the caller installed (``roll.pipeline.signals``)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        # Off the main thread (``prestart``) Ray sets no handler, and says so; nothing to keep.
+        ray_logger = logging.getLogger("ray._private.worker")
+        ray_logger.addFilter(_no_sigterm_note)
+        try:
+            yield
+        finally:
+            ray_logger.removeFilter(_no_sigterm_note)
         return
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -153,6 +159,10 @@ def keep_signal_handlers() -> Iterator[None]:
         for signum, handler in saved.items():
             if callable(handler) and handler is not signal.default_int_handler:
                 signal.signal(signum, handler)
+
+
+def _no_sigterm_note(record: logging.LogRecord) -> bool:
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def check_capacity(plan: PlacementPlan, nodes: list[tuple[str, float]], device: str = "cuda") -> None:

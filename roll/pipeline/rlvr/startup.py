@@ -22,9 +22,9 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
-    from roll.distributed.executor.worker_host import HostRef
     from roll.distributed.scheduler.cluster import AsyncResult, Cluster
     from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.rlvr.prestart import Hosted
     from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -82,13 +82,19 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     another role failed, so ``run.shutdown`` stops them."""
     from roll.distributed.scheduler.cluster import get_all
     from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.rlvr.prestart import start_hosts, take_prestart
     from roll.pipeline.workers.model_worker import ModelWorker
 
     config = run.config
-    with timer("ray"):
-        run.resources = ResourceManager(run.plan, config.device)
+    with timer("ray"):  # only the wait for it when the launcher started it early (``prestart``)
+        early = take_prestart(config)
+        if early is not None:
+            run.resources, hosted, run.hosts = early
+        else:
+            run.resources = ResourceManager(run.plan, config.device)
+            hosted, run.hosts = start_hosts(config, run.plan, run.resources)
     with timer("workers"):
-        _start_workers(run)
+        _start_workers(run, hosted)
     with timer("initialize"):
         for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
             get_all(*(_async_initialize(run, name) for name in wave))
@@ -98,14 +104,14 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
 
 
-def _start_workers(run: RLVRRun) -> None:
+def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:
     """One cluster per role, built on threads: each blocks until its ranks answer and have joined
-    their process group, and Ray starts all the processes meanwhile. On CPU slots the colocated
-    roles of a slot share one host process (``start_hosts``)."""
+    their process group, and Ray starts all the processes meanwhile. ``hosted``: the roles whose
+    workers live in host processes (``prestart.start_hosts``), with their hosts by rank."""
     from roll.pipeline.rlvr.run import role_classes
 
     roles = run.config.roles()
-    hosted = start_hosts(run) if run.resources is not None else {}
+    hosted = hosted or {}
 
     def start(name: str) -> Cluster:
         cluster_cls, worker_cls = role_classes(name)
@@ -127,50 +133,6 @@ def _start_workers(run: RLVRRun) -> None:
         pool.shutdown(wait=False, cancel_futures=True)
     if error is not None:
         raise error
-
-
-def start_hosts(run: RLVRRun) -> dict[str, tuple[list[HostRef], bool]]:
-    """Start the host processes that ``plan_hosts`` plans for the run (CPU slots only; rule rewards
-    ride along); returns, per hosted role, its host by rank and whether it joins its process group
-    (only the host's ``group_owner`` does)."""
-    from roll.distributed.executor.worker_host import start_host
-    from roll.distributed.scheduler.hosting import plan_hosts
-
-    config, rm = run.config, run.resources
-    roles = config.roles()
-    hosts = plan_hosts(run.plan, roles, rm.device, riders=rule_reward_roles(config))
-    hosted: dict[str, tuple[list[HostRef], bool]] = {}
-    for host in hosts:
-        first = run.plan.roles[host.roles[0]]
-        options = rm.worker_options(first, host.rank)
-        share = options["num_gpus"] * len(host.roles)  # each member role's share of the slot
-        options["num_gpus"] = min(1.0, int(share * 10_000 + 0.5) / 10_000)
-        env = {
-            **config.system_envs,
-            **roles[host.roles[0]].system_envs,
-            **options["runtime_env"]["env_vars"],
-            "RANK": str(host.rank),
-            "WORLD_SIZE": str(first.world_size),
-        }
-        ref = start_host(host.members, env, options)
-        for role, rank in host.members:
-            refs, _ = hosted.setdefault(
-                role, ([None] * run.plan.roles[role].world_size, role == host.group_owner)
-            )
-            refs[rank] = ref
-    return hosted
-
-
-def rule_reward_roles(config: RLVRConfig) -> list[str]:
-    """Reward roles that may ride in a host process: rule rewards (they score in subprocesses of
-    their own and touch nothing process-wide) without ``system_envs`` of their own."""
-    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
-
-    return [
-        f"rewards.{name}"
-        for name, reward in config.rewards.items()
-        if get_reward_spec(reward.reward_fn).kind != "model" and not reward.system_envs
-    ]
 
 
 def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
