@@ -22,6 +22,7 @@ a collective then fail too instead of hanging.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from typing import Any
@@ -32,12 +33,17 @@ import ray
 class WorkerHost:
     """The actor body: a table of workers by (role, rank) and a call that routes to one of them."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         os.environ.update(env)
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        for module in preload:  # the members' worker and strategy modules, imported before they come
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - the member's own import raises it where it belongs
+                pass
         self.workers: dict[tuple[str, int], Any] = {}
         # Held by one member at a time while it is built or runs a method its class lists in
         # ``one_member_at_a_time`` (``initialize``: transformers' lazy imports are not thread-safe).
@@ -89,12 +95,18 @@ class HostRef:
         ray.kill(self.actor, no_restart=True)
 
 
-def start_host(members: tuple[tuple[str, int], ...], env: dict[str, str], options: dict[str, Any]) -> HostRef:
-    """Start one host actor for ``members`` (it imports and applies ``env`` at once; nothing waits)."""
+def start_host(
+    members: tuple[tuple[str, int], ...],
+    env: dict[str, str],
+    options: dict[str, Any],
+    preload: tuple[str, ...] = (),
+) -> HostRef:
+    """Start one host actor for ``members``; it applies ``env`` and imports ``preload`` (module
+    names) before any member arrives. Returns at once."""
     groups = {member_key(role, rank): 1 for role, rank in members}
     actor_cls = ray.remote(concurrency_groups=groups)(WorkerHost)
     options = {**options, "runtime_env": {"env_vars": env}}
-    return HostRef(actor_cls.options(**options).remote(env), members)
+    return HostRef(actor_cls.options(**options).remote(env, preload), members)
 
 
 class HostedWorker:

@@ -51,7 +51,7 @@ def start_hosts(config: RLVRConfig, plan: PlacementPlan, rm: ResourceManager) ->
             "RANK": str(host.rank),
             "WORLD_SIZE": str(first.world_size),
         }
-        ref = start_host(host.members, env, options)
+        ref = start_host(host.members, env, options, preload_modules(config, [r for r, _ in host.members]))
         refs.append(ref)
         for role, rank in host.members:
             ranks, _ = hosted.setdefault(
@@ -59,6 +59,24 @@ def start_hosts(config: RLVRConfig, plan: PlacementPlan, rm: ResourceManager) ->
             )
             ranks[rank] = ref
     return hosted, refs
+
+
+def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
+    """The modules a host imports as it starts: its members' worker classes and strategies (while
+    the driver is still checking the config, when the launcher prestarts)."""
+    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.pipeline.rlvr.run import role_classes
+
+    roles = config.roles()
+    modules = []
+    for name in names:
+        modules.append(role_classes(name)[1].__module__)
+        args = roles[name].strategy_args
+        if args is not None:
+            modules.append(get_strategy_spec(args.strategy_name).target.split(":")[0])
+        elif name.startswith("rewards."):
+            modules.append("roll.pipeline.rlvr.rewards.scoring")
+    return tuple(dict.fromkeys(modules))
 
 
 def rule_reward_roles(config: RLVRConfig) -> list[str]:
@@ -78,6 +96,10 @@ class _Prestart:
         self.config = config
         self.result: tuple[ResourceManager, Hosted, list[HostRef]] | None = None
         self.error: BaseException | None = None
+        self.ready = threading.Event()
+        # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG), so the thread
+        # lives on until Ray is shut down (``_stop``) or the process ends.
+        self.release = threading.Event()
         self.thread = threading.Thread(target=self._run, name="roll-prestart", daemon=True)
         self.thread.start()
 
@@ -90,9 +112,11 @@ class _Prestart:
             self.result = (rm, *start_hosts(self.config, plan, rm))
         except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
             self.error = exc
+        self.ready.set()
+        self.release.wait()
 
     def wait(self) -> tuple[ResourceManager, Hosted, list[HostRef]]:
-        self.thread.join()
+        self.ready.wait()
         if self.error is not None:
             raise self.error
         assert self.result is not None
@@ -133,10 +157,11 @@ def discard_prestart() -> None:
 def _stop(pending: _Prestart) -> None:
     import ray
 
-    pending.thread.join()
+    pending.ready.wait()
     if pending.result is not None:
         for host in pending.result[2]:
             host.kill()
         pending.result[0].destroy()
     if ray.is_initialized():
         ray.shutdown()
+    pending.release.set()
