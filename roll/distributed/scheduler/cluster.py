@@ -120,6 +120,10 @@ class Cluster:
 
     Subclasses add the typed methods of their worker class and set ``worker_base`` to it; the
     ``worker_cls`` given must be that class or a subclass (tests add read-outs or faults that way).
+
+    ``hosts`` (one per rank): build the workers inside those host processes, shared with other
+    roles (CPU slots, ``roll/distributed/executor/worker_host.py``) instead of one actor each;
+    ``joins_process_group`` then says whether this role owns their default group.
     """
 
     worker_base: ClassVar[type[Worker]] = Worker
@@ -251,26 +255,22 @@ class Cluster:
         return self._error
 
     def _wait_added(self, refs: list[ray.ObjectRef]) -> None:
-        """Wait for workers built in host processes; an error in one's ``__init__`` raises as a
-        worker of its own would (``WorkerError: <role> rank <r>: <Type>: in __init__: <msg>``)."""
-        for rank, ref in enumerate(refs):
-            try:
-                ray.get(ref)
-            except RayError as exc:
-                error = WorkerError.from_ray(self.role, rank, exc)
-                if error.exc_type != "ActorDiedError" and not error.original_message.startswith(
-                    "in __init__"
-                ):
-                    error = WorkerError(
-                        self.role,
-                        rank,
-                        error.exc_type,
-                        f"in __init__: {error.original_message}",
-                        error.remote_traceback,
-                    )
-                self._error = error
-                self._kill()
-                raise error from None
+        """Wait (within ``worker_timeouts.call_s``) for workers built in host processes; an error in
+        one's ``__init__`` raises as a worker of its own would
+        (``WorkerError: <role> rank <r>: <Type>: in __init__: <msg>``)."""
+        if not refs:
+            return
+        try:
+            AsyncResult(self, refs, list(range(len(refs))), list, "add").get()
+        except WorkerTimeout:
+            raise
+        except WorkerError as err:
+            if err.exc_type == "ActorDiedError" or err.original_message.startswith("in __init__"):
+                raise
+            self._error = WorkerError(
+                err.role, err.rank, err.exc_type, f"in __init__: {err.original_message}", err.remote_traceback
+            )
+            raise self._error from None
 
     def _kill(self, release: bool = False) -> None:
         """End every worker process; ``release``: a shared host ends once all its members let go."""

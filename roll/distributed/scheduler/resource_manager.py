@@ -100,9 +100,13 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
             ray.init(**kwargs)
         elif device == "cuda" and _join_local_cluster(kwargs):
             pass
+        elif device == "cuda":
+            start_local_ray(None, kwargs)
         else:
-            num_gpus = None if device == "cuda" else plan.num_nodes * plan.devices_per_node
-            start_local_ray(num_gpus, kwargs)
+            # No idle Python workers at start: every roll actor brings its own environment, so Ray
+            # could not hand them one, and on a small CPU machine they compete with the start-up.
+            no_prestart = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+            start_local_ray(plan.num_nodes * plan.devices_per_node, kwargs | {"_system_config": no_prestart})
     return device
 
 
