@@ -165,6 +165,18 @@ def keep_signal_handlers() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
+def reinstall_signal_handlers() -> None:
+    """Put the Python handlers of SIGTERM/SIGINT back in front of the C-level ones Ray's core
+    worker installs (a stack dump, then abort): needed in the main thread after a ``ray.init`` that
+    ran on another thread, where ``keep_signal_handlers`` could not."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(signum)
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
 def _no_sigterm_note(record: logging.LogRecord) -> bool:
     return "SIGTERM handler is not set" not in record.getMessage()
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+from roll.distributed.scheduler.resource_manager import reinstall_signal_handlers
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker_host import HostRef
@@ -143,7 +144,10 @@ def take_prestart(config: RLVRConfig) -> tuple[ResourceManager, Hosted, list[Hos
     if pending.config is not config:
         _stop(pending)
         return None
-    return pending.wait()
+    try:
+        return pending.wait()
+    finally:
+        reinstall_signal_handlers()  # Ray's core worker set C-level ones from the prestart thread
 
 
 def discard_prestart() -> None:
