@@ -223,11 +223,14 @@ class ResourceManager:
         self, plan: PlacementPlan, device: str = "auto", log_to_driver: bool = True, timeout_s: float = 300
     ):
         self.plan = plan
+        private = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         self.device = init_ray(plan, device, log_to_driver)
         nodes = [(n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
         check_capacity(plan, nodes, self.device)
         self.placement_groups = self._reserve(timeout_s)
-        self.slots = self._probe()
+        # A private CPU Ray started here is this machine, its slots numbered in bundle order: no
+        # probe tasks (each one a Python worker process to start before any worker can).
+        self.slots = self._local_slots() if private and self.device == "cpu" else self._probe()
 
     def _reserve(self, timeout_s: float) -> list[PlacementGroup]:
         bundles = [{"GPU": 1}] * self.plan.devices_per_node
@@ -249,6 +252,12 @@ class ResourceManager:
             for device in range(self.plan.num_nodes * self.plan.devices_per_node)
         ]
         return ray.get(refs)
+
+    def _local_slots(self) -> list[DeviceSlot]:
+        node_id = ray.get_runtime_context().get_node_id()
+        cpus = len(os.sched_getaffinity(0))
+        count = self.plan.num_nodes * self.plan.devices_per_node
+        return [DeviceSlot(LOOPBACK, node_id, str(device), cpus) for device in range(count)]
 
     def _bundle(self, device: int) -> PlacementGroupSchedulingStrategy:
         node, slot = divmod(device, self.plan.devices_per_node)
