@@ -1,7 +1,7 @@
 """Which workers share one process on CPU slots: a pure plan over the placement plan.
 
-Every worker process imports torch and transformers, which is most of a CPU run's start-up (about
-2 s of CPU per process here, 7 processes for the default example on 2 cores). On CPU slots the
+Every worker process imports torch and transformers, which is most of a CPU run's start-up
+(several CPU seconds per process; the default example had 7 of them on 2 cores). On CPU slots the
 colocated roles of one slot therefore live in one *host* process (``WorkerHost``), one per slot,
 instead of one process per role and rank::
 
