@@ -148,6 +148,8 @@ def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = N
     if len(ends) == len(rows) and len(steps) > 1:  # one line per step (validation off)
         out["cpu_per_step"] = meter.between(ends[-len(steps)], ends[-1]) / (len(steps) - 1)
         out["startup"] = out.get("startup", ends[-len(steps)] - steps[0]["time/step"])
+    if meter is not None and "startup" in out:  # the whole process tree up to the first step
+        out["startup_cpu"] = meter.between(0.0, out["startup"])
     out["wall"] = wall if wall is not None else steps[-1].get("perf/wall_s", float("nan"))
     scores = [r["critic/score/mean"] for r in steps if "critic/score/mean" in r]
     if scores:
@@ -289,6 +291,7 @@ def table(roll: dict[str, float], trl: dict[str, float] | None) -> str:
     row("start-up to the first step, s", "startup")
     for phase in PHASES:
         row(f"  {phase}, s", f"startup/{phase}")
+    row("CPU seconds to the first step (all processes)", "startup_cpu", "{:.1f}")
     for stage in STAGES:
         row(f"{stage}, s/step", stage, "{:.3f}")
     row("**step, s**", "step", "{:.3f}")

@@ -100,3 +100,39 @@ def test_startup_metrics_name_each_phase_and_the_time_to_the_first_step():
     assert metrics["startup/ray_s"] >= 0.01
     # From this process's start: at least as long as the phases it saw.
     assert metrics["startup/to_first_step_s"] >= metrics["startup/ray_s"]
+
+
+def test_prestart_hands_its_ray_to_the_run_of_the_same_config_and_raises_its_error(monkeypatch):
+    """The launcher starts Ray and the hosts on a thread (``prestart``) while it checks the config;
+    start_clusters takes them for that config, an error there raises at the take, and one nobody
+    takes is stopped (``discard_prestart``)."""
+    import roll.distributed.scheduler.resource_manager as resource_manager
+    from roll.pipeline.rlvr import prestart
+
+    class FakeResources:
+        def __init__(self, plan, device):
+            if device == "cuda":
+                raise RuntimeError("no GPUs here")
+            self.plan, self.device, self.destroyed = plan, device, False
+
+        def destroy(self):
+            self.destroyed = True
+
+    monkeypatch.setattr(resource_manager, "ResourceManager", FakeResources)
+    monkeypatch.setattr(prestart, "start_hosts", lambda config, plan, rm: ({"actor_train": ([], True)}, []))
+    cfg = config()
+    prestart.prestart(cfg)
+    rm, hosted, hosts = prestart.take_prestart(cfg)
+    assert rm.plan == plan_placement(cfg) and hosted == {"actor_train": ([], True)} and hosts == []
+    assert prestart.take_prestart(cfg) is None  # taken once
+
+    prestart.prestart(cfg)
+    assert prestart.take_prestart(config()) is None  # another config: stopped, the run starts its own
+    prestart.prestart(cfg)
+    prestart.discard_prestart()
+    assert prestart.take_prestart(cfg) is None
+
+    gpu = config("cuda")
+    prestart.prestart(gpu)
+    with pytest.raises(RuntimeError, match="no GPUs here"):
+        prestart.take_prestart(gpu)

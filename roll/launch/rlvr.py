@@ -24,6 +24,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, latest_checkpoint
+from roll.pipeline.rlvr.prestart import discard_prestart
 from roll.pipeline.signals import interruption, release_signals, take_signals
 
 
@@ -58,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         from roll.configs.loader import load_config
         from roll.distributed.scheduler.placement import format_plan
         from roll.launch.checks import check_before_launch
+        from roll.pipeline.rlvr.prestart import prestart
         from roll.planner.report import memory_report
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
+        if not args.dry_run and config.device == "cpu":
+            prestart(config)  # Ray and the workers start while the checks import (docs/architecture_ray.md)
         plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
         if args.dry_run:
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"roll: {stop}", file=sys.stderr)
         return stop.exit_code
     finally:
+        discard_prestart()  # one a ConfigError left behind
         release_signals()
 
 

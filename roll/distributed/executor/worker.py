@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import ray
@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 class Worker:
     """One rank of one role. See the module docstring for an example."""
 
+    # Methods a host process (``worker_host.py``) runs for one of its members at a time: building
+    # a strategy imports engine modules, and transformers' lazy imports are not thread-safe.
+    one_member_at_a_time: ClassVar[frozenset[str]] = frozenset({"initialize"})
+
     def __init__(
         self,
         role: str,
@@ -61,12 +65,17 @@ class Worker:
         rank: int,
         world_size: int,
         env: dict[str, str],
+        shared_process: bool = False,
     ):
-        os.environ.update(env)
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
-        os.environ.setdefault("LOCAL_RANK", "0")
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # A worker in a host process (``worker_host.py``) leaves the environment to the host.
+        self.shared_process = shared_process
+        self.made_default_group = False
+        if not shared_process:
+            os.environ.update(env)
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+            os.environ.setdefault("LOCAL_RANK", "0")
+            if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+                torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         self.role = role
         self.role_config = role_config
         self.pipeline_config = pipeline_config
@@ -77,8 +86,8 @@ class Worker:
             role=role,
             rank=rank,
             world_size=world_size,
-            local_rank=int(os.environ["LOCAL_RANK"]),
-            device=self._pick_device(),
+            local_rank=int(env.get("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))),
+            device=self._pick_device(env.get("ROLL_DEVICE", os.environ.get("ROLL_DEVICE", "cpu"))),
             seed=seed,
             # An RLVR run pads generations to its response_length; an SFT run has none.
             response_length=getattr(pipeline_config, "response_length", None),
@@ -89,8 +98,8 @@ class Worker:
         self.strategy = None
         self.memory_monitor = DeviceMemoryMonitor(self.ctx.device) if self.ctx.is_cuda else None
 
-    def _pick_device(self) -> torch.device:
-        if os.environ.get("ROLL_DEVICE", "cpu") != "cuda":
+    def _pick_device(self, kind: str) -> torch.device:
+        if kind != "cuda":
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -117,7 +126,7 @@ class Worker:
             return True
         if self.world_size == 1 and not force:
             return False
-        return init_default_group(
+        self.made_default_group = init_default_group(
             self.rank,
             self.world_size,
             self.ctx.device,
@@ -125,6 +134,7 @@ class Worker:
             master_port=master_port,
             who=self.role,
         )
+        return self.made_default_group
 
     def create_strategy(self) -> None:
         """Build the role's strategy (``strategy_args.strategy_name``) as ``self.strategy``."""
@@ -161,5 +171,6 @@ class Worker:
     def shutdown(self) -> None:
         if self.memory_monitor is not None:
             self.memory_monitor.stop()
-        if dist.is_initialized():
+        # In a shared process the default group is its owner's, left to the owner's shutdown.
+        if dist.is_initialized() and (self.made_default_group or not self.shared_process):
             dist.destroy_process_group()

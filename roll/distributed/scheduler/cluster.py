@@ -41,6 +41,7 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
+from roll.distributed.executor.worker_host import HostedWorker, HostRef
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
@@ -119,6 +120,10 @@ class Cluster:
 
     Subclasses add the typed methods of their worker class and set ``worker_base`` to it; the
     ``worker_cls`` given must be that class or a subclass (tests add read-outs or faults that way).
+
+    ``hosts`` (one per rank): build the workers inside those host processes, shared with other
+    roles (CPU slots, ``roll/distributed/executor/worker_host.py``) instead of one actor each;
+    ``joins_process_group`` then says whether this role owns their default group.
     """
 
     worker_base: ClassVar[type[Worker]] = Worker
@@ -131,6 +136,8 @@ class Cluster:
         role_plan: RolePlan,
         role_config: RoleConfig,
         pipeline_config: RLVRConfig | None = None,
+        hosts: Sequence[HostRef] | None = None,
+        joins_process_group: bool | None = None,
     ):
         if not issubclass(worker_cls, self.worker_base):
             raise TypeError(
@@ -142,16 +149,22 @@ class Cluster:
         self._error: WorkerError | None = None
         self.timeouts = pipeline_config.worker_timeouts if pipeline_config else WorkerTimeoutsConfig()
         extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
-        remote_cls = ray.remote(worker_cls)
-        self.workers: list[ray.actor.ActorHandle] = []
+        remote_cls = ray.remote(worker_cls) if hosts is None else None
+        self.workers: list[ray.actor.ActorHandle | HostedWorker] = []
+        added = []
         for rank in range(self.world_size):
             options = resource_manager.worker_options(role_plan, rank)
             env = {**extra_env, **options["runtime_env"]["env_vars"]}
             options["runtime_env"] = {"env_vars": env}
             args = (role, role_config, pipeline_config, rank, self.world_size, env)
-            self.workers.append(remote_cls.options(**options).remote(*args))
+            if hosts is None:
+                self.workers.append(remote_cls.options(**options).remote(*args))
+            else:
+                self.workers.append(HostedWorker(hosts[rank], role, rank))
+                added.append(self.workers[-1].add(worker_cls, args))
+        self._wait_added(added)
         self.master_addr, self.master_port = self.call(Worker.get_master_address)
-        if _joins_process_group(role_config):
+        if _joins_process_group(role_config) if joins_process_group is None else joins_process_group:
             self.call(Worker.init_process_group, self.master_addr, self.master_port)
         self.dp_layouts: list[DPRank] = []
         self.refresh_dp_layout()
@@ -221,7 +234,7 @@ class Cluster:
         if graceful and self._error is None and self.workers:
             refs = [worker.shutdown.remote() for worker in self.workers]
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        self._kill()
+        self._kill(release=True)
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -241,9 +254,31 @@ class Cluster:
         self._kill()
         return self._error
 
-    def _kill(self) -> None:
+    def _wait_added(self, refs: list[ray.ObjectRef]) -> None:
+        """Wait (within ``worker_timeouts.call_s``) for workers built in host processes; an error in
+        one's ``__init__`` raises as a worker of its own would
+        (``WorkerError: <role> rank <r>: <Type>: in __init__: <msg>``)."""
+        if not refs:
+            return
+        try:
+            AsyncResult(self, refs, list(range(len(refs))), list, "add").get()
+        except WorkerTimeout:
+            raise
+        except WorkerError as err:
+            if err.exc_type == "ActorDiedError" or err.original_message.startswith("in __init__"):
+                raise
+            self._error = WorkerError(
+                err.role, err.rank, err.exc_type, f"in __init__: {err.original_message}", err.remote_traceback
+            )
+            raise self._error from None
+
+    def _kill(self, release: bool = False) -> None:
+        """End every worker process; ``release``: a shared host ends once all its members let go."""
         for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+            if isinstance(worker, HostedWorker):
+                worker.release() if release else worker.kill()
+            else:
+                ray.kill(worker, no_restart=True)
         self.workers = []
 
 

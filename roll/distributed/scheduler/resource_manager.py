@@ -100,9 +100,13 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
             ray.init(**kwargs)
         elif device == "cuda" and _join_local_cluster(kwargs):
             pass
+        elif device == "cuda":
+            start_local_ray(None, kwargs)
         else:
-            num_gpus = None if device == "cuda" else plan.num_nodes * plan.devices_per_node
-            start_local_ray(num_gpus, kwargs)
+            # No idle Python workers at start: every roll actor brings its own environment, so Ray
+            # could not hand them one, and on a small CPU machine they compete with the start-up.
+            no_prestart = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+            start_local_ray(plan.num_nodes * plan.devices_per_node, kwargs | {"_system_config": no_prestart})
     return device
 
 
@@ -144,7 +148,13 @@ def keep_signal_handlers() -> Iterator[None]:
     """``ray.init`` replaces the driver's SIGTERM handler (``sys.exit`` plus a C++ stack dump); keep
     the Python handlers the caller installed (``roll.pipeline.signals``)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        # Off the main thread (``prestart``) Ray sets no handler, and says so; nothing to keep.
+        ray_logger = logging.getLogger("ray._private.worker")
+        ray_logger.addFilter(_no_sigterm_note)
+        try:
+            yield
+        finally:
+            ray_logger.removeFilter(_no_sigterm_note)
         return
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -153,6 +163,22 @@ def keep_signal_handlers() -> Iterator[None]:
         for signum, handler in saved.items():
             if callable(handler) and handler is not signal.default_int_handler:
                 signal.signal(signum, handler)
+
+
+def reinstall_signal_handlers() -> None:
+    """Put the Python handlers of SIGTERM/SIGINT back in front of the C-level ones Ray's core
+    worker installs (a stack dump, then abort): needed in the main thread after a ``ray.init`` that
+    ran on another thread, where ``keep_signal_handlers`` could not."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(signum)
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+def _no_sigterm_note(record: logging.LogRecord) -> bool:
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def check_capacity(plan: PlacementPlan, nodes: list[tuple[str, float]], device: str = "cuda") -> None:
@@ -197,11 +223,14 @@ class ResourceManager:
         self, plan: PlacementPlan, device: str = "auto", log_to_driver: bool = True, timeout_s: float = 300
     ):
         self.plan = plan
+        private = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         self.device = init_ray(plan, device, log_to_driver)
         nodes = [(n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
         check_capacity(plan, nodes, self.device)
         self.placement_groups = self._reserve(timeout_s)
-        self.slots = self._probe()
+        # A private CPU Ray started here is this machine, its slots numbered in bundle order: no
+        # probe tasks (each one a Python worker process to start before any worker can).
+        self.slots = self._local_slots() if private and self.device == "cpu" else self._probe()
 
     def _reserve(self, timeout_s: float) -> list[PlacementGroup]:
         bundles = [{"GPU": 1}] * self.plan.devices_per_node
@@ -223,6 +252,12 @@ class ResourceManager:
             for device in range(self.plan.num_nodes * self.plan.devices_per_node)
         ]
         return ray.get(refs)
+
+    def _local_slots(self) -> list[DeviceSlot]:
+        node_id = ray.get_runtime_context().get_node_id()
+        cpus = len(os.sched_getaffinity(0))
+        count = self.plan.num_nodes * self.plan.devices_per_node
+        return [DeviceSlot(LOOPBACK, node_id, str(device), cpus) for device in range(count)]
 
     def _bundle(self, device: int) -> PlacementGroupSchedulingStrategy:
         node, slot = divmod(device, self.plan.devices_per_node)

@@ -62,6 +62,15 @@ class StrategySpec:
     # rank, so the worker can return them from ``train_step`` (``record_log_probs``) and a
     # one-update step needs no separate old-log-probs pass (``recompute_old_log_probs: auto``).
     records_train_log_probs: bool = False
+    # Whether, on CPU slots, a worker of this strategy may live in one process with the workers of
+    # the other roles on its slot (``roll/distributed/scheduler/hosting.py``): every process imports
+    # torch and transformers, which is most of a CPU run's start-up. Only strategies that keep no
+    # process-wide state besides torch.distributed's default group qualify; megatron keeps its global
+    # parallel state and offloader, vLLM and SGLang start engine processes and groups of their own.
+    shares_process_on_cpu: bool = False
+    # Whether the strategy's collectives run on torch.distributed's default group. One process has
+    # one such group, so a shared process holds at most one role that uses it.
+    uses_default_group: bool = True
 
     @property
     def required_protocols(self) -> tuple[type, ...]:
@@ -87,6 +96,8 @@ STRATEGIES: dict[str, StrategySpec] = {
             f"{_S}.hf_strategy:HFInferStrategy",
             "infer",
             protocols=(ValueModelStrategy, HFWeightSource),
+            shares_process_on_cpu=True,
+            uses_default_group=False,
         ),
         StrategySpec(
             "fsdp2_train",
@@ -94,6 +105,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             "train",
             protocols=(ValueModelStrategy,),
             records_train_log_probs=True,
+            shares_process_on_cpu=True,
         ),
         StrategySpec(
             "megatron_train",

@@ -41,6 +41,8 @@ class RLVRRun:
     sampler: Any
     clusters: dict[str, Cluster] = field(default_factory=dict)
     resources: Any = None
+    # Host processes on CPU slots (``startup.start_hosts``); their members are the clusters' workers.
+    hosts: list = field(default_factory=list)
     model_update: Any = None
     tracker: Any = None
     val_prompts: Batch | None = None
@@ -194,5 +196,7 @@ def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
             cluster.shutdown(graceful=graceful)
         except Exception as exc:  # noqa: BLE001 - best effort while tearing down
             logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
+    for host in run.hosts:  # those whose members never started (another role failed first)
+        host.kill()
     if run.resources is not None:
         run.resources.destroy()

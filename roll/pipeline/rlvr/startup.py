@@ -24,6 +24,7 @@ from roll.distributed.scheduler.placement import PlacementPlan
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import AsyncResult, Cluster
     from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.rlvr.prestart import Hosted
     from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -81,13 +82,19 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     another role failed, so ``run.shutdown`` stops them."""
     from roll.distributed.scheduler.cluster import get_all
     from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.rlvr.prestart import start_hosts, take_prestart
     from roll.pipeline.workers.model_worker import ModelWorker
 
     config = run.config
-    with timer("ray"):
-        run.resources = ResourceManager(run.plan, config.device)
+    with timer("ray"):  # only the wait for it when the launcher started it early (``prestart``)
+        early = take_prestart(config)
+        if early is not None:
+            run.resources, hosted, run.hosts = early
+        else:
+            run.resources = ResourceManager(run.plan, config.device)
+            hosted, run.hosts = start_hosts(config, run.plan, run.resources)
     with timer("workers"):
-        _start_workers(run)
+        _start_workers(run, hosted)
     with timer("initialize"):
         for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
             get_all(*(_async_initialize(run, name) for name in wave))
@@ -97,16 +104,21 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
 
 
-def _start_workers(run: RLVRRun) -> None:
+def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:
     """One cluster per role, built on threads: each blocks until its ranks answer and have joined
-    their process group, and Ray starts all the processes meanwhile."""
+    their process group, and Ray starts all the processes meanwhile. ``hosted``: the roles whose
+    workers live in host processes (``prestart.start_hosts``), with their hosts by rank."""
     from roll.pipeline.rlvr.run import role_classes
 
     roles = run.config.roles()
+    hosted = hosted or {}
 
     def start(name: str) -> Cluster:
         cluster_cls, worker_cls = role_classes(name)
-        return cluster_cls(name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config)
+        extra = {"hosts": hosted[name][0], "joins_process_group": hosted[name][1]} if name in hosted else {}
+        return cluster_cls(
+            name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config, **extra
+        )
 
     pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
     futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}

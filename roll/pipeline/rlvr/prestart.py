@@ -1,0 +1,171 @@
+"""Ray, the device reservation and the host processes, started on a thread while the driver checks
+the config; and the host processes of a run.
+
+Starting Ray takes seconds of waiting on its daemons, and the driver's pre-launch checks take
+seconds of importing torch and transformers: on a laptop the two overlap. The launcher starts
+Ray as soon as the config is loaded and hands the result to ``startup.start_clusters``::
+
+    prestart(config)                 # returns at once; Ray, the reservation and the hosts start
+    check_before_launch(config)      # meanwhile (a ConfigError here: discard_prestart() stops Ray)
+    run_pipeline(config)             # start_clusters takes them (take_prestart), or starts its own
+    discard_prestart()               # in the launcher's finally: stops a prestart nobody took
+
+Host processes (``start_hosts``): on CPU slots the colocated roles of a slot share one process
+(``roll/distributed/scheduler/hosting.py``); rule rewards ride along in the first hosts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from roll.configs.pipeline_config import RLVRConfig
+from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+from roll.distributed.scheduler.resource_manager import reinstall_signal_handlers
+
+if TYPE_CHECKING:
+    from roll.distributed.executor.worker_host import HostRef
+    from roll.distributed.scheduler.resource_manager import ResourceManager
+
+# Per hosted role: its host by rank, and whether it joins its process group (the host's group owner).
+Hosted = dict[str, tuple[list["HostRef"], bool]]
+
+
+def start_hosts(config: RLVRConfig, plan: PlacementPlan, rm: ResourceManager) -> tuple[Hosted, list[HostRef]]:
+    """Start the host processes ``plan_hosts`` plans for the run (none on GPUs); returns the hosted
+    roles and every host (``RLVRRun.hosts``: shutdown kills them whatever became of their members)."""
+    from roll.distributed.executor.worker_host import start_host
+    from roll.distributed.scheduler.hosting import plan_hosts
+
+    roles = config.roles()
+    hosted: Hosted = {}
+    refs = []
+    for host in plan_hosts(plan, roles, rm.device, riders=rule_reward_roles(config)):
+        first = plan.roles[host.roles[0]]
+        options = rm.worker_options(first, host.rank)
+        share = options["num_gpus"] * len(host.roles)  # each member role's share of the slot
+        options["num_gpus"] = min(1.0, int(share * 10_000 + 0.5) / 10_000)
+        env = {
+            **config.system_envs,
+            **roles[host.roles[0]].system_envs,
+            **options["runtime_env"]["env_vars"],
+            "RANK": str(host.rank),
+            "WORLD_SIZE": str(first.world_size),
+        }
+        ref = start_host(host.members, env, options, preload_modules(config, [r for r, _ in host.members]))
+        refs.append(ref)
+        for role, rank in host.members:
+            ranks, _ = hosted.setdefault(
+                role, ([None] * plan.roles[role].world_size, role == host.group_owner)
+            )
+            ranks[rank] = ref
+    return hosted, refs
+
+
+def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
+    """The modules a host imports as it starts: its members' worker classes and strategies (while
+    the driver is still checking the config, when the launcher prestarts)."""
+    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.pipeline.rlvr.run import role_classes
+
+    roles = config.roles()
+    modules = []
+    for name in names:
+        modules.append(role_classes(name)[1].__module__)
+        args = roles[name].strategy_args
+        if args is not None:
+            modules.append(get_strategy_spec(args.strategy_name).target.split(":")[0])
+        elif name.startswith("rewards."):
+            modules.append("roll.pipeline.rlvr.rewards.scoring")
+    return tuple(dict.fromkeys(modules))
+
+
+def rule_reward_roles(config: RLVRConfig) -> list[str]:
+    """Reward roles that may ride in a host process: rule rewards (they score in subprocesses of
+    their own and touch nothing process-wide) without ``system_envs`` of their own."""
+    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+
+    return [
+        f"rewards.{name}"
+        for name, reward in config.rewards.items()
+        if get_reward_spec(reward.reward_fn).kind != "model" and not reward.system_envs
+    ]
+
+
+class _Prestart:
+    def __init__(self, config: RLVRConfig):
+        self.config = config
+        self.result: tuple[ResourceManager, Hosted, list[HostRef]] | None = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG), so the thread
+        # lives on until Ray is shut down (``_stop``) or the process ends.
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="roll-prestart", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from roll.distributed.scheduler.resource_manager import ResourceManager
+
+        try:
+            plan = plan_placement(self.config)
+            rm = ResourceManager(plan, self.config.device)
+            self.result = (rm, *start_hosts(self.config, plan, rm))
+        except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
+            self.error = exc
+        self.ready.set()
+        self.release.wait()
+
+    def wait(self) -> tuple[ResourceManager, Hosted, list[HostRef]]:
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+_pending: _Prestart | None = None
+
+
+def prestart(config: RLVRConfig) -> None:
+    """Start Ray, reserve the devices and start the host processes of ``config`` on a thread."""
+    global _pending
+    discard_prestart()
+    _pending = _Prestart(config)
+
+
+def take_prestart(config: RLVRConfig) -> tuple[ResourceManager, Hosted, list[HostRef]] | None:
+    """What ``prestart(config)`` started (waiting for it), or None when nothing was started for
+    this config object; an error it met raises here."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return None
+    if pending.config is not config:
+        _stop(pending)
+        return None
+    try:
+        return pending.wait()
+    finally:
+        reinstall_signal_handlers()  # Ray's core worker set C-level ones from the prestart thread
+
+
+def discard_prestart() -> None:
+    """Stop what a prestart started and nobody took (a ConfigError after ``prestart``)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        _stop(pending)
+
+
+def _stop(pending: _Prestart) -> None:
+    import ray
+
+    pending.ready.wait()
+    if pending.result is not None:
+        for host in pending.result[2]:
+            host.kill()
+        pending.result[0].destroy()
+    if ray.is_initialized():
+        ray.shutdown()
+    pending.release.set()
