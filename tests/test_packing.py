@@ -10,6 +10,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.loader import build_dataclass
+from roll.configs.rl_options import OffPolicyCorrectionConfig
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig
 from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
@@ -176,6 +177,7 @@ def test_loss_agg_mode_is_read_from_the_loss_factories() -> None:
         pg_clip, pg_clip_low, pg_clip_high, dual_clip_loss, dual_clip_c = 0.2, None, None, False, 3.0
         use_kl_loss, kl_loss_type, kl_loss_coef, entropy_loss_coef = False, "k1", 0.0, 0.0
         loss_agg_mode = "seq-mean-token-sum"
+        off_policy_correction = OffPolicyCorrectionConfig()
 
     assert loss_agg_mode_of(make_actor_loss_fn(Config())) == "seq-mean-token-sum"
     assert loss_agg_mode_of(lambda outputs, batch: None) is None

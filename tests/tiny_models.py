@@ -91,3 +91,25 @@ def encode_prompts(texts: list[str], prompt_length: int) -> tuple[torch.Tensor, 
         prompts[row, prompt_length - len(ids) :] = torch.tensor(ids)
         mask[row, prompt_length - len(ids) :] = 1
     return prompts, mask
+
+
+def save_random_model(config, path: Path, std: float = 0.1, seed: int = 0) -> Path:
+    """An fp32 model of ``config`` with every parameter drawn from N(0, std), saved with the tiny
+    tokenizer (distinct, non-trivial values for bit-exact conversion checks)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, std)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``, by name."""
+    from safetensors.torch import load_file
+
+    return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}

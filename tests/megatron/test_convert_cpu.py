@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -26,7 +25,7 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_on_cpu  # noqa: E402
-from tiny_models import build_tiny_tokenizer  # noqa: E402
+from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
@@ -73,18 +72,10 @@ LAYOUTS = [
 def save_model(path: Path, name: str) -> Path:
     cls, extra = MODELS[name]
     config = getattr(transformers, cls)(**SHAPE, **extra, pad_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_random_model(config, path)
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
+_tensors = safetensors_dir
 
 
 def _strategy_checks(scratch: str) -> list[str]:

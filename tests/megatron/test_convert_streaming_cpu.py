@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 pytest.importorskip("megatron.core")
 
-from tiny_models import build_tiny_tokenizer  # noqa: E402
+from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 
 from roll.models.megatron import convert, stream_export  # noqa: E402
 from roll.models.megatron.hf_io import CheckpointError  # noqa: E402
@@ -59,18 +59,10 @@ def hf_dir(tmp_path_factory) -> Path:
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_random_model(config, path)
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
+_tensors = safetensors_dir
 
 
 def _layer_bytes(tensors: dict[str, torch.Tensor], layer: int) -> int:
