@@ -55,8 +55,8 @@ LAYOUTS = {"colocated": COLOCATED, "disagg": DISAGG}
 
 def write_config_dir(preset: str, root: Path, tokenizer: str) -> Path:
     """config.json + tokenizer of the preset, no weights (the engines use load_format=dummy)."""
-    from roll.models.loading import load_tokenizer
     from roll.models.random_checkpoint import preset_config
+    from roll.models.tokenizer import load_tokenizer
 
     out = root / preset
     tok = load_tokenizer(tokenizer)

@@ -43,8 +43,8 @@ def make_model(preset: str, layers: int | None, out: Path, device: str, **overri
     import torch
     import transformers
 
-    from roll.models.loading import load_tokenizer
     from roll.models.random_checkpoint import preset_config
+    from roll.models.tokenizer import load_tokenizer
 
     if (out / "config.json").exists():
         return out

@@ -78,7 +78,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, what
 
 
 def prompt_batch(tokenizer_dir: Path, texts: list[str] = PROMPTS, width: int = 16) -> Batch:
-    from roll.models.loading import load_tokenizer
+    from roll.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tokenizer_dir))
     prompts = torch.full((len(texts), width), tok.pad_token_id, dtype=torch.long)

@@ -100,7 +100,7 @@ def write_hf_checkpoint(
 
 
 def _copy_tokenizer(source: str, target: Path) -> None:
-    from roll.models.loading import load_tokenizer
+    from roll.models.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(source)

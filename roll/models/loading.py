@@ -10,11 +10,9 @@ attention kernels and activation checkpointing mean the same thing everywhere.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import ModelArgs
@@ -90,28 +88,6 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in ``path``, left-padding (prompts are left-padded), with a pad token
-    (the EOS token when the tokenizer has none)."""
-    if not path or not Path(path).is_dir():
-        raise ConfigError("model_args.model_name_or_path", f"tokenizer directory {path!r} does not exist")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(
-            "model_args.model_name_or_path", f"cannot load a tokenizer from {path!r}: {exc}"
-        ) from exc
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ConfigError(
-                "model_args.model_name_or_path",
-                f"the tokenizer in {path!r} has neither a pad nor an EOS token",
-            )
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
 
 
 def decoder_layer_classes(model: nn.Module) -> set[str]:

@@ -128,7 +128,7 @@ def write_random_checkpoint(
     overrides: dict[str, Any] = {}
     tokenizer = None
     if tokenizer_dir is not None:
-        from roll.models.loading import load_tokenizer
+        from roll.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(str(tokenizer_dir))
         overrides = dict(

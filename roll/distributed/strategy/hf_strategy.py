@@ -40,8 +40,9 @@ from roll.distributed.strategy.generation import (
     response_width,
     stop_token_ids,
 )
-from roll.models.loading import load_model, load_tokenizer
+from roll.models.loading import load_model
 from roll.models.logprobs import batch_temperature, response_log_probs
+from roll.models.tokenizer import load_tokenizer
 from roll.models.value_model import ValueModel, check_output_kind, response_values
 from roll.models.weights import copy_into
 from roll.utils.rng import device_rng_state, set_device_rng_state

@@ -55,7 +55,7 @@ class MegatronInferStrategy:
         self._loader = None  # NamedTensorLoader of the model update in progress
 
     def initialize(self) -> None:
-        from roll.models.loading import load_tokenizer
+        from roll.models.tokenizer import load_tokenizer
 
         self.hf_config, self.chunks = build_chunks(self.role_config, self.ctx, self.config)
         for chunk in self.chunks:

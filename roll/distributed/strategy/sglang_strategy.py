@@ -60,7 +60,7 @@ from roll.distributed.strategy.engine_requests import (
     shareable_bucket,
 )
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
-from roll.models.loading import load_tokenizer
+from roll.models.tokenizer import load_tokenizer
 
 MEMORY_TAGS = ["kv_cache", "weights"]
 

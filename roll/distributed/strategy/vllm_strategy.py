@@ -70,7 +70,7 @@ from roll.distributed.strategy.generation import (
     prompt_token_lists,
     response_width,
 )
-from roll.models.loading import load_tokenizer
+from roll.models.tokenizer import load_tokenizer
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
 _ABORTED = object()

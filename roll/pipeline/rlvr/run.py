@@ -147,7 +147,7 @@ def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
 def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
     """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
     records the start-up phases (``startup/*`` metrics)."""
-    from roll.models.loading import load_tokenizer
+    from roll.models.tokenizer import load_tokenizer
     from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.rlvr.startup import offloaded_roles, start_clusters
 

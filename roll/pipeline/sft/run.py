@@ -75,7 +75,7 @@ def global_batch_size(config: SFTPipelineConfig, plan: PlacementPlan) -> int:
 
 def build_sft_run(config: SFTPipelineConfig) -> SFTRun:
     from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.models.loading import load_tokenizer
+    from roll.models.tokenizer import load_tokenizer
     from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
 
     plan = plan_placement(config)

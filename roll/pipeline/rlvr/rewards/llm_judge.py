@@ -131,7 +131,7 @@ def judge_options(reward_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(path: str, trust_remote_code: bool):
-    from roll.models.loading import load_tokenizer
+    from roll.models.tokenizer import load_tokenizer
 
     return load_tokenizer(path, trust_remote_code)
 
