@@ -16,9 +16,9 @@ from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.models import logprobs as logprobs_module
 from roll.models.hf_checkpoint import write_hf_checkpoint
-from roll.models.loading import load_model
+from roll.models.loading import load_model, resolve_attn_implementation
 from roll.models.logprobs import entropy_from_logits, log_probs_from_logits, response_log_probs
-from roll.models.tokenizer import load_tokenizer, resolve_attn_implementation
+from roll.models.tokenizer import load_tokenizer
 from roll.models.value_model import ValueModel, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda, total_optimizer_steps
