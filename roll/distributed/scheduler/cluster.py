@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 
 from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.core.batch import Batch
@@ -101,9 +101,34 @@ def get_all(*results: AsyncResult) -> list[Any]:
             try:
                 values[ref] = ray.get(ref)
             except RayError as exc:
+                ref, exc = _root_failure(ref, exc, pending)
                 result, rank = owner[ref]
                 raise result.cluster._fail(rank, exc) from None
     return [result.gather([values[ref] for ref in result.refs]) for result in results]
+
+
+# How long a failure waits for a dead worker among the other pending calls (see ``_root_failure``).
+DEATH_GRACE_S = 2.0
+
+
+def _root_failure(
+    ref: ray.ObjectRef, exc: RayError, pending: list[ray.ObjectRef]
+) -> tuple[ray.ObjectRef, RayError]:
+    """The failure to report: a worker whose process died makes its peers' collectives fail too
+    (gloo: "connection closed by peer"), sometimes before Ray reports the death. A failure that is
+    not itself a death therefore waits up to ``DEATH_GRACE_S`` for a death among the other pending
+    calls and names that one, the cause, instead of the peer's symptom."""
+    if isinstance(exc, ActorDiedError) or not pending:
+        return ref, exc
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+    for other in done:
+        try:
+            ray.get(other)
+        except ActorDiedError as died:
+            return other, died
+        except RayError:
+            continue
+    return ref, exc
 
 
 def _raise_overdue(pending: list[ray.ObjectRef], owner: dict) -> None:
