@@ -40,27 +40,10 @@ EXAMPLE = REPO / "output" / "default_example"
 
 def make_model(preset: str, layers: int | None, out: Path, device: str, **overrides: Any) -> Path:
     """A random checkpoint of ``preset`` with the default example's tokenizer (kept when present)."""
-    import torch
-    import transformers
+    from roll.models.random_checkpoint import write_random_checkpoint
 
-    from roll.models.random_checkpoint import preset_config
-    from roll.models.tokenizer import load_tokenizer
-
-    if (out / "config.json").exists():
-        return out
-    tokenizer = load_tokenizer(str(EXAMPLE / "sft_model"))
-    ids = dict(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    config = preset_config(preset, layers, **ids, **overrides)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out, max_shard_size="4GB")
-    tokenizer.save_pretrained(out)
-    del model
+    if not (out / "config.json").exists():
+        write_random_checkpoint(preset, out, layers, EXAMPLE / "sft_model", device, 0, **overrides)
     return out
 
 

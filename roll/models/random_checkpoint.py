@@ -121,17 +121,19 @@ def write_random_checkpoint(
     device: str = "cpu",
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    **config_overrides: Any,
 ) -> Path:
     """Build the preset's model with random weights on ``device`` and save it (and the tokenizer of
-    ``tokenizer_dir``, whose special tokens then become the config's) under ``out``."""
+    ``tokenizer_dir``, whose special tokens then become the config's) under ``out``;
+    ``config_overrides`` replace preset fields (e.g. a smaller ``hidden_size``)."""
     out = Path(out)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(config_overrides)
     tokenizer = None
     if tokenizer_dir is not None:
         from roll.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(str(tokenizer_dir))
-        overrides = dict(
+        overrides.update(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
