@@ -118,6 +118,14 @@ def time_step(strategy, micro: list[Batch], steps: int, cuda: bool) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+def set_packing_attention(strategy, kind: str) -> None:
+    """Point every core-attention module of the built model at ``kind`` (``packing_attention``)."""
+    for chunk in strategy.model:
+        for module in chunk.modules():
+            if hasattr(module, "packing_attention"):
+                module.packing_attention = kind
+
+
 def run(args: argparse.Namespace, hf_config, device: torch.device) -> list[dict]:
     from roll.distributed.strategy.megatron_strategy import MegatronTrainStrategy
 
@@ -134,16 +142,19 @@ def run(args: argparse.Namespace, hf_config, device: torch.device) -> list[dict]
     batch = ragged_batch(args.rows, args.prompt, args.max_response, hf_config.vocab_size, args.fixed)
     real = int(sequence_lengths(batch).sum())
     budget = args.budget or args.prompt + args.max_response
-    paths = {
-        "padded": (False, batch.split(args.rows_per_micro)),
-        "packed": (True, batch.split(args.rows_per_micro)),
-        f"packed + budget {budget}": (True, rebudget([batch], budget)),
-    }
+    kinds = args.attention.split(",")
+    paths = {"padded": (False, batch.split(args.rows_per_micro), None)}
+    for kind in kinds:
+        paths[f"packed ({kind})"] = (True, batch.split(args.rows_per_micro), kind)
+        if args.budget != 0:
+            paths[f"packed ({kind}) + budget {budget}"] = (True, rebudget([batch], budget), kind)
     if args.context_parallel:
         del paths["padded"]  # context parallelism runs on packed rows only
     rows = []
-    for name, (packed, micro) in paths.items():
+    for name, (packed, micro, kind) in paths.items():
         strategy.config.sequence_packing = packed
+        if kind is not None:
+            set_packing_attention(strategy, kind)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step_s = time_step(strategy, micro, args.steps, cuda)
@@ -194,7 +205,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--max-response", type=int, default=None)
     parser.add_argument(
-        "--budget", type=int, default=None, help="max_tokens_per_microbatch (default: prompt + max response)"
+        "--budget",
+        type=int,
+        default=None,
+        help="max_tokens_per_microbatch (default: prompt + max response; 0: no budget rows)",
+    )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="comma-separated packing_attention kinds, one packed row each (auto, sdpa, flex, varlen)",
     )
     parser.add_argument("--fixed", action="store_true", help="every response --max-response tokens")
     parser.add_argument("--context-parallel", action="store_true", help="CP over the torchrun ranks")

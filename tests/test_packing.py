@@ -24,7 +24,7 @@ from roll.models.microbatch import (
     plan_micro_batches,
     split_by_tokens,
 )
-from roll.models.packed_attention import packed_attention
+from roll.models.packed_attention import packed_attention, resolve_kind, varlen_available
 from roll.models.packing import pack_rows, packed_length
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn
 from roll.pipeline.rlvr.algorithms.masked import AGG_MODES, agg_loss
@@ -72,22 +72,28 @@ def _reference(q, k, v, cu, scale):
     return torch.cat(outs)
 
 
-def _check_attention(kind: str, device: str, backward: bool) -> None:
+def _check_attention(
+    kind: str, device: str, backward: bool, dim: int = 8, dtype: torch.dtype = torch.float32
+) -> None:
+    """``kind`` against the float64 reference, forward and (``backward``) gradients. Fused GPU
+    kernels need a head dim of at least 16 (inductor's FlexAttention refused 8); bf16/fp16 runs are
+    compared at their own precision."""
     gen = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(16, h, 8, generator=gen).to(device) for h in (4, 2, 2))
-    weights = torch.randn(16, 4, 8, generator=gen).to(device)
+    q, k, v = (torch.randn(16, h, dim, generator=gen).to(device, dtype) for h in (4, 2, 2))
+    weights = torch.randn(16, 4, dim, generator=gen).to(device, dtype)
     for t in (q, k, v):
         t.requires_grad_(backward)
-    out = packed_attention(q, k, v, cu, 8**-0.5, kind)
+    out = packed_attention(q, k, v, cu, dim**-0.5, kind)
     ref_inputs = [t.detach().cpu().double().requires_grad_(True) for t in (q, k, v)]
-    ref = _reference(*ref_inputs, cu.cpu(), 8**-0.5)
-    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    ref = _reference(*ref_inputs, cu.cpu(), dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=tol, rtol=tol)
     if backward:
         (out * weights).sum().backward()
         (ref * weights.cpu().double()).sum().backward()
         for got, r in zip((q, k, v), ref_inputs):
-            torch.testing.assert_close(got.grad.cpu().double(), r.grad, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.grad.cpu().double(), r.grad, atol=tol * 4, rtol=tol * 4)
 
 
 def test_packed_attention_stays_inside_each_sequence() -> None:
@@ -100,6 +106,10 @@ def test_packed_attention_stays_inside_each_sequence() -> None:
         packed_attention(q, q, q, cu, 1.0, "flex")
     with pytest.raises(ValueError, match="packing_attention"):
         packed_attention(q, q, q, cu, 1.0, "dense")
+    with pytest.raises(ValueError, match="'varlen' runs on CUDA in bf16/fp16"):
+        packed_attention(q, q, q, cu, 1.0, "varlen")
+    _check_attention("auto", "cpu", backward=True)  # auto is the per-sequence loop on CPU
+    assert resolve_kind(q) == "sdpa"
 
 
 @pytest.mark.gpu
@@ -107,7 +117,18 @@ def test_packed_attention_stays_inside_each_sequence() -> None:
 @pytest.mark.parametrize("kind", ["sdpa", "flex"])
 def test_packed_attention_on_cuda(kind: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    _check_attention(kind, "cuda", backward=True)
+    _check_attention(kind, "cuda", backward=True, dim=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["varlen", "auto"])
+def test_varlen_packed_attention_on_cuda(kind: str) -> None:
+    """FlashAttention's varlen kernel (the GPU default) against the reference in bf16, GQA included."""
+    assert varlen_available(), "torch.nn.attention.varlen is missing from this torch"
+    q = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert resolve_kind(q) == "varlen"
+    _check_attention(kind, "cuda", backward=True, dim=64, dtype=torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------- the planner

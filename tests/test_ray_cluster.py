@@ -9,6 +9,7 @@ reference on 2-3 (three roles share slots 2-3), and a CPU-only reward role.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -327,6 +328,25 @@ def test_error_in_worker_init_names_role_rank_and_exception(runtime):
     rm, _, _ = runtime
     with pytest.raises(WorkerError, match=r"^critic rank 1: KeyError: in __init__: 'missing_key'$"):
         Cluster("critic", BrokenInitWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
+
+
+@pytest.mark.timeout(120, func_only=True)
+def test_a_long_wait_logs_the_role_ranks_and_call_it_waits_on(runtime, monkeypatch, caplog):
+    from roll.distributed.scheduler import cluster as cluster_module
+
+    rm, _, _ = runtime
+    cluster = Cluster("critic", FailingWorker, rm, _cpu_role("critic", 2), RoleConfig(world_size=2))
+    monkeypatch.setattr(cluster_module, "STALL_REPORT_AFTER_S", 0.5)
+    monkeypatch.setattr(cluster_module, "STALL_REPORT_EVERY_S", 0.5)
+    with caplog.at_level("WARNING", logger="roll"):
+        assert cluster.call(FailingWorker.sleep_on, 1, 1.8) == [0, 1]
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert len(lines) >= 2, lines  # after 0.5 s and then every 0.5 s while rank 1 sleeps
+    pattern = (
+        r"still waiting after \d+ s for critic rank 1 \(sleep_on, \d+ s left of worker_timeouts.call_s\)"
+    )
+    assert re.fullmatch(pattern, lines[0]), lines[0]
+    cluster.shutdown()
 
 
 @pytest.mark.timeout(120, func_only=True)  # a hang here is the bug under test

@@ -160,8 +160,9 @@ class MegatronConfig(PackingOptions):
     offload_optimizer: bool = True
     # Attention kernel for the plain-torch layer spec: "sdpa" or "local" (megatron-core's unfused one).
     attention_backend: str = one_of("sdpa", "sdpa", "local")
-    # Attention over packed rows (roll.models.packed_attention): "sdpa" (per sequence) or "flex".
-    packing_attention: str = one_of("sdpa", table="roll.models.packed_attention:PACKED_ATTENTION_KINDS")
+    # Attention over packed rows (roll.models.packed_attention): "auto" (varlen FlashAttention on CUDA,
+    # else per-sequence SDPA), "varlen", "flex" or "sdpa".
+    packing_attention: str = one_of("auto", table="roll.models.packed_attention:PACKED_ATTENTION_KINDS")
     # Passed through to megatron-core's TransformerConfig untouched (advanced use).
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
 

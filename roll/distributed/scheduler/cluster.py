@@ -24,6 +24,8 @@ return within its ``worker_timeouts`` entry raises ``WorkerTimeout`` (see ``watc
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
 
 
+logger = logging.getLogger("roll")
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -76,6 +80,7 @@ class AsyncResult(Generic[T]):
         self.refs = refs
         self.ranks = ranks
         self.gather = gather
+        self.method = method
         self.deadline = Deadline.start(cluster.timeouts, method)
 
     def get(self) -> T:
@@ -92,11 +97,17 @@ def get_all(*results: AsyncResult) -> list[Any]:
     owner = {ref: (result, rank) for result in results for ref, rank in zip(result.refs, result.ranks)}
     values: dict[ray.ObjectRef, Any] = {}
     pending = list(owner)
+    started = time.monotonic()
+    report_at = started + STALL_REPORT_AFTER_S
     while pending:
         wait_s = min(owner[ref][0].deadline.remaining() for ref in pending)
+        wait_s = max(0.0, min(wait_s, report_at - time.monotonic()))
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not ready:
             _raise_overdue(pending, owner)
+            if time.monotonic() >= report_at:
+                logger.warning(waiting_line(pending, owner, time.monotonic() - started))
+                report_at += STALL_REPORT_EVERY_S
         for ref in ready:
             try:
                 values[ref] = ray.get(ref)
@@ -105,6 +116,26 @@ def get_all(*results: AsyncResult) -> list[Any]:
                 result, rank = owner[ref]
                 raise result.cluster._fail(rank, exc) from None
     return [result.gather([values[ref] for ref in result.refs]) for result in results]
+
+
+# A wait longer than this logs which role, ranks and call it waits on, and again every
+# STALL_REPORT_EVERY_S (a start-up that stalls names what it waits for while it waits).
+STALL_REPORT_AFTER_S = 60.0
+STALL_REPORT_EVERY_S = 30.0
+
+
+def waiting_line(pending: list[ray.ObjectRef], owner: dict, waited_s: float) -> str:
+    """``still waiting after 90 s for actor_infer ranks [0, 1] (initialize); reference rank 0 (...)``."""
+    ranks: dict[AsyncResult, list[int]] = {}
+    for ref in pending:
+        result, rank = owner[ref]
+        ranks.setdefault(result, []).append(rank)
+    parts = [
+        f"{result.cluster.role} rank{'s' if len(r) > 1 else ''} {r if len(r) > 1 else r[0]} "
+        f"({result.method or 'call'}, {result.deadline.remaining():.0f} s left of {result.deadline.key})"
+        for result, r in ranks.items()
+    ]
+    return f"still waiting after {waited_s:.0f} s for " + "; ".join(parts)
 
 
 # How long a failure waits for a dead worker among the other pending calls (see ``_root_failure``).

@@ -128,7 +128,7 @@ class SDPAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
-        packing_attention: str = "sdpa",
+        packing_attention: str = "auto",
         k_channels: int | None = None,
         v_channels: int | None = None,
     ):
@@ -200,7 +200,9 @@ class SDPAttention(torch.nn.Module):
 
                 group = ps.get_context_parallel_group()
                 return cp_packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, group)
-            return packed_attention(query, key, value, params.cu_seqlens_q, self.softmax_scale, kind, dropout)
+            return packed_attention(
+                query, key, value, params.cu_seqlens_q, self.softmax_scale, kind, dropout, params.max_seqlen_q
+            )
 
         if dropout > 0:
             from megatron.core import tensor_parallel

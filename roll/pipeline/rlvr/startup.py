@@ -97,11 +97,20 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         _start_workers(run, hosted)
     with timer("initialize"):
         for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
-            get_all(*(_async_initialize(run, name) for name in wave))
-            for name in wave:
+            seconds = get_all(*(_async_initialize(run, name) for name in wave))
+            for name, per_rank in zip(wave, seconds):
                 run.clusters[name].refresh_dp_layout()
+                record_initialize(timer, name, per_rank)
         # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
         get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
+
+
+def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None] | None) -> None:
+    """The slowest rank's ``initialize`` seconds of ``role`` as start-up phase
+    ``initialize.<role>`` (``startup/initialize.<role>_s``): which role the start-up waited on."""
+    known = [s for s in per_rank or [] if isinstance(s, (int, float))]
+    if known:
+        timer.times[f"time/initialize.{role}"] = max(known)
 
 
 def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,12 +45,15 @@ class TrainStepResult:
 
 class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
-    def initialize(self, total_optimizer_steps: int | None = None) -> None:
+    def initialize(self, total_optimizer_steps: int | None = None) -> float:
         """Build and start the strategy; a training role gets its LR schedule length from the
-        driver (``roll.utils.lr_schedule.total_optimizer_steps``)."""
+        driver (``roll.utils.lr_schedule.total_optimizer_steps``). Returns the seconds it took
+        (the start-up's per-role ``initialize`` phase)."""
+        start = time.perf_counter()
         self.ctx.total_optimizer_steps = total_optimizer_steps
         self.create_strategy()
         self.strategy.initialize()
+        return time.perf_counter() - start
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:

@@ -12,6 +12,8 @@ message, "" when none), which the pipeline counts (``reward/errors``) against ``
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from roll.core.batch import Batch
@@ -23,7 +25,9 @@ from roll.pipeline.rlvr.rewards.registry import get_reward_spec, load_reward_fn
 
 class RewardWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
-    def initialize(self) -> None:
+    def initialize(self) -> float:
+        """Load the reward model or build the rule scorer; returns the seconds it took."""
+        start = time.perf_counter()
         self.spec = get_reward_spec(self.role_config.reward_fn)
         if self.spec.kind == "model":
             self.create_strategy()
@@ -33,6 +37,7 @@ class RewardWorker(Worker):
 
             cfg = self.role_config
             self.scorer = RewardScorer(cfg.reward_fn, cfg.reward_kwargs, cfg.timeout_s)
+        return time.perf_counter() - start
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: Batch) -> Batch:

@@ -1,0 +1,468 @@
+"""GPU speed guard: the shipped GPU examples that fit this machine, a few steps each, beside a baseline.
+
+For every run below whose GPU count fits the visible GPUs it starts
+``examples/start_rlvr_pipeline.py`` as shipped (only ``max_steps``, ``output_dir`` and the run's
+listed overrides changed; validation and checkpoints off) and prints one table: the start-up phases
+(``startup/*`` of the first metrics row), the seconds of each stage of the last step, the peak
+device memory beside the memory planner's prediction (``--dry_run``'s "device peak"), each next to
+the baseline of this GPU (``benchmarks/baselines/<gpu>.json``), their ratio and the stage's bound.
+It exits 1 when a stage, the step or the start-up is more than ``--tolerance`` (15%) slower than
+its baseline (and more than ``--floor_s`` seconds: sub-second stages jitter by tens of ms), naming
+the run, the stage and by how much.
+
+    python benchmarks/gpu_speed.py                           # every run that fits, 3 steps each
+    python benchmarks/gpu_speed.py --gpus 1                  # the 1-GPU mode (one H100 is enough)
+    python benchmarks/gpu_speed.py --only qwen2.5-1.5B-rlvr_megatron_vllm_2gpus --save
+    python benchmarks/gpu_speed.py --repo /path/to/other/checkout --label before   # same runs, other code
+
+``--save`` merges the measured runs into the baseline file (plain JSON, see ``save_baseline``).
+``--parallel`` runs configs on disjoint GPUs at once (a 4-GPU host runs two 2-GPU configs
+together; they share the host's CPUs, so compare such numbers only with numbers measured the same
+way). Missing random checkpoints of the presets below are written first (``--device cuda``).
+
+Bounds (seconds, from the model's parameter count N (active N for MoE), the step's real tokens and
+the datasheet of the GPU: 989 TFLOP/s dense bf16 for H100/H200 SXM, HBM 3.35 / 4.8 TB/s):
+train 6·N·tokens / (GPUs·peak); each log-prob pass 2·N·tokens / (GPUs·peak); generate the larger
+of 2·N·tokens / (GPUs·peak) and response_length decode steps each reading the weights once
+(2·N_total bytes / HBM bandwidth); model_update one read of the weights (2·N_total / HBM bandwidth).
+They are floors no implementation reaches, there to show how far each stage is from one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from roll.planner.model_shape import ModelShape, shape_from_config  # noqa: E402
+from roll.utils.tracking import read_metrics  # noqa: E402
+
+BASELINES = REPO / "benchmarks" / "baselines"
+# GPU name -> (dense bf16 FLOP/s, HBM bytes/s), from the vendors' datasheets (SXM parts).
+DATASHEETS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
+
+
+@dataclass(frozen=True)
+class SpeedRun:
+    """One shipped config the guard runs: its GPU count, the random checkpoint it needs (preset,
+    layer count) and overrides beyond the step count."""
+
+    config: str
+    gpus: int
+    preset: str | None = None
+    layers: int | None = None
+    overrides: tuple[str, ...] = ()
+
+
+RUNS = (
+    SpeedRun("rlvr_vllm_1gpu", 1),
+    SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_1gpu", 1, preset="qwen2.5-1.5b"),
+    SpeedRun("rlvr_megatron_2gpus", 2),
+    SpeedRun("rlvr_megatron_vllm_2gpus", 2),
+    SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", 2, preset="qwen2.5-1.5b"),
+    SpeedRun(
+        "qwen3-30B-A3B-rlvr_megatron_4gpus",
+        4,
+        preset="qwen3-30b-a3b",
+        layers=4,
+        overrides=("response_length=128",),
+    ),
+)
+
+
+@dataclass
+class Measured:
+    """What one run gave: start-up phases, the last step's stages, peaks, and how it ended."""
+
+    config: str
+    gpus: int
+    exit_code: int
+    wall_s: float
+    startup: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)
+    step_s: float | None = None
+    startup_s: float | None = None
+    peak_gib: float | None = None
+    predicted_peak_gib: float | None = None
+    tokens: float = 0.0
+    response_tokens: float = 0.0
+    error: str = ""
+
+    def as_baseline(self) -> dict:
+        return {
+            "gpus": self.gpus,
+            "startup_s": self.startup_s,
+            "startup": self.startup,
+            "step_s": self.step_s,
+            "stages": self.stages,
+            "peak_gib": self.peak_gib,
+            "predicted_peak_gib": self.predicted_peak_gib,
+        }
+
+
+# ----------------------------------------------------------------------------- reading a run
+def measured_from_rows(run: SpeedRun, rows: list[dict], exit_code: int, wall_s: float) -> Measured:
+    """The start-up phases of the first row that has them and the stages of the last step."""
+    out = Measured(run.config, run.gpus, exit_code, wall_s)
+    first = next((r for r in rows if "startup/to_first_step_s" in r), {})
+    out.startup = {
+        k.removeprefix("startup/").removesuffix("_s"): v
+        for k, v in first.items()
+        if k.startswith("startup/") and k != "startup/to_first_step_s"
+    }
+    out.startup_s = first.get("startup/to_first_step_s")
+    steps = [r for r in rows if "time/step" in r]
+    if steps:
+        last = steps[-1]
+        out.step_s = last["time/step"]
+        out.stages = {
+            k.removeprefix("time/"): v
+            for k, v in last.items()
+            if k.startswith("time/") and k not in ("time/step", "time/validation")
+        }
+        out.tokens = last.get("perf/tokens", 0.0)
+        out.response_tokens = last.get("perf/response_tokens", 0.0)
+    peaks = [r["memory/peak_used_gib_max"] for r in rows if "memory/peak_used_gib_max" in r]
+    out.peak_gib = max(peaks) if peaks else None
+    return out
+
+
+def predicted_peak(dry_run_output: str) -> float | None:
+    """The largest "device peak X" of a ``--dry_run`` memory plan (GiB), None without a plan."""
+    peaks = [float(m) for m in re.findall(r"device peak ([0-9.]+)", dry_run_output)]
+    return max(peaks) if peaks else None
+
+
+# ----------------------------------------------------------------------------- bounds
+def active_params(shape: ModelShape) -> int:
+    """Parameters one token runs through: every dense one, ``top_k`` of the experts."""
+    if not shape.experts:
+        return shape.total_params()
+    unused = shape.expert_params() * (shape.experts - shape.top_k) // shape.experts
+    return shape.total_params() - unused
+
+
+def stage_bounds(
+    shape: ModelShape, tokens: float, gpus: int, response_length: int, flops: float, hbm: float
+) -> dict[str, float]:
+    """Seconds no implementation can beat for each stage (see the module docstring)."""
+    n, total = active_params(shape), shape.total_params()
+    forward = 2 * n * tokens / (gpus * flops)
+    return {
+        "train": 3 * forward,
+        "old_log_probs": forward,
+        "reference": forward,
+        "values": forward,
+        "generate": max(forward, response_length * 2 * total / hbm),
+        "model_update": 2 * total / hbm,
+    }
+
+
+def datasheet(gpu_name: str) -> tuple[float, float, str]:
+    for key, (flops, hbm) in DATASHEETS.items():
+        if key in gpu_name:
+            return flops, hbm, key
+    flops, hbm = DATASHEETS["H100"]
+    return flops, hbm, "H100 figures (unknown GPU)"
+
+
+# ----------------------------------------------------------------------------- comparing
+def regressions(now: Measured, base: dict | None, tolerance: float, floor_s: float) -> list[str]:
+    """One line per stage (and the step and start-up) slower than ``base`` by more than
+    ``tolerance`` and ``floor_s`` seconds."""
+    if not base:
+        return []
+    pairs = [("startup", now.startup_s, base.get("startup_s")), ("step", now.step_s, base.get("step_s"))]
+    pairs += [(k, v, base.get("stages", {}).get(k)) for k, v in now.stages.items()]
+    lines = []
+    for name, value, ref in pairs:
+        if value is None or ref is None or ref <= 0:
+            continue
+        if value > ref * (1 + tolerance) and value - ref > floor_s:
+            lines.append(
+                f"{now.config}: {name} {value:.2f} s vs baseline {ref:.2f} s (+{(value / ref - 1) * 100:.0f}%)"
+            )
+    return lines
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    return "-" if value is None or not ref else f"{value / ref:.2f}x"
+
+
+def run_table(now: Measured, base: dict | None, bounds: dict[str, float]) -> list[str]:
+    """Markdown table of one run: rows of start-up phases, stages, step, memory."""
+    base = base or {}
+    lines = [
+        f"### {now.config} ({now.gpus} GPU{'s' if now.gpus > 1 else ''}, exit {now.exit_code}, wall {now.wall_s:.0f} s)",
+        "",
+        "| | now | baseline | ratio | bound |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for phase, value in now.startup.items():
+        ref = base.get("startup", {}).get(phase)
+        lines.append(f"| start-up: {phase} | {_cell(value)} | {_cell(ref)} | {_ratio(value, ref)} | |")
+    ref = base.get("startup_s")
+    lines.append(
+        f"| **start-up to first step** | {_cell(now.startup_s)} | {_cell(ref)} | {_ratio(now.startup_s, ref)} | |"
+    )
+    for stage, value in now.stages.items():
+        ref = base.get("stages", {}).get(stage)
+        bound = bounds.get(stage)
+        lines.append(
+            f"| {stage} | {_cell(value)} | {_cell(ref)} | {_ratio(value, ref)} | {_cell(bound, 3)} |"
+        )
+    ref = base.get("step_s")
+    step_bound = sum(bounds.get(s, 0.0) for s in now.stages) or None
+    lines.append(
+        f"| **step** | {_cell(now.step_s)} | {_cell(ref)} | {_ratio(now.step_s, ref)} | {_cell(step_bound, 3)} |"
+    )
+    ref = base.get("peak_gib")
+    lines.append(
+        f"| peak GiB (device) | {_cell(now.peak_gib, 1)} | {_cell(ref, 1)} | {_ratio(now.peak_gib, ref)} | |"
+    )
+    lines.append(
+        f"| planner's predicted peak GiB | {_cell(now.predicted_peak_gib, 1)} | | "
+        f"{_ratio(now.peak_gib, now.predicted_peak_gib)} measured/predicted | |"
+    )
+    if now.error:
+        lines.append(f"\nfailed: {now.error}")
+    return lines
+
+
+def gpu_slug(name: str) -> str:
+    """``NVIDIA H200`` -> ``nvidia-h200``; ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100``."""
+    words = name.lower().split()
+    return "-".join(words[:2]) if len(words) > 1 else (words[0] if words else "unknown")
+
+
+def load_baseline(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def save_baseline(path: Path, gpu_name: str, commit: str, measured: list[Measured]) -> dict:
+    """Merge ``measured`` (runs that finished) into the baseline file:
+    ``{"gpu", "date", "commit", "runs": {config: {gpus, startup_s, startup, step_s, stages, peak_gib,
+    predicted_peak_gib}}}``."""
+    data = load_baseline(path) or {"runs": {}}
+    data.update(gpu=gpu_name, date=datetime.date.today().isoformat(), commit=commit)
+    for m in measured:
+        if m.exit_code == 0 and m.step_s is not None:
+            data["runs"][m.config] = m.as_baseline() | {"commit": commit}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return data
+
+
+# ----------------------------------------------------------------------------- running
+def config_values(repo: Path, run: SpeedRun) -> dict:
+    return yaml.safe_load((repo / "examples" / "config" / f"{run.config}.yaml").read_text())
+
+
+def ensure_checkpoint(repo: Path, run: SpeedRun, log) -> None:
+    """Write the random checkpoint a preset run needs when it is not there yet."""
+    if run.preset is None:
+        return
+    target = (repo / config_values(repo, run)["pretrain"]).resolve()
+    if (target / "config.json").exists():
+        return
+    cmd = [sys.executable, "examples/make_random_checkpoint.py", "--preset", run.preset, "--out", str(target)]
+    cmd += ["--device", "cuda"] + (["--num_hidden_layers", str(run.layers)] if run.layers else [])
+    log(f"writing {target} ({run.preset})")
+    subprocess.run(cmd, cwd=repo, check=True, env=_env(repo, "0"))
+
+
+def _env(repo: Path, devices: str) -> dict[str, str]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def launch(
+    repo: Path, run: SpeedRun, steps: int, out: Path, devices: str
+) -> tuple[subprocess.Popen, list[str]]:
+    overrides = [
+        f"max_steps={steps}",
+        f"output_dir={out / run.config}",
+        "save_steps=0",
+        "eval_steps=0",
+        "track_with=none",
+        *run.overrides,
+    ]
+    cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, *overrides]
+    shutil.rmtree(
+        out / run.config, ignore_errors=True
+    )  # a fresh run (older checkouts lack overwrite_output_dir)
+    log = open(out / f"{run.config}.log", "w")  # noqa: SIM115 - closed when the process is reaped
+    proc = subprocess.Popen(cmd, cwd=repo, env=_env(repo, devices), stdout=log, stderr=subprocess.STDOUT)
+    return proc, overrides
+
+
+def dry_run_peak(repo: Path, run: SpeedRun, overrides: list[str], devices: str) -> float | None:
+    cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, "--dry_run"]
+    done = subprocess.run(
+        cmd + overrides, cwd=repo, env=_env(repo, devices), capture_output=True, text=True, timeout=300
+    )
+    return predicted_peak(done.stdout)
+
+
+def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, overrides: list[str], devices: str):
+    rows = (
+        read_metrics(out / run.config / "metrics.jsonl")
+        if (out / run.config / "metrics.jsonl").exists()
+        else []
+    )
+    measured = measured_from_rows(run, rows, code, wall)
+    if code != 0:
+        tail = (out / f"{run.config}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        measured.error = tail[0] if tail else f"exit {code}"
+    try:
+        measured.predicted_peak_gib = dry_run_peak(repo, run, overrides, devices)
+    except (subprocess.SubprocessError, OSError) as exc:
+        measured.error = measured.error or f"--dry_run: {exc}"
+    return measured
+
+
+def run_all(
+    repo: Path, runs: list[SpeedRun], steps: int, out: Path, gpus: int, parallel: bool, timeout: int, log
+):
+    """Run ``runs``, each on the first free GPUs (all in turn unless ``parallel``)."""
+    free = list(range(gpus))
+    queue, active, results = list(runs), [], []
+    while queue or active:
+        while queue and (parallel or not active) and queue[0].gpus <= len(free):
+            run = queue.pop(0)
+            ensure_checkpoint(repo, run, log)
+            mine, free = free[: run.gpus], free[run.gpus :]
+            devices = ",".join(map(str, mine))
+            proc, overrides = launch(repo, run, steps, out, devices)
+            log(f"started {run.config} on GPUs {devices}")
+            active.append((run, proc, time.time(), mine, overrides, devices))
+        time.sleep(2)
+        for item in list(active):
+            run, proc, start, mine, overrides, devices = item
+            code = proc.poll()
+            if code is None and time.time() - start > timeout:
+                proc.kill()
+                code = proc.wait()
+            if code is None:
+                continue
+            active.remove(item)
+            free = sorted(free + mine)
+            wall = time.time() - start
+            log(f"{run.config}: exit {code} after {wall:.0f} s")
+            results.append(collect(repo, run, out, code, wall, overrides, devices))
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--only", default="", help="comma-separated config names")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code runs")
+    parser.add_argument("--label", default="", help="a name for this set of runs in the output")
+    parser.add_argument("--out", type=Path, default=REPO / "output" / "gpu_speed")
+    parser.add_argument("--baseline", type=Path, default=None, help="default: baselines/<gpu>.json")
+    parser.add_argument("--save", action="store_true", help="merge the finished runs into the baseline")
+    parser.add_argument("--parallel", action="store_true", help="configs on disjoint GPUs at once")
+    parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument("--floor_s", type=float, default=0.1)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_speed: no CUDA GPU visible; this benchmark runs the GPU examples", file=sys.stderr)
+        return 2
+    gpus = args.gpus or torch.cuda.device_count()
+    gpu_name = torch.cuda.get_device_name(0)
+    flops, hbm, sheet = datasheet(gpu_name)
+    only = {c for c in args.only.split(",") if c}
+    unknown = only - {r.config for r in RUNS}
+    if unknown:
+        print(
+            f"gpu_speed: --only: unknown runs {sorted(unknown)}; known: {[r.config for r in RUNS]}",
+            file=sys.stderr,
+        )
+        return 2
+    runs = [r for r in RUNS if r.gpus <= gpus and (not only or r.config in only)]
+    missing = [
+        r.config for r in runs if not (args.repo / "examples" / "config" / f"{r.config}.yaml").exists()
+    ]
+    if missing:
+        print(f"gpu_speed: {args.repo} has no config {missing}; skipped", file=sys.stderr)
+        runs = [r for r in runs if r.config not in missing]
+    out = (args.out / args.label) if args.label else args.out
+    out.mkdir(parents=True, exist_ok=True)
+    baseline_path = args.baseline or BASELINES / f"{gpu_slug(gpu_name)}.json"
+    baseline = load_baseline(baseline_path).get("runs", {})
+
+    def log(msg: str) -> None:
+        print(f"[gpu_speed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    log(f"{gpus} x {gpu_name} ({sheet}); runs: {[r.config for r in runs]}; baseline {baseline_path}")
+    results = run_all(
+        args.repo.resolve(), runs, args.steps, out.resolve(), gpus, args.parallel, args.timeout, log
+    )
+    failures, slower = [], []
+    for m in sorted(results, key=lambda m: [r.config for r in runs].index(m.config)):
+        run = next(r for r in runs if r.config == m.config)
+        cfg = config_values(args.repo, run)
+        bounds = {}
+        model_dir = (args.repo / cfg["pretrain"]).resolve()
+        if m.tokens and (model_dir / "config.json").exists():
+            shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
+            length = _override(run.overrides, "response_length", cfg.get("response_length", 0))
+            bounds = stage_bounds(shape, m.tokens, m.gpus, int(length), flops, hbm)
+        print("\n".join(["", *run_table(m, baseline.get(m.config), bounds)]))
+        if m.exit_code != 0:
+            failures.append(f"FAILED {m.config}: exit {m.exit_code}: {m.error}")
+        slower += [
+            f"REGRESSION {line}"
+            for line in regressions(m, baseline.get(m.config), args.tolerance, args.floor_s)
+        ]
+    (out / "results.json").write_text(json.dumps([m.__dict__ for m in results], indent=1) + "\n")
+    if args.save:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True, text=True
+        ).stdout.strip()
+        save_baseline(baseline_path, gpu_name, commit or "unknown", results)
+        log(f"baseline saved: {baseline_path}")
+    for line in failures + slower:
+        print(line)
+    return 1 if failures or slower else 0
+
+
+def _override(overrides: tuple[str, ...], key: str, default):
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name == key:
+            return value
+    return default
+
+
+if __name__ == "__main__":
+    sys.exit(main())

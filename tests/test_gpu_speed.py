@@ -1,0 +1,128 @@
+"""The GPU speed guard's reading, comparing and baseline logic (benchmarks/gpu_speed.py), on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from roll.planner.model_shape import ModelShape
+
+SPEC = importlib.util.spec_from_file_location(
+    "gpu_speed", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
+)
+gpu_speed = importlib.util.module_from_spec(SPEC)
+sys.modules["gpu_speed"] = gpu_speed  # dataclasses look their module up
+SPEC.loader.exec_module(gpu_speed)
+
+RUN = gpu_speed.SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", 2)
+ROWS = [
+    {
+        "step": 1,
+        "startup/workers_s": 5.0,
+        "startup/initialize_s": 30.0,
+        "startup/to_first_step_s": 50.0,
+        "time/generate": 9.0,
+        "time/train": 20.0,
+        "time/step": 29.0,
+        "memory/peak_used_gib_max": 40.0,
+    },
+    {
+        "step": 2,
+        "time/generate": 4.0,
+        "time/train": 6.0,
+        "time/validation": 3.0,
+        "time/step": 10.0,
+        "perf/tokens": 1000.0,
+        "perf/response_tokens": 800.0,
+        "memory/peak_used_gib_max": 42.5,
+    },
+]
+
+
+def test_the_last_step_and_the_first_rows_start_up_are_read() -> None:
+    m = gpu_speed.measured_from_rows(RUN, ROWS, 0, 120.0)
+    assert m.startup == {"workers": 5.0, "initialize": 30.0} and m.startup_s == 50.0
+    assert m.stages == {"generate": 4.0, "train": 6.0} and m.step_s == 10.0  # validation left out
+    assert m.peak_gib == 42.5 and m.tokens == 1000.0
+
+
+def test_a_stage_slower_than_tolerance_and_floor_is_named() -> None:
+    m = gpu_speed.measured_from_rows(RUN, ROWS, 0, 120.0)
+    base = {"startup_s": 49.0, "step_s": 9.5, "stages": {"generate": 4.05, "train": 5.0}}
+    lines = gpu_speed.regressions(m, base, tolerance=0.15, floor_s=0.1)
+    assert lines == [f"{RUN.config}: train 6.00 s vs baseline 5.00 s (+20%)"]
+    assert gpu_speed.regressions(m, None, 0.15, 0.1) == []
+    tiny = {"stages": {"generate": 3.0}}  # +33% but under the floor is not a regression
+    m.stages = {"generate": 3.05}
+    assert gpu_speed.regressions(m, tiny, 0.01, 0.1) == []
+
+
+def test_the_baseline_file_round_trips_and_keeps_other_runs(tmp_path: Path) -> None:
+    path = tmp_path / "nvidia-h200.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "runs": {"other": {"step_s": 1.0}}}))
+    m = gpu_speed.measured_from_rows(RUN, ROWS, 0, 120.0)
+    m.predicted_peak_gib = 41.0
+    failed = gpu_speed.Measured("broken", 1, 1, 5.0)
+    data = gpu_speed.save_baseline(path, "NVIDIA H200", "abc1234", [m, failed])
+    saved = json.loads(path.read_text())
+    assert saved == data and set(saved["runs"]) == {"other", RUN.config}
+    run = saved["runs"][RUN.config]
+    assert run["stages"] == {"generate": 4.0, "train": 6.0} and run["predicted_peak_gib"] == 41.0
+    assert run["gpus"] == 2 and saved["commit"] == "abc1234"
+
+
+def test_predicted_peak_is_the_largest_device_peak_of_the_plan() -> None:
+    text = (
+        "devices ...\n          device peak 37.2 of 139.8 GiB, while actor_train runs\n"
+        "          device peak 12.0 of 139.8 GiB, while reference runs\n"
+    )
+    assert gpu_speed.predicted_peak(text) == 37.2
+    assert gpu_speed.predicted_peak("no memory plan: device: cpu") is None
+
+
+def test_bounds_follow_flops_and_bandwidth() -> None:
+    dense = ModelShape(
+        model_type="qwen2",
+        hidden=1536,
+        layers=28,
+        heads=12,
+        kv_heads=2,
+        head_dim=128,
+        ffn=8960,
+        vocab=151936,
+        tied=True,
+    )
+    n = dense.total_params()
+    b = gpu_speed.stage_bounds(dense, tokens=1e5, gpus=2, response_length=512, flops=1e15, hbm=5e12)
+    assert b["train"] == pytest.approx(6 * n * 1e5 / 2e15)
+    assert b["reference"] == pytest.approx(2 * n * 1e5 / 2e15)
+    assert b["generate"] == pytest.approx(max(2 * n * 1e5 / 2e15, 512 * 2 * n / 5e12))
+    moe = ModelShape(
+        model_type="qwen3_moe",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        ffn=128,
+        vocab=100,
+        tied=False,
+        experts=8,
+        top_k=2,
+        moe_ffn=32,
+        moe_layers=2,
+    )
+    assert gpu_speed.active_params(moe) == moe.total_params() - moe.expert_params() * 6 // 8
+
+
+def test_gpu_names_and_tables() -> None:
+    assert gpu_speed.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100"
+    assert gpu_speed.datasheet("NVIDIA H200")[:2] == (989e12, 4.8e12)
+    m = gpu_speed.measured_from_rows(RUN, ROWS, 0, 120.0)
+    table = "\n".join(gpu_speed.run_table(m, {"stages": {"train": 5.0}}, {"train": 0.5}))
+    assert "| train | 6.00 | 5.00 | 1.20x | 0.500 |" in table
+    assert "**start-up to first step** | 50.00" in table
