@@ -7,6 +7,7 @@ log-probs through the pipeline schedule, and moving plain parameters off and bac
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from roll.configs.strategy_configs import MegatronConfig, typed_strategy_config
 from roll.core.batch import Batch
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
+from roll.models.megatron import thd_rope
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
@@ -29,6 +31,8 @@ from roll.models.megatron.forward import (
 )
 from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
 from roll.models.microbatch import invert, split_by_tokens
+
+logger = logging.getLogger("roll")
 
 
 def megatron_config(role_config: RoleConfig) -> MegatronConfig:
@@ -49,6 +53,10 @@ def build_chunks(
     from roll.models.megatron.model_builder import build_model_chunks
 
     init_parallel(ctx, cfg)
+    if not thd_rope.install():
+        logger.warning(
+            "megatron-core's thd RoPE has an unknown signature: packed rows keep its per-sequence loop"
+        )
     dtype = torch_dtype(role_config.model_args.dtype)
     if hf_config is not None:
         chunks = build_model_chunks(hf_config, cfg, dtype)
