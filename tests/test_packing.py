@@ -231,4 +231,9 @@ def test_megatron_packing_kernel_and_backend_checks() -> None:
         MegatronConfig(sequence_packing=True, attention_backend="local").validate(1, "cfg")
     local = MegatronConfig(attention_backend="local")
     local.validate(1, "cfg")
-    assert not packing_enabled(local) and packing_enabled(MegatronConfig())
+    assert not packing_enabled(local) and not packing_enabled(MegatronConfig())  # null: padded rows
+    assert packing_enabled(MegatronConfig(context_parallel_size=2))  # CP runs on packed rows
+    assert packing_enabled(MegatronConfig(max_tokens_per_microbatch=4096))
+    assert packing_enabled(MegatronConfig(infer_max_tokens_per_microbatch=4096))
+    assert not packing_enabled(MegatronConfig(context_parallel_size=2, attention_backend="local"))
+    assert packing_enabled(MegatronConfig(sequence_packing=True))

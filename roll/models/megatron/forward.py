@@ -176,14 +176,21 @@ def pack_micro_batches(
 
 
 def packing_enabled(megatron_cfg: Any) -> bool:
-    """``sequence_packing``, or when null: on where it is exact, i.e. the plain-torch spec with
-    SDPA core attention (which confines attention to each packed sequence). Context parallelism
-    runs on packed rows only."""
+    """``sequence_packing``, or when null: on where something needs it (context parallelism, which
+    runs on packed rows only, or a token budget) and the attention path is exact with it (the
+    plain-torch spec with SDPA core attention); padded rows otherwise. On an H200 at the
+    Qwen2.5-1.5B shape padded rows were as fast as packed ones on a ragged RL batch and 9% faster
+    on full-length rows (benchmarks/packing.py, docs/packing.md): packing saves memory, not time,
+    at RL response lengths."""
     from roll.models.megatron.layer_spec import HAVE_TE
 
     if megatron_cfg.sequence_packing is not None:
         return bool(megatron_cfg.sequence_packing)
-    return megatron_cfg.attention_backend == "sdpa" and not HAVE_TE
+    needed = megatron_cfg.context_parallel_size > 1 or any(
+        budget is not None
+        for budget in (megatron_cfg.max_tokens_per_microbatch, megatron_cfg.infer_max_tokens_per_microbatch)
+    )
+    return needed and megatron_cfg.attention_backend == "sdpa" and not HAVE_TE
 
 
 def shape_sync_group(megatron_cfg: Any) -> Any:
