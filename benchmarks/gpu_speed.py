@@ -316,15 +316,20 @@ def launch(
     return proc, overrides
 
 
-def dry_run_peak(repo: Path, run: SpeedRun, overrides: list[str], devices: str) -> float | None:
+def start_dry_run(repo: Path, run: SpeedRun, overrides: list[str], devices: str) -> subprocess.Popen:
+    """The launcher's ``--dry_run`` (its memory plan), started beside the run."""
     cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, "--dry_run"]
-    done = subprocess.run(
-        cmd + overrides, cwd=repo, env=_env(repo, devices), capture_output=True, text=True, timeout=300
+    return subprocess.Popen(
+        cmd + overrides,
+        cwd=repo,
+        env=_env(repo, devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
-    return predicted_peak(done.stdout)
 
 
-def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, overrides: list[str], devices: str):
+def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, dry_run: subprocess.Popen):
     rows = (
         read_metrics(out / run.config / "metrics.jsonl")
         if (out / run.config / "metrics.jsonl").exists()
@@ -335,9 +340,10 @@ def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, overri
         tail = (out / f"{run.config}.log").read_text(errors="replace").strip().splitlines()[-1:]
         measured.error = tail[0] if tail else f"exit {code}"
     try:
-        measured.predicted_peak_gib = dry_run_peak(repo, run, overrides, devices)
-    except (subprocess.SubprocessError, OSError) as exc:
-        measured.error = measured.error or f"--dry_run: {exc}"
+        measured.predicted_peak_gib = predicted_peak(dry_run.communicate(timeout=300)[0])
+    except subprocess.TimeoutExpired:
+        dry_run.kill()
+        measured.error = measured.error or "--dry_run did not finish in 300 s"
     return measured
 
 
@@ -354,11 +360,12 @@ def run_all(
             mine, free = free[: run.gpus], free[run.gpus :]
             devices = ",".join(map(str, mine))
             proc, overrides = launch(repo, run, steps, out, devices)
+            dry_run = start_dry_run(repo, run, overrides, devices)
             log(f"started {run.config} on GPUs {devices}")
-            active.append((run, proc, time.time(), mine, overrides, devices))
+            active.append((run, proc, time.time(), mine, dry_run))
         time.sleep(2)
         for item in list(active):
-            run, proc, start, mine, overrides, devices = item
+            run, proc, start, mine, dry_run = item
             code = proc.poll()
             if code is None and time.time() - start > timeout:
                 proc.kill()
@@ -369,7 +376,7 @@ def run_all(
             free = sorted(free + mine)
             wall = time.time() - start
             log(f"{run.config}: exit {code} after {wall:.0f} s")
-            results.append(collect(repo, run, out, code, wall, overrides, devices))
+            results.append(collect(repo, run, out, code, wall, dry_run))
     return results
 
 
