@@ -316,13 +316,16 @@ def launch(
     return proc, overrides
 
 
-def start_dry_run(repo: Path, run: SpeedRun, overrides: list[str], devices: str) -> subprocess.Popen:
-    """The launcher's ``--dry_run`` (its memory plan), started beside the run."""
+def start_dry_run(repo: Path, run: SpeedRun, overrides: list[str], gpu: str) -> subprocess.Popen:
+    """The launcher's ``--dry_run`` (its memory plan) for ``gpu`` (H100, H200), started beside the
+    run with CUDA hidden (a CUDA context of its own would take memory while the run's engine sizes
+    its KV cache)."""
+    overrides = [*overrides, f"gpu={gpu}"] if gpu in DATASHEETS else overrides
     cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, "--dry_run"]
     return subprocess.Popen(
         cmd + overrides,
         cwd=repo,
-        env=_env(repo, devices),
+        env=_env(repo, ""),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -348,7 +351,15 @@ def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, dry_ru
 
 
 def run_all(
-    repo: Path, runs: list[SpeedRun], steps: int, out: Path, gpus: int, parallel: bool, timeout: int, log
+    repo: Path,
+    runs: list[SpeedRun],
+    steps: int,
+    out: Path,
+    gpus: int,
+    parallel: bool,
+    timeout: int,
+    log,
+    gpu: str = "",
 ):
     """Run ``runs``, each on the first free GPUs (all in turn unless ``parallel``)."""
     free = list(range(gpus))
@@ -360,7 +371,7 @@ def run_all(
             mine, free = free[: run.gpus], free[run.gpus :]
             devices = ",".join(map(str, mine))
             proc, overrides = launch(repo, run, steps, out, devices)
-            dry_run = start_dry_run(repo, run, overrides, devices)
+            dry_run = start_dry_run(repo, run, overrides, gpu)
             log(f"started {run.config} on GPUs {devices}")
             active.append((run, proc, time.time(), mine, dry_run))
         time.sleep(2)
@@ -432,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"{gpus} x {gpu_name} ({sheet}); runs: {[r.config for r in runs]}; baseline {baseline_path}")
     results = run_all(
-        args.repo.resolve(), runs, args.steps, out.resolve(), gpus, args.parallel, args.timeout, log
+        args.repo.resolve(), runs, args.steps, out.resolve(), gpus, args.parallel, args.timeout, log, sheet
     )
     failures, slower = [], []
     for m in sorted(results, key=lambda m: [r.config for r in runs].index(m.config)):
