@@ -18,8 +18,10 @@ What each program gets, enforced by the kernel (bubblewrap sets it up, then exec
   ptrace, mount, namespaces, kexec, bpf, keyctl, sockets but AF_UNIX ...);
 - rlimits set before the program runs: CPU seconds, address space, file size (stdout included),
   open files, processes/threads, no core dumps; an empty environment and ``python -I -S``;
-- an end: the pid namespace's init and ``--die-with-parent`` kill everything in it when bubblewrap
-  or the scoring process goes away, and the process group is SIGKILLed at the wall-clock limit.
+- an end: at the wall-clock limit the pid namespace's init is SIGKILLed through a pidfd (the kernel
+  kills and reaps every process of the namespace before init is gone), then the process group;
+  ``run`` returns only once nothing of the sandbox is left. ``--die-with-parent`` does the same
+  when the scoring process dies.
 
 A host where bubblewrap, libseccomp or user namespaces are missing gets ``SandboxUnavailable``
 with the reason and how to enable it (``unavailable_reason``).
@@ -28,7 +30,9 @@ with the reason and how to enable it (``unavailable_reason``).
 from __future__ import annotations
 
 import functools
+import json
 import os
+import select
 import shutil
 import signal
 import site
@@ -45,6 +49,7 @@ TMP_BYTES = 32 << 20  # the private /tmp (tmpfs pages are host memory, outside R
 MAX_OPEN_FILES = 64
 MAX_THREADS = 64  # RLIMIT_NPROC inside the sandbox's own user namespace (not enforced for host root)
 SANDBOX_UID = "65534"
+INFO_TIMEOUT_S = 30.0  # bwrap's start, and the namespace's teardown after SIGKILL
 LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32")
 # Written to stderr by the guard before the program runs: its absence means bubblewrap itself failed.
 STARTED = b"roll-sandbox-started\n"
@@ -87,12 +92,13 @@ class BubblewrapSandbox:
         return unavailable_reason()
 
     def run(self, code: str, stdin: str, limits: Limits) -> SandboxResult:
-        fds = [_memfd("solution.py", code.encode()), _memfd("seccomp", self.filter)]
+        info_read, info_write = os.pipe()  # bwrap writes {"child-pid": ...} of the namespace's init
+        fds = [_memfd("solution.py", code.encode()), _memfd("seccomp", self.filter), info_write]
         stdin_fd, stdout_fd, stderr_fd = _memfd("stdin", stdin.encode()), _memfd("stdout"), _memfd("stderr")
         try:
             start = time.monotonic()
             proc = subprocess.Popen(
-                self.command(fds[0], fds[1], limits),
+                self.command(*fds, limits),
                 stdin=stdin_fd,
                 stdout=stdout_fd,
                 stderr=stderr_fd,
@@ -100,7 +106,8 @@ class BubblewrapSandbox:
                 pass_fds=fds,
                 start_new_session=True,
             )
-            timed_out = _wait(proc, limits.time_limit_s)
+            os.close(fds.pop())
+            timed_out = _wait(proc, _init_pidfd(info_read), limits.time_limit_s)
             seconds = time.monotonic() - start
             if not os.pread(stderr_fd, len(STARTED), 0) == STARTED:
                 error = os.pread(stderr_fd, 500, 0).decode("utf-8", "replace").strip().splitlines()
@@ -110,10 +117,10 @@ class BubblewrapSandbox:
             stdout = os.pread(stdout_fd, limits.output_bytes, 0).decode("utf-8", "replace")
             return SandboxResult(None if timed_out else proc.returncode, stdout, timed_out, seconds)
         finally:
-            for fd in (*fds, stdin_fd, stdout_fd, stderr_fd):
+            for fd in (*fds, info_read, stdin_fd, stdout_fd, stderr_fd):
                 os.close(fd)
 
-    def command(self, code_fd: int, filter_fd: int, limits: Limits) -> list[str]:
+    def command(self, code_fd: int, filter_fd: int, info_fd: int, limits: Limits) -> list[str]:
         cpu_s = int(limits.time_limit_s) + 1
         rlimits = [
             (RLIMIT["CPU"], cpu_s),
@@ -134,7 +141,7 @@ class BubblewrapSandbox:
             *("--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"),
             *("--file", str(code_fd), "/tmp/solution.py"),
             *("--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"),
-            *("--seccomp", str(filter_fd)),
+            *("--seccomp", str(filter_fd), "--info-fd", str(info_fd)),
             *("--", self.exe, "-I", "-S", "-c", guard),
         ]
 
@@ -145,14 +152,37 @@ RLIMIT = {
 }
 
 
-def _wait(proc: subprocess.Popen, time_limit_s: float) -> bool:
-    """Wait up to the limit; then SIGKILL the process group (the pid namespace takes the rest)."""
+def _init_pidfd(info_read: int) -> int | None:
+    """A pidfd of the pid namespace's init, from bwrap's info JSON (None: bwrap failed before it)."""
+    data = b""
+    while b"}" not in data and select.select([info_read], [], [], INFO_TIMEOUT_S)[0]:
+        chunk = os.read(info_read, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return os.pidfd_open(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, OSError):
+        return None
+
+
+def _wait(proc: subprocess.Popen, init: int | None, time_limit_s: float) -> bool:
+    """Wait up to the limit, then SIGKILL the namespace's init (the kernel kills and reaps every
+    process of the namespace before init is gone, and bwrap exits after it), then the process
+    group as a backstop. Returns whether the limit was hit; on return no sandbox process is left."""
     timed_out = False
     try:
         proc.wait(timeout=time_limit_s)
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
+        if init is not None:
+            try:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            select.select([init], [], [], INFO_TIMEOUT_S)  # readable once init has exited
+            os.close(init)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
