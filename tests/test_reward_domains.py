@@ -1,12 +1,11 @@
-"""ROLL's multi-domain rewards on CPU: code in a sandbox (hostile programs score 0 and harm nothing),
+"""ROLL's multi-domain rewards on CPU: code in a sandbox (hostile programs score 0 and harm nothing;
+the escapes one by one are in test_sandbox_escapes.py),
 IFEval instruction checks, CrossThinkQA-style multiple choice."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +41,7 @@ def test_extract_code_takes_the_last_block():
         "import sys\nwhile True:\n    sys.stdout.write('6\\n' * 65536)",  # huge output
         "x = bytearray(4 << 30)\nprint(6)",  # memory
         "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\nprint(6)",  # network
-        "import ctypes\nctypes.CDLL(None).fork()\nprint(6)",  # around the audit hook
+        "import ctypes\nassert ctypes.CDLL(None).fork() >= 0\nprint(6)",  # fork through libc
     ],
 )
 def test_hostile_programs_score_zero_quickly(program):
@@ -63,25 +62,6 @@ def test_writes_outside_the_temp_dir_are_refused_and_harm_nothing(tmp_path):
     ):
         assert not run_sandboxed(program, time_limit_s=1.0).ok, program
     assert target.read_text() == "keep"
-
-
-def test_files_inside_the_temp_dir_work_and_are_removed():
-    result = run_sandboxed("import os\nopen('a.txt', 'w').write('x')\nprint(os.getcwd())")
-    assert result.ok
-    assert not Path(result.stdout.strip()).exists()
-
-
-def test_timed_out_program_leaves_no_process():
-    result = run_sandboxed(
-        "import time\nprint(os.getpid(), flush=True)\ntime.sleep(60)".replace(
-            "import time", "import os, time"
-        ),
-        time_limit_s=0.5,
-    )
-    assert result.timed_out
-    pid = int(result.stdout.split()[0])
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
 
 
 def test_huge_output_is_cut():

@@ -56,7 +56,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
     ),
     "rewards.*.use_local": Unsupported(
-        "remove it or write true; code runs in roll's local sandbox (no remote sandbox service)", (None, True)
+        "remove it or write true; for a remote service set reward_kwargs.sandbox: "
+        "{backend: sandbox_fusion, url: ...} (SandboxFusion's API; ROLL's service API is not supported)",
+        (None, True),
     ),
     "is_num_return_sequences_expand": Unsupported(
         "remove it",

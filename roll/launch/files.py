@@ -22,7 +22,7 @@ from roll.models.model_dir import check_model_dir
 from roll.pipeline.rlvr.checkpoint import resolve_resume
 from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
-from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+from roll.pipeline.rlvr.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
 from roll.pipeline.rlvr.run import build_tag_routes
 
@@ -126,6 +126,8 @@ def check_tag_routes(config: RLVRConfig, tags: Counter[str]) -> None:
 
 
 def check_reward_options(config: RLVRConfig) -> None:
-    """Every ``reward_kwargs`` key is an option of the reward function it is passed to."""
+    """Every ``reward_kwargs`` key is an option of the reward function it is passed to, and what
+    the options need of this machine is there (e.g. the code sandbox's bubblewrap)."""
     for name, reward in config.rewards.items():
         check_reward_kwargs(reward.reward_fn, reward.reward_kwargs, f"rewards.{name}.reward_kwargs")
+        check_reward_machine(reward.reward_fn, reward.reward_kwargs, f"rewards.{name}.reward_kwargs")

@@ -26,6 +26,9 @@ class RewardSpec:
     # Model rewards: "module:NAME" of the dict whose keys are the accepted ``reward_kwargs`` (rule
     # rewards take their function's keyword parameters).
     options: str | None = None
+    # "module:function" ``(reward_kwargs, key_path)`` run before launch to check what the options
+    # need of this machine (raises one ConfigError); None: nothing beyond the option names.
+    check: str | None = None
 
 
 _R = "roll.pipeline.rlvr.rewards"
@@ -35,7 +38,11 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
         RewardSpec("math_rule", f"{_R}.math_rule:math_rule_reward"),
         RewardSpec("format", f"{_R}.format_reward:format_reward"),
         RewardSpec("llm_judge", f"{_R}.llm_judge:llm_judge_reward", "model", f"{_R}.llm_judge:JUDGE_KWARGS"),
-        RewardSpec("code_sandbox", f"{_R}.code_sandbox:code_sandbox_reward"),
+        RewardSpec(
+            "code_sandbox",
+            f"{_R}.code_sandbox:code_sandbox_reward",
+            check=f"{_R}.code_sandbox:check_code_sandbox_kwargs",
+        ),
         RewardSpec("ifeval", f"{_R}.ifeval:ifeval_reward"),
         RewardSpec("multiple_choice", f"{_R}.multiple_choice:multiple_choice_reward"),
     )
@@ -51,6 +58,14 @@ def get_reward_spec(name: str, path: str = "reward_fn") -> RewardSpec:
             f"valid names: {', '.join(sorted(REWARD_FUNCTIONS))}",
         )
     return spec
+
+
+def check_reward_machine(name: str, reward_kwargs: dict, path: str) -> None:
+    """Run the reward's own pre-launch ``check`` (if any) on its ``reward_kwargs`` at key ``path``."""
+    spec = REWARD_FUNCTIONS.get(name)
+    if spec is not None and spec.check is not None:
+        module_name, fn_name = spec.check.split(":")
+        getattr(importlib.import_module(module_name), fn_name)(reward_kwargs, path)
 
 
 def load_reward_fn(name: str) -> Callable[..., float]:
