@@ -185,6 +185,43 @@ def test_disk_full_in_a_worker_names_its_file(tmp_path):
         save_checkpoint(tmp_path, 3, STATE, full)
 
 
+def test_disk_full_under_torch_dcp_in_a_worker_names_the_os_error_and_its_file(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint gathers the ranks' errors into a CheckpointException whose
+    first line is ``CheckpointException ranks:dict_keys([0, 1])``; the report must carry the
+    OSError under it (as a save in a Ray worker gives it to the driver)."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+    from ray.exceptions import RayTaskError
+    from torch.distributed.checkpoint import filesystem
+
+    from roll.distributed.scheduler.errors import WorkerError
+
+    @contextlib.contextmanager
+    def full(self, path, mode):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        yield
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+
+    def save_roles(tmp: Path) -> None:
+        try:
+            dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp / "actor_train"), no_dist=True)
+        except BaseException as exc:  # what the worker raised, as Ray hands it to the driver
+            error = RayTaskError("save_checkpoint", "Traceback (most recent call last): ...", exc)
+            raise WorkerError.from_ray("actor_train", 1, error) from None
+
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, 3, STATE, save_roles)
+    tmp = tmp_path / ".tmp-step_3"
+    assert str(err.value) == f"{tmp}: No space left on device ({tmp}/actor_train/__0_0.distcp)"
+    worker_error = err.value.__cause__
+    assert str(worker_error).startswith(
+        f"actor_train rank 1: OSError: [Errno 28] No space left on device: '{tmp}/actor_train/__0_0.distcp'"
+    )
+    assert not tmp.exists()
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
