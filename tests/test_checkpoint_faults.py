@@ -287,3 +287,36 @@ def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, tmp_pa
     args = ["--config_name", "minimal", "--config_path", str(good), f"output_dir={tmp_path / 'out'}"]
     assert main(args + files) == code
     assert capsys.readouterr().err.strip().splitlines() == [f"{type(exc).__name__}: {exc}"]
+
+
+@pytest.mark.parametrize("resume", ["path", "true"])
+def test_resuming_from_a_corrupted_checkpoint_at_launch_is_one_line_exit_3(
+    monkeypatch, capsys, tmp_path, resume
+):
+    """check_before_launch verifies the checkpoint (roll.launch.files): a CheckpointError there,
+    for a path named by the user or when no valid one remains under the checkpoint dir, is one
+    line and exit 3, before any worker starts."""
+    from launch_files import launch_overrides, make_launch_files
+
+    from roll.launch.rlvr import main
+    from roll.pipeline.rlvr import prestart
+
+    monkeypatch.setattr(prestart, "prestart", lambda config: None)  # no Ray: nothing may start
+    out = tmp_path / "out"
+    path = save(out / "checkpoints", 2)
+    weights = path / "actor_train" / "__0_0.distcp"
+    weights.write_bytes(b"x" + weights.read_bytes()[1:])
+    good = Path(__file__).parent / "configs" / "good"
+    files = launch_overrides(make_launch_files(tmp_path))
+    value = str(path) if resume == "path" else "true"
+    args = ["--config_name", "minimal", "--config_path", str(good), f"output_dir={out}"]
+    assert main([*args, *files, f"resume_from_checkpoint={value}"]) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    corrupted = f"{weights}: sha256 differs from manifest.json (the file is corrupted)"
+    if resume == "path":
+        assert lines == [f"CheckpointError: {corrupted}"]
+    else:  # the warning naming the skipped one may come first
+        assert lines[-1] == (
+            f"CheckpointError: {out / 'checkpoints'}: no valid checkpoint (1 invalid; newest: {corrupted})"
+        )
+        assert not any("Traceback" in line for line in lines)
