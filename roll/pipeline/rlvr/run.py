@@ -118,6 +118,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     train = load_prompt_files(
         config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
     )
+    check_rows_routed(config, train.rows)  # before any worker starts
     sampler = PromptSampler(
         train,
         config.rollout_batch_size,
@@ -131,9 +132,25 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         rows = load_prompt_files(
             config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
         )
+        check_rows_routed(config, rows.rows)
         val = to_batch([rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length)
         val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
     return sampler, val
+
+
+def check_rows_routed(config: RLVRConfig, rows: Iterable[Any]) -> None:
+    """Every prompt row's tag has a reward role; else one ConfigError naming the first unclaimed
+    row by ``file:line`` (``PromptRow.source``)."""
+    routes, catch_all = build_tag_routes(config)
+    if catch_all is not None:
+        return
+    for row in rows:
+        if row.tag not in routes:
+            raise ConfigError(
+                "rewards",
+                f"no reward role claims tag {row.tag!r} of the prompt row {row.source}; add it to a "
+                "role's tag_included, or leave one role's tag_included empty to score every other tag",
+            )
 
 
 def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
@@ -165,9 +182,6 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
     run.colocated = offloaded_roles(config, plan)
-    run.reward_routes(
-        sampler.dataset.domains()
-    )  # fail before any worker starts when a tag has no reward role
     try:
         start_clusters(run, timer)
         with timer("model_update_setup"):
