@@ -83,6 +83,18 @@ class RLVRRun:
         return iter(tqdm(items, desc=desc, leave=False, disable=not self.show_progress or len(items) < 2))
 
 
+class RunLogHandler(logging.FileHandler):
+    """run.log. A record it cannot write (a full disk) is one line on stderr, once, instead of
+    logging's traceback for every record; the console keeps getting them."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            print(f"roll: cannot write {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
+
+
 def setup_logging(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger("roll")
@@ -92,7 +104,7 @@ def setup_logging(run_dir: Path) -> None:
     # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
     for handler, level in (
         (logging.StreamHandler(sys.stderr), logging.INFO),
-        (logging.FileHandler(run_dir / "run.log"), logging.DEBUG),
+        (RunLogHandler(run_dir / "run.log"), logging.DEBUG),
     ):
         handler.setFormatter(fmt)
         handler.setLevel(level)
