@@ -167,6 +167,6 @@ def _stop(pending: _Prestart) -> None:
     if pending.result is not None and ray.is_initialized():
         for host in pending.result[2]:
             host.kill()
-        pending.result[0].destroy()
+        pending.result[0].destroy(timeout_s=1.0)
     shutdown_ray()
     pending.release.set()

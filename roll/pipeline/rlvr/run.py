@@ -224,5 +224,5 @@ def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
             logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
     for host in run.hosts:  # those whose members never started (another role failed first)
         host.kill()
-    if run.resources is not None:
-        run.resources.destroy()
+    if run.resources is not None:  # after a failure the driver is leaving: do not wait long
+        run.resources.destroy(timeout_s=30.0 if graceful else 1.0)
