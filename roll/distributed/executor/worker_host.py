@@ -79,7 +79,7 @@ class HostRef:
         self.actor = actor
         self.members = members
         self.users: set[tuple[str, int]] = set()  # members whose worker was added and not released
-        self.hosted: list[tuple[str, int]] = []  # every member whose worker was added, in order
+        self.hosted: list[tuple[str, int]] = []  # every member whose worker was added
         self.where: dict[str, Any] = {}  # {"pid", "node"}, once a member's ``add`` has returned
         self.killed = False  # by the driver (``kill``), as opposed to a death of its own
         self._lock = threading.Lock()
@@ -94,7 +94,8 @@ class HostRef:
         """``host process pid <p> on <node> (<role> rank <r>, ...)``: the process and every
         member it hosted, for an error that is the process's and not one role's (it died)."""
         where = f"pid {self.where['pid']} on {self.where['node']}" if self.where else "(not started)"
-        members = ", ".join(f"{role} rank {rank}" for role, rank in self.hosted or self.members)
+        held = [m for m in self.members if m in self.hosted] or list(self.members)  # in plan order
+        members = ", ".join(f"{role} rank {rank}" for role, rank in held)
         return f"host process {where} ({members})"
 
     def release(self, role: str, rank: int) -> None:
