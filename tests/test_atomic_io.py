@@ -8,7 +8,7 @@ import os
 import pytest
 
 from roll.utils import atomic_io
-from roll.utils.atomic_io import append_line_durably, fsync_path, write_file_durably
+from roll.utils.atomic_io import append_line_durably, fsync_path, write_dir_durably, write_file_durably
 
 
 def test_write_file_durably_keeps_the_old_content_when_the_write_fails(tmp_path, monkeypatch):
@@ -41,3 +41,34 @@ def test_directory_fsync_is_let_off_where_the_filesystem_cannot(tmp_path, monkey
     fsync_path(tmp_path)  # a directory: let off
     with pytest.raises(OSError):
         fsync_path(tmp_path / "f")  # a file's data must reach the disk
+
+
+def test_a_directory_written_durably_replaces_the_old_one_only_when_complete(tmp_path):
+    final = tmp_path / "hf_model"
+    with write_dir_durably(final) as tmp:
+        (tmp / "model.safetensors").write_text("old")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]
+
+    with pytest.raises(KeyboardInterrupt):  # a signal in the middle of an export
+        with write_dir_durably(final) as tmp:
+            assert tmp.name == ".tmp-hf_model" and tmp.parent == tmp_path
+            (tmp / "model.safetensors").write_text("half")
+            raise KeyboardInterrupt
+    assert (final / "model.safetensors").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]
+
+    (tmp_path / ".tmp-hf_model").mkdir()  # left by a process killed mid-export
+    (tmp_path / ".tmp-hf_model" / "junk").write_text("x")
+    with write_dir_durably(final) as tmp:
+        assert list(tmp.iterdir()) == []
+        (tmp / "model.safetensors").write_text("new")
+    assert os.listdir(final) == ["model.safetensors"] and (final / "model.safetensors").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]
+
+
+def test_a_directory_is_fsynced_before_it_takes_the_final_name(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(atomic_io, "fsync_tree", lambda root: synced.append(sorted(os.listdir(root))))
+    with write_dir_durably(tmp_path / "out") as tmp:
+        (tmp / "a").write_text("x")
+    assert synced == [["a"]] and (tmp_path / "out" / "a").exists()

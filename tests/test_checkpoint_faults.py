@@ -185,6 +185,43 @@ def test_disk_full_in_a_worker_names_its_file(tmp_path):
         save_checkpoint(tmp_path, 3, STATE, full)
 
 
+def test_disk_full_under_torch_dcp_in_a_worker_names_the_os_error_and_its_file(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint gathers the ranks' errors into a CheckpointException whose
+    first line is ``CheckpointException ranks:dict_keys([0, 1])``; the report must carry the
+    OSError under it (as a save in a Ray worker gives it to the driver)."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+    from ray.exceptions import RayTaskError
+    from torch.distributed.checkpoint import filesystem
+
+    from roll.distributed.scheduler.errors import WorkerError
+
+    @contextlib.contextmanager
+    def full(self, path, mode):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        yield
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full)
+
+    def save_roles(tmp: Path) -> None:
+        try:
+            dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp / "actor_train"), no_dist=True)
+        except BaseException as exc:  # what the worker raised, as Ray hands it to the driver
+            error = RayTaskError("save_checkpoint", "Traceback (most recent call last): ...", exc)
+            raise WorkerError.from_ray("actor_train", 1, error) from None
+
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, 3, STATE, save_roles)
+    tmp = tmp_path / ".tmp-step_3"
+    assert str(err.value) == f"{tmp}: No space left on device ({tmp}/actor_train/__0_0.distcp)"
+    worker_error = err.value.__cause__
+    assert str(worker_error).startswith(
+        f"actor_train rank 1: OSError: [Errno 28] No space left on device: '{tmp}/actor_train/__0_0.distcp'"
+    )
+    assert not tmp.exists()
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("touch pwned",))
@@ -250,3 +287,36 @@ def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, tmp_pa
     args = ["--config_name", "minimal", "--config_path", str(good), f"output_dir={tmp_path / 'out'}"]
     assert main(args + files) == code
     assert capsys.readouterr().err.strip().splitlines() == [f"{type(exc).__name__}: {exc}"]
+
+
+@pytest.mark.parametrize("resume", ["path", "true"])
+def test_resuming_from_a_corrupted_checkpoint_at_launch_is_one_line_exit_3(
+    monkeypatch, capsys, tmp_path, resume
+):
+    """check_before_launch verifies the checkpoint (roll.launch.files): a CheckpointError there,
+    for a path named by the user or when no valid one remains under the checkpoint dir, is one
+    line and exit 3, before any worker starts."""
+    from launch_files import launch_overrides, make_launch_files
+
+    from roll.launch.rlvr import main
+    from roll.pipeline.rlvr import prestart
+
+    monkeypatch.setattr(prestart, "prestart", lambda config: None)  # no Ray: nothing may start
+    out = tmp_path / "out"
+    path = save(out / "checkpoints", 2)
+    weights = path / "actor_train" / "__0_0.distcp"
+    weights.write_bytes(b"x" + weights.read_bytes()[1:])
+    good = Path(__file__).parent / "configs" / "good"
+    files = launch_overrides(make_launch_files(tmp_path))
+    value = str(path) if resume == "path" else "true"
+    args = ["--config_name", "minimal", "--config_path", str(good), f"output_dir={out}"]
+    assert main([*args, *files, f"resume_from_checkpoint={value}"]) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    corrupted = f"{weights}: sha256 differs from manifest.json (the file is corrupted)"
+    if resume == "path":
+        assert lines == [f"CheckpointError: {corrupted}"]
+    else:  # the warning naming the skipped one may come first
+        assert lines[-1] == (
+            f"CheckpointError: {out / 'checkpoints'}: no valid checkpoint (1 invalid; newest: {corrupted})"
+        )
+        assert not any("Traceback" in line for line in lines)

@@ -71,3 +71,27 @@ def test_dropped_long_prompts_are_located(tmp_path, caplog):
     assert (
         f"{path}:7 (" in caplog.text and f"{path}:8 (" not in caplog.text and "(first 5 shown)" in caplog.text
     )
+
+
+def test_a_row_whose_tag_no_reward_role_claims_is_named_by_file_and_line():
+    """The run's own check (load_data, before any worker starts) for configs that skipped the
+    launcher's: the first unclaimed row by file:line, not only the tag."""
+    from types import SimpleNamespace
+
+    from roll.configs.role import RewardConfig
+    from roll.pipeline.rlvr.data.dataset import PromptRow
+    from roll.pipeline.rlvr.run import check_rows_routed
+
+    config = SimpleNamespace(rewards={"math": RewardConfig(reward_fn="math_rule", tag_included=["arith"])})
+    rows = [
+        PromptRow([1], "1+1?", "2", tag, tag, f"data/train.jsonl:{i}")
+        for i, tag in enumerate(["arith", "poem", "poem"], 1)
+    ]
+    with pytest.raises(ConfigError) as err:
+        check_rows_routed(config, rows)
+    assert str(err.value).startswith(
+        "rewards: no reward role claims tag 'poem' of the prompt row data/train.jsonl:2;"
+    )
+    check_rows_routed(config, rows[:1])
+    catch_all = SimpleNamespace(rewards={"any": RewardConfig(reward_fn="math_rule")})
+    check_rows_routed(catch_all, rows)

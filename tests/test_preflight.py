@@ -309,7 +309,9 @@ def test_tag_no_reward_role_claims_is_caught(tmp_path, capsys):
     assert (
         code == 2
         and err == [err[0]]
-        and err[0].startswith("ConfigError: rewards: no reward role claims tag 'poetry'")
+        and err[0].startswith(
+            f"ConfigError: rewards: no reward role claims tag 'poetry' (2 prompt rows, the first at {files['train']}:2)"
+        )
     )
 
 

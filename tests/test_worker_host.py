@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 import sys
 import threading
 
@@ -235,14 +236,39 @@ def test_a_failure_names_role_and_rank_and_stops_the_host(slots_free):
 
 
 @pytest.mark.timeout(180, func_only=True)
-def test_a_host_process_that_dies_is_reported_for_the_role_called(slots_free):
+def test_a_host_process_that_dies_is_named_with_every_role_it_hosted(slots_free):
     clusters = start(slots_free, only=("actor_train", "reference"))
+    pid = clusters["reference"].call(HostedProbe.whoami)[0]["pid"]
     try:
-        with pytest.raises(WorkerError, match=r"^reference rank 0: ActorDiedError: the worker process died"):
+        with pytest.raises(WorkerError) as info:
             clusters["reference"].call(HostedProbe.fail_on, 0, "exit")
+        # Not "reference rank 0": the process held actor_train rank 0 as well.
+        assert re.match(
+            rf"^host process pid {pid} on [\d.]+ \(actor_train rank 0, reference rank 0\): "
+            r"ActorDiedError: the worker process died",
+            str(info.value),
+        ), str(info.value)
+        assert (info.value.role, info.value.rank) == ("reference", 0)
     finally:
         for cluster in clusters.values():
             cluster.shutdown()
+
+
+def test_killing_a_host_or_worker_after_ray_is_down_does_nothing(monkeypatch):
+    """The launcher's clean-up may reach hosts a failed start left behind after Ray has shut down:
+    ``ray.kill`` there would start a new Ray and raise ActorHandleNotFoundError."""
+    from roll.distributed.executor.worker_host import HostRef
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.kill called with Ray down")
+
+    monkeypatch.setattr(ray, "kill", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    HostRef(actor=object(), members=(("actor_train", 0),)).kill()
+    cluster = Cluster.__new__(Cluster)
+    cluster.workers = [object()]
+    cluster._kill()
+    assert cluster.workers == []
 
 
 @pytest.mark.timeout(180, func_only=True)

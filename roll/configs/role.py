@@ -128,6 +128,10 @@ class RoleConfig:
     system_envs: dict[str, str] = field(default_factory=dict)
 
 
+# ``RewardConfig.max_abs_reward``'s default, also the bound of rule rewards scored outside a run.
+DEFAULT_MAX_ABS_REWARD = 1.0e6
+
+
 @dataclass
 class RewardConfig(RoleConfig):
     """A reward role. ``reward_fn`` names a function in roll.pipeline.rlvr.rewards' registry."""
@@ -136,10 +140,13 @@ class RewardConfig(RoleConfig):
     # Prompts whose tag is in this list are scored by this role (empty: every tag not claimed elsewhere).
     tag_included: list[str] = field(default_factory=list)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Time limit per sample for rule rewards; a sample over it scores 0 and is counted.
+    # Time limit per sample for rule rewards; a sample over it scores 0 and is a failure (reward/timeouts).
     timeout_s: float = bounded(5.0, gt=0)
-    # A sample whose function raises or gives no finite number scores 0 and counts as an error
-    # (reward/errors); more than this fraction of a call's samples failing ends the run with a
-    # RewardError. 1.0 never stops. See docs/faults.md.
-    max_error_fraction: float = bounded(0.5, ge=0, le=1)
+    # A sample whose function raises, times out or gives no finite number (or one beyond
+    # max_abs_reward) scores 0 and is a failure (reward/failures); more than this fraction of a
+    # call's samples failing ends the run with a RewardError, and the call stops scoring as soon as
+    # that is certain. 1.0 never stops. See docs/faults.md.
+    max_error_fraction: float = bounded(0.01, ge=0, le=1)
+    # A score larger than this in magnitude is a failure like NaN (a reward of 1e30 is a bug).
+    max_abs_reward: float = bounded(DEFAULT_MAX_ABS_REWARD, gt=0)
     judge_prompt: str | None = None

@@ -42,11 +42,12 @@ def check_files(config: RLVRConfig) -> None:
         if name not in NO_TOKENIZER_ROLES:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
         check_megatron_layout(name, role)
-    train = prompt_tags(config.actor_train.data_args, "actor_train.data_args")
+    first: dict[str, str] = {}  # tag -> "file:line" of its first row
+    train = prompt_tags(config.actor_train.data_args, "actor_train.data_args", first)
     tags = train.copy()
     if config.validation is not None and config.validation.data_args.file_name:
-        tags.update(prompt_tags(config.validation.data_args, "validation.data_args"))
-    check_tag_routes(config, tags)
+        tags.update(prompt_tags(config.validation.data_args, "validation.data_args", first))
+    check_tag_routes(config, tags, first)
     probs = config.actor_train.data_args.domain_interleave_probs
     if probs:
         role_tags = {name: reward.tag_included for name, reward in config.rewards.items()}
@@ -91,11 +92,15 @@ def check_tokenizer_dir(path: str, key: str) -> None:
         )
 
 
-def prompt_tags(data_args: DataArgs, prefix: str) -> Counter[str]:
-    """Rows per tag over the good rows of every prompt file (bad rows are reported at load)."""
+def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None = None) -> Counter[str]:
+    """Rows per tag over the good rows of every prompt file (bad rows are reported at load);
+    ``first`` gets the ``file:line`` of each tag's first row (one already there is kept)."""
     tags: Counter[str] = Counter()
     for path in resolve_files(data_args, prefix):
-        tags.update(tag for _, _, tag, _ in read_rows(path, data_args, []))
+        for _, _, tag, line in read_rows(path, data_args, []):
+            tags[tag] += 1
+            if first is not None:
+                first.setdefault(tag, f"{path}:{line}")
     if not tags:
         raise ConfigError(
             f"{prefix}.file_name",
@@ -104,8 +109,9 @@ def prompt_tags(data_args: DataArgs, prefix: str) -> Counter[str]:
     return tags
 
 
-def check_tag_routes(config: RLVRConfig, tags: Counter[str]) -> None:
-    """Every reward role's tags occur in the data, and every tag of the data has a reward role."""
+def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, str] | None = None) -> None:
+    """Every reward role's tags occur in the data, and every tag of the data has a reward role
+    (else the error names the ``file:line`` of the tag's first row, from ``first``)."""
     routes, catch_all = build_tag_routes(config)
     for name, reward in config.rewards.items():
         for i, tag in enumerate(reward.tag_included):
@@ -118,10 +124,11 @@ def check_tag_routes(config: RLVRConfig, tags: Counter[str]) -> None:
     if catch_all is None:
         for tag, count in sorted(tags.items()):
             if tag not in routes:
+                where = f", the first at {first[tag]}" if first and tag in first else ""
                 raise ConfigError(
                     "rewards",
-                    f"no reward role claims tag {tag!r} ({count} prompt rows); add it to a role's "
-                    "tag_included, or leave one role's tag_included empty to score every other tag",
+                    f"no reward role claims tag {tag!r} ({count} prompt rows{where}); add it to a "
+                    "role's tag_included, or leave one role's tag_included empty to score every other tag",
                 )
 
 

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
-
-import ray
 
 from roll.configs.errors import ConfigError, RewardError, StorageError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, latest_checkpoint
+from roll.distributed.scheduler.ray_shutdown import RAY_SHUTDOWN_GRACE_S, shutdown_ray
+from roll.pipeline.rlvr.checkpoint import checkpoint_root, newest_checkpoint
 from roll.pipeline.rlvr.prestart import discard_prestart
 from roll.pipeline.signals import interruption, release_signals, take_signals
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:  # the checkpoint to resume from fails verification (check_files)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:  # a signal before any worker started
         stop = interruption()
         print(f"roll: {stop}", file=sys.stderr)
@@ -96,16 +99,28 @@ def run(config: RLVRConfig) -> int:
     try:
         pipeline.run_pipeline(config)
         code, line = 0, None
+    except ConfigError as exc:  # found while loading the data, or output_dir in use
+        code, line = 2, f"ConfigError: {exc}"
     except (WorkerError, ModelUpdateError, StorageError, RewardError) as exc:
         code, line = _report(exc, config)
     except KeyboardInterrupt as exc:  # SIGTERM/SIGINT; Ray may re-raise it as a plain one
         code, line = _report(exc, config)
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        discard_prestart()  # host processes a failure before start_clusters left (Ray still up)
+        clean = shutdown_ray(RAY_SHUTDOWN_GRACE_S)
     if line:
         print(line, file=sys.stderr)
+    if not clean:  # ray.shutdown is blocked on dying Ray processes (a SIGTERM to the process group)
+        _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's exit hooks: Ray's would block on the same dead processes."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(exc: BaseException, config: RLVRConfig) -> tuple[int, str]:
@@ -113,7 +128,7 @@ def _report(exc: BaseException, config: RLVRConfig) -> tuple[int, str]:
     log = logging.getLogger("roll")
     if isinstance(exc, KeyboardInterrupt):
         stop = interruption()
-        last = latest_checkpoint(checkpoint_root(config))
+        last = newest_checkpoint(checkpoint_root(config))  # not re-hashed: the user is waiting
         kept = f"last checkpoint: {last}" if last else "no checkpoint was saved"
         log.debug("interrupted at:", exc_info=exc)
         return stop.exit_code, f"roll: {stop}; the workers were stopped; {kept}"

@@ -2,6 +2,8 @@
 reported as one line naming the file.
 
 >>> write_file_durably(Path("out/state.json"), json.dumps(state))   # tmp file, fsync, rename
+>>> with write_dir_durably(Path("out/hf_model")) as tmp:          # out/.tmp-hf_model, then renamed
+...     model.save_pretrained(tmp)
 >>> with disk_full_as(StorageError, Path("out/metrics.jsonl")):
 ...     append_line_durably(Path("out/metrics.jsonl"), line)
 StorageError: out/metrics.jsonl: No space left on device (out/metrics.jsonl)
@@ -88,6 +90,26 @@ def replace_dir(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def write_dir_durably(final: Path) -> Iterator[Path]:
+    """Yield an empty ``.tmp-<name>`` directory next to ``final`` to write into; when the block
+    ends, fsync everything in it and put it in place of ``final`` (``replace_dir``). If the block
+    fails, or the process dies in it, ``final`` keeps its previous content and nothing half-written
+    carries its name (a leftover ``.tmp-`` directory is removed by the next write)."""
+    final = Path(final)
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, final)
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -55,9 +55,10 @@ class Tracker:
         with disk_full_as(StorageError, self.jsonl):
             append_line_durably(self.jsonl, line)
         if self.tb is not None:
-            for key, value in clean.items():
-                self.tb.add_scalar(key, value, step)
-            self.tb.flush()
+            with disk_full_as(StorageError, self.tb_dir):  # the writer's thread raises it here
+                for key, value in clean.items():
+                    self.tb.add_scalar(key, value, step)
+                self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
         if step % self.logging_steps == 0 or any(k.startswith("val/") for k in clean):
@@ -66,7 +67,8 @@ class Tracker:
 
     def finish(self) -> Path | None:
         if self.tb is not None:
-            self.tb.close()
+            with disk_full_as(StorageError, self.tb_dir):
+                self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
         return plot_curves(self.jsonl, self.run_dir / "curves.png")
@@ -83,7 +85,9 @@ class Tracker:
     def _tensorboard(self, config: RLVRConfig):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=str(config.tracker_kwargs.get("log_dir", self.run_dir / "tensorboard")))
+        self.tb_dir = Path(config.tracker_kwargs.get("log_dir", self.run_dir / "tensorboard"))
+        with disk_full_as(StorageError, self.tb_dir):  # a full disk: one line naming the directory
+            return SummaryWriter(log_dir=str(self.tb_dir))
 
     def _wandb(self, config: RLVRConfig):
         import wandb

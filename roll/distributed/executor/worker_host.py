@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
 
 class WorkerHost:
@@ -49,11 +50,12 @@ class WorkerHost:
         # ``one_member_at_a_time`` (``initialize``: transformers' lazy imports are not thread-safe).
         self.serial = threading.Lock()
 
-    def add(self, role: str, rank: int, worker_cls: type, args: tuple) -> int:
-        """Build ``worker_cls(*args, shared_process=True)`` as member (role, rank); returns the pid."""
+    def add(self, role: str, rank: int, worker_cls: type, args: tuple) -> dict[str, Any]:
+        """Build ``worker_cls(*args, shared_process=True)`` as member (role, rank); returns where
+        the process runs (``{"pid", "node"}``), for naming it should it die."""
         with self.serial:
             self.workers[(role, rank)] = worker_cls(*args, shared_process=True)
-        return os.getpid()
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def call(self, role: str, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         worker = self.workers.get((role, rank))
@@ -77,11 +79,24 @@ class HostRef:
         self.actor = actor
         self.members = members
         self.users: set[tuple[str, int]] = set()  # members whose worker was added and not released
+        self.hosted: list[tuple[str, int]] = []  # every member whose worker was added
+        self.where: dict[str, Any] = {}  # {"pid", "node"}, once a member's ``add`` has returned
+        self.killed = False  # by the driver (``kill``), as opposed to a death of its own
         self._lock = threading.Lock()
 
     def use(self, role: str, rank: int) -> None:
         with self._lock:
             self.users.add((role, rank))
+            if (role, rank) not in self.hosted:
+                self.hosted.append((role, rank))
+
+    def describe(self) -> str:
+        """``host process pid <p> on <node> (<role> rank <r>, ...)``: the process and every
+        member it hosted, for an error that is the process's and not one role's (it died)."""
+        where = f"pid {self.where['pid']} on {self.where['node']}" if self.where else "(not started)"
+        held = [m for m in self.members if m in self.hosted] or list(self.members)  # in plan order
+        members = ", ".join(f"{role} rank {rank}" for role, rank in held)
+        return f"host process {where} ({members})"
 
     def release(self, role: str, rank: int) -> None:
         """Member (role, rank) is done; the last one out kills the host."""
@@ -92,7 +107,15 @@ class HostRef:
             self.kill()
 
     def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)
+        """End the process. Nothing to do once Ray is down (``ray.kill`` would start a new Ray
+        and raise ActorHandleNotFoundError) or the actor is already gone."""
+        self.killed = True
+        if not ray.is_initialized():
+            return
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except RayError:
+            pass
 
 
 def start_host(

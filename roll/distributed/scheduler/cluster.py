@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, RayActorError, RayError
 
 from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.core.batch import Batch
@@ -299,8 +299,13 @@ class Cluster:
             raise RuntimeError(f"{self.role}: the workers were shut down")
 
     def _fail(self, rank: int, exc: RayError) -> WorkerError:
-        """Turn a worker's failure into a WorkerError and stop the role, so no rank hangs in a collective."""
+        """Turn a worker's failure into a WorkerError and stop the role, so no rank hangs in a collective.
+        A dead host process is named with every member it held (``HostRef.describe``): the role
+        whose call saw the death first is only one of them."""
         self._error = WorkerError.from_ray(self.role, rank, exc)
+        worker = self.workers[rank] if rank < len(self.workers) else None
+        if isinstance(worker, HostedWorker) and isinstance(exc, RayActorError) and not worker.host.killed:
+            self._error = self._error.on_host(worker.host.describe())
         self._kill()
         return self._error
 
@@ -317,7 +322,9 @@ class Cluster:
         if not refs:
             return
         try:
-            AsyncResult(self, refs, list(range(len(refs))), list, "add").get()
+            where = AsyncResult(self, refs, list(range(len(refs))), list, "add").get()
+            for worker, found in zip(self.workers, where):
+                worker.host.where = found
         except WorkerTimeout:
             raise
         except WorkerError as err:
@@ -333,8 +340,11 @@ class Cluster:
         for worker in self.workers:
             if isinstance(worker, HostedWorker):
                 worker.release() if release else worker.kill()
-            else:
-                ray.kill(worker, no_restart=True)
+            elif ray.is_initialized():  # after ray.shutdown, ray.kill would start a new Ray
+                try:
+                    ray.kill(worker, no_restart=True)
+                except RayError:  # the actor is already gone
+                    pass
         self.workers = []
 
 

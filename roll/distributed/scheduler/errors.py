@@ -26,18 +26,35 @@ class WorkerError(RuntimeError):
     traceback text (empty when the process died without one).
     """
 
-    def __init__(self, role: str, rank: int, exc_type: str, message: str, remote_traceback: str = ""):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        exc_type: str,
+        message: str,
+        remote_traceback: str = "",
+        host: str = "",
+    ):
         self.role = role
         self.rank = rank
         self.exc_type = exc_type
         self.original_message = message
         self.remote_traceback = remote_traceback
-        super().__init__(f"{role} rank {rank}: {exc_type}: {message}")
+        # A process that hosted several roles' workers and died: ``on_host``.
+        self.host = host
+        super().__init__(f"{host or f'{role} rank {rank}'}: {exc_type}: {message}")
 
     def __reduce__(self):
         return (
             WorkerError,
-            (self.role, self.rank, self.exc_type, self.original_message, self.remote_traceback),
+            (self.role, self.rank, self.exc_type, self.original_message, self.remote_traceback, self.host),
+        )
+
+    def on_host(self, host: str) -> WorkerError:
+        """The same error, blamed on the process rather than on the role whose call saw it first:
+        ``"host process pid <p> on <node> (<role> rank <r>, ...): ActorDiedError: ..."``."""
+        return WorkerError(
+            self.role, self.rank, self.exc_type, self.original_message, self.remote_traceback, host
         )
 
     @classmethod
@@ -48,7 +65,8 @@ class WorkerError(RuntimeError):
             while isinstance(cause, RayTaskError):  # an error passed through a nested remote call
                 cause = cause.cause
             trace = _ANSI.sub("", str(error))  # Ray's text of the task error: the remote traceback
-            return cls(role, rank, type(cause).__name__, _first_line(str(cause)), trace)
+            exc_type, message = _checkpoint_failure(cause) or (type(cause).__name__, _first_line(str(cause)))
+            return cls(role, rank, exc_type, message, trace)
         text = _ANSI.sub("", str(error))
         if isinstance(error, RayActorError) and error.actor_init_failed:
             # Ray keeps only the text of an exception raised in __init__; read its last line.
@@ -87,6 +105,22 @@ class WorkerTimeout(WorkerError):
 
 class PlacementError(RuntimeError):
     """The Ray cluster could not give the devices the plan asked for (e.g. they are held by others)."""
+
+
+def _checkpoint_failure(cause: BaseException | None) -> tuple[str, str] | None:
+    """torch.distributed.checkpoint's ``CheckpointException`` gathers every rank's error; its text
+    starts with ``CheckpointException ranks:dict_keys([0, 1])``. The first rank's own error is what
+    the user can act on (``OSError: [Errno 28] No space left on device: '<file>'``)."""
+    failures = getattr(cause, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    rank, failure = min(failures.items())
+    inner = failure[0] if isinstance(failure, tuple) and failure else failure
+    if not isinstance(inner, BaseException):
+        return None
+    ranks = ", ".join(str(r) for r in sorted(failures))
+    message = f"{_first_line(str(inner))} (checkpoint rank {rank}; failed on ranks {ranks})"
+    return type(inner).__name__, message
 
 
 def _first_line(text: str) -> str:

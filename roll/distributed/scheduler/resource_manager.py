@@ -311,13 +311,24 @@ class ResourceManager:
             )
         return "\n".join(lines)
 
-    def destroy(self) -> None:
-        """Give the reserved devices back to Ray (nothing to give back when Ray itself is gone, e.g.
-        after a SIGTERM to the whole process group: the call would block on the dead GCS)."""
-        if self.placement_groups and gcs_reachable():
-            for group in self.placement_groups:
-                remove_placement_group(group)
-        self.placement_groups = []
+    def destroy(self, timeout_s: float = 30.0) -> None:
+        """Give the reserved devices back to Ray, waiting at most ``timeout_s``. Nothing to give
+        back when Ray itself is gone, e.g. after a SIGTERM to the whole process group: the call
+        would block on the dead GCS, and on one still dying (60 s seen on CPU) past the check."""
+        groups, self.placement_groups = self.placement_groups, []
+        if not groups or not gcs_reachable():
+            return
+        remover = threading.Thread(
+            target=lambda: [remove_placement_group(group) for group in groups],
+            name="roll-pg-remove",
+            daemon=True,
+        )
+        remover.start()
+        remover.join(timeout_s)
+        if remover.is_alive():
+            logging.getLogger("roll").debug(
+                "placement groups not removed within %g s; leaving them", timeout_s
+            )
 
 
 def gcs_reachable(timeout_s: float = 2.0) -> bool:

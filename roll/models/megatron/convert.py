@@ -12,6 +12,9 @@ read from its slices of the HF safetensors only when the writer writes it
 ``mcore-to-hf`` writes the HF safetensors back in parts of at most ``--max_shard_size`` bytes,
 each worker loading only the tensors of the part it writes (``stream_export.export_to_hf``). The
 conversion is exact: an HF -> mcore -> HF round trip gives the original tensors bit for bit.
+Either way ``--out`` is written as ``.tmp-<name>`` next to it and renamed into place when every
+rank is done (``atomic_io.write_dir_durably``), so a conversion that fails or is killed leaves a
+previous ``--out`` whole.
 
 The per-rank halves (``write_mcore``, ``read_mcore``) are what the CLI's ranks run; they are
 collective over the default process group.
@@ -34,6 +37,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
+from roll.utils.atomic_io import write_dir_durably
 
 MANIFEST = "roll_mcore.json"
 DEFAULT_MAX_SHARD = "2GB"
@@ -284,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 raise ConfigError("--max_shard_size", str(err)) from None
             call = (args.mcore, args.out, size)
+        source = Path(call[0])
+        if Path(args.out).resolve() == source.resolve():
+            raise ConfigError("--out", f"{args.out} is the input directory; write the conversion elsewhere")
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    mp.spawn(_rank_main, args=(free_port(), world, args.command, call), nprocs=world, join=True)
+    # The ranks write into .tmp-<out> next to --out, renamed into place once every rank is done:
+    # a conversion that fails or is killed leaves a previous --out whole and no half one.
+    with write_dir_durably(Path(args.out)) as tmp:
+        call = (call[0], str(tmp), *call[2:])
+        mp.spawn(_rank_main, args=(free_port(), world, args.command, call), nprocs=world, join=True)
     print(f"{args.command}: wrote {args.out}")
     return 0
 

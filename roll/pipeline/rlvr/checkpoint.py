@@ -27,10 +27,17 @@ from typing import Any
 
 from roll.configs.errors import CheckpointError, ConfigError
 from roll.configs.pipeline_config import RLVRConfig
-from roll.pipeline.rlvr.checkpoint_manifest import read_state, verify_checkpoint, write_manifest
+from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
 from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
 
-__all__ = ["checkpoint_root", "latest_checkpoint", "read_state", "resolve_resume", "save_checkpoint"]
+__all__ = [
+    "checkpoint_root",
+    "latest_checkpoint",
+    "newest_checkpoint",
+    "read_state",
+    "resolve_resume",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger("roll")
 
@@ -83,6 +90,12 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
         (int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()
     ]
     return sorted(found, reverse=True)
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The newest ``step_N`` under ``root`` that has its manifest (a complete save), without
+    hashing its files (``latest_checkpoint`` verifies them): what a stopped run names as its last."""
+    return next((path for _, path in step_dirs(root) if (path / MANIFEST).is_file()), None)
 
 
 def latest_checkpoint(root: Path, roles: Iterable[str] = ("actor_train",)) -> Path | None:

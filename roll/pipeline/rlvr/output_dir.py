@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from roll.configs.errors import ConfigError
+from roll.configs.errors import ConfigError, StorageError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, step_dirs
+from roll.utils.atomic_io import disk_full_as
 
 logger = logging.getLogger("roll")
 
@@ -42,8 +43,11 @@ class OutputDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock; ConfigError when another run holds it, StorageError naming the lock
+        file when it cannot be written (a full disk), leaving no empty lock file behind."""
+        with disk_full_as(StorageError, self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -57,9 +61,15 @@ class OutputDirLock:
         if holder:
             logger.warning("output_dir: taking over the stale lock of %s", _describe(holder))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
+        try:
+            with disk_full_as(StorageError, self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(me).encode(), 0)
+                os.fsync(fd)
+        except BaseException:
+            self.path.unlink(missing_ok=True)  # ours while we hold the flock; emptied above
+            os.close(fd)
+            raise
         self.fd = fd
 
     def release(self) -> None:

@@ -17,6 +17,7 @@ from roll.pipeline.rlvr.output_dir import claim_output_dir
 from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun, build_run, setup_logging, shutdown
+from roll.utils.atomic_io import write_dir_durably
 from roll.utils.rng import rng_state, set_rng_state
 
 logger = logging.getLogger("roll")
@@ -150,11 +151,14 @@ def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Pat
 
 
 def finish(run: RLVRRun) -> None:
-    """Export the final policy as a Hugging Face checkpoint and draw the curves."""
+    """Export the final policy as a Hugging Face checkpoint and draw the curves. The export is
+    written into ``.tmp-hf_model`` and renamed into place once complete: a run stopped while
+    exporting leaves the previous ``hf_model/`` (if any) as it was."""
     out = run.run_dir / "hf_model"
-    with stages.on_devices(run, "actor_train"):
-        run.model("actor_train").save_hf_checkpoint(str(out))
-    run.tokenizer.save_pretrained(str(out))
+    with write_dir_durably(out) as tmp:
+        with stages.on_devices(run, "actor_train"):
+            run.model("actor_train").save_hf_checkpoint(str(tmp))
+        run.tokenizer.save_pretrained(str(tmp))
     plot = run.tracker.finish()
     logger.info("final policy: %s; curves: %s", out, plot)
 

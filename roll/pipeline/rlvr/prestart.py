@@ -161,11 +161,12 @@ def discard_prestart() -> None:
 def _stop(pending: _Prestart) -> None:
     import ray
 
+    from roll.distributed.scheduler.ray_shutdown import shutdown_ray
+
     pending.ready.wait()
-    if pending.result is not None:
+    if pending.result is not None and ray.is_initialized():
         for host in pending.result[2]:
             host.kill()
-        pending.result[0].destroy()
-    if ray.is_initialized():
-        ray.shutdown()
+        pending.result[0].destroy(timeout_s=1.0)
+    shutdown_ray()
     pending.release.set()

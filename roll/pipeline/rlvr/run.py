@@ -83,6 +83,18 @@ class RLVRRun:
         return iter(tqdm(items, desc=desc, leave=False, disable=not self.show_progress or len(items) < 2))
 
 
+class RunLogHandler(logging.FileHandler):
+    """run.log. A record it cannot write (a full disk) is one line on stderr, once, instead of
+    logging's traceback for every record; the console keeps getting them."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            print(f"roll: cannot write {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
+
+
 def setup_logging(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger("roll")
@@ -92,7 +104,7 @@ def setup_logging(run_dir: Path) -> None:
     # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
     for handler, level in (
         (logging.StreamHandler(sys.stderr), logging.INFO),
-        (logging.FileHandler(run_dir / "run.log"), logging.DEBUG),
+        (RunLogHandler(run_dir / "run.log"), logging.DEBUG),
     ):
         handler.setFormatter(fmt)
         handler.setLevel(level)
@@ -118,6 +130,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     train = load_prompt_files(
         config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
     )
+    check_rows_routed(config, train.rows)  # before any worker starts
     sampler = PromptSampler(
         train,
         config.rollout_batch_size,
@@ -131,9 +144,25 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         rows = load_prompt_files(
             config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
         )
+        check_rows_routed(config, rows.rows)
         val = to_batch([rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length)
         val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
     return sampler, val
+
+
+def check_rows_routed(config: RLVRConfig, rows: Iterable[Any]) -> None:
+    """Every prompt row's tag has a reward role; else one ConfigError naming the first unclaimed
+    row by ``file:line`` (``PromptRow.source``)."""
+    routes, catch_all = build_tag_routes(config)
+    if catch_all is not None:
+        return
+    for row in rows:
+        if row.tag not in routes:
+            raise ConfigError(
+                "rewards",
+                f"no reward role claims tag {row.tag!r} of the prompt row {row.source}; add it to a "
+                "role's tag_included, or leave one role's tag_included empty to score every other tag",
+            )
 
 
 def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
@@ -165,9 +194,6 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
     run.colocated = offloaded_roles(config, plan)
-    run.reward_routes(
-        sampler.dataset.domains()
-    )  # fail before any worker starts when a tag has no reward role
     try:
         start_clusters(run, timer)
         with timer("model_update_setup"):
@@ -198,5 +224,5 @@ def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
             logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
     for host in run.hosts:  # those whose members never started (another role failed first)
         host.kill()
-    if run.resources is not None:
-        run.resources.destroy()
+    if run.resources is not None:  # after a failure the driver is leaving: do not wait long
+        run.resources.destroy(timeout_s=30.0 if graceful else 1.0)

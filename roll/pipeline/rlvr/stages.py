@@ -81,6 +81,7 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
     tags = [str(t) for t in batch["tag"]]
     for name, rows in run.reward_routes(tags).items():
         part = batch.index(rows).select(["response_text", "ground_truth", "prompt_text", "tag"])
+        part.meta["reward_samples"] = len(part)  # the whole call's, for each worker's early stop
         scorer = run.reward(name)
         result = dp_call(scorer.dp_size, scorer.compute_rewards, part)
         check_reward_result(f"rewards.{name}", run.config.rewards[name], result)

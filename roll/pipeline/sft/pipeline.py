@@ -26,6 +26,7 @@ from roll.pipeline.rlvr.run import setup_logging
 from roll.pipeline.sft.chat_data import to_sft_batch
 from roll.pipeline.sft.run import SFTRun, build_sft_run, shutdown_sft_run
 from roll.pipeline.sft.stages import generation_accuracy, sft_loss, step_loss, validation_loss
+from roll.utils.atomic_io import write_dir_durably
 from roll.utils.rng import rng_state, set_rng_state
 
 logger = logging.getLogger("roll")
@@ -105,10 +106,12 @@ def save_step(run: SFTRun, step: int) -> Path:
 
 
 def finish(run: SFTRun) -> None:
-    """Export the trained model as a Hugging Face checkpoint and draw the curves."""
+    """Export the trained model as a Hugging Face checkpoint (written into ``.tmp-hf_model``,
+    renamed into place once complete) and draw the curves."""
     out = run.run_dir / "hf_model"
-    run.trainer.save_hf_checkpoint(str(out))
-    run.tokenizer.save_pretrained(str(out))
+    with write_dir_durably(out) as tmp:
+        run.trainer.save_hf_checkpoint(str(tmp))
+        run.tokenizer.save_pretrained(str(tmp))
     plot = run.tracker.finish()
     logger.info("final model: %s; curves: %s", out, plot)
 

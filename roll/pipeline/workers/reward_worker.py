@@ -5,8 +5,12 @@ Rule rewards (``math_rule``, ``format``, ...) run on CPU with a per-sample time 
 role's own inference strategy on its devices.
 
 Each call returns ``scores`` [B] and, per sample, ``reward_error`` [B] (1.0: the function raised or
-gave no finite number; the sample scores 0.0), ``reward_timeout`` [B] and ``reward_error_msg`` (the
-message, "" when none), which the pipeline counts (``reward/errors``) against ``max_error_fraction``.
+gave no finite number, or one beyond ``max_abs_reward``; the sample scores 0.0), ``reward_timeout``
+[B], ``reward_skipped`` [B] (not scored: the call stopped early) and ``reward_error_msg`` (the
+message of an error or a timeout, "" when none). The pipeline counts errors and timeouts as
+failures against ``max_error_fraction``; a rule reward stops scoring once its share of the call
+(``batch.meta["reward_samples"]``: the samples of the role's whole call, over every worker) has
+failed on more than that fraction allows.
 ``RewardCluster`` is the driver's handle on one reward role's workers.
 """
 
@@ -36,34 +40,45 @@ class RewardWorker(Worker):
             from roll.pipeline.rlvr.rewards.scoring import RewardScorer
 
             cfg = self.role_config
-            self.scorer = RewardScorer(cfg.reward_fn, cfg.reward_kwargs, cfg.timeout_s)
+            self.scorer = RewardScorer(
+                cfg.reward_fn, cfg.reward_kwargs, cfg.timeout_s, max_abs_reward=cfg.max_abs_reward
+            )
         return time.perf_counter() - start
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: Batch) -> Batch:
         """``scores`` [B] for ``batch["response_text"]`` against ``batch["ground_truth"]``, with
         the per-sample error fields of the module docstring."""
-        from roll.pipeline.rlvr.rewards.scoring import ScoreResult, checked_score
+        from roll.pipeline.rlvr.rewards.scoring import ScoreResult, allowed_failures, checked_score
 
         cfg = self.role_config
+        n = len(batch)
         if self.spec.kind == "model":
             raw = [float(s) for s in load_reward_fn(cfg.reward_fn)(self.strategy, batch, cfg)]
-            result = ScoreResult(raw, [""] * len(raw), [False] * len(raw))
+            result = ScoreResult(raw, [""] * n, [False] * n, [False] * n)
             for i, value in enumerate(raw):
                 try:
-                    checked_score(value)
+                    checked_score(value, cfg.max_abs_reward)
                 except ValueError as exc:
                     result.scores[i], result.errors[i] = 0.0, f"ValueError: {exc}"
         else:
+            total = int(batch.meta.get("reward_samples", n))
             result = self.scorer.score_detailed(
-                [str(r) for r in batch["response_text"]], [str(g) for g in batch["ground_truth"]]
+                [str(r) for r in batch["response_text"]],
+                [str(g) for g in batch["ground_truth"]],
+                max_failures=allowed_failures(cfg.max_error_fraction, total),
             )
+        timed_out = f"TimeoutError: no score within timeout_s={cfg.timeout_s:g} s"
+        messages = [
+            e or (timed_out if t else "") for e, t in zip(result.errors, result.timeouts, strict=True)
+        ]
         tensors = {
             "scores": torch.as_tensor(result.scores, dtype=torch.float32),
             "reward_error": torch.as_tensor([float(bool(e)) for e in result.errors]),
             "reward_timeout": torch.as_tensor([float(t) for t in result.timeouts]),
+            "reward_skipped": torch.as_tensor([float(s) for s in result.skipped]),
         }
-        return Batch.from_dict(tensors, {"reward_error_msg": list(result.errors)})
+        return Batch.from_dict(tensors, {"reward_error_msg": messages})
 
     @register(Dispatch.ONE_TO_ALL)
     def shutdown(self) -> None:

@@ -12,8 +12,11 @@ thread cannot be killed, so samples are scored in spawned worker processes: a sa
     scorer.close()
 
 A sample whose function raises, or returns anything but a finite number (None, a string, NaN,
-inf), scores 0.0 and is an error with its message (``checked_score``); the reward worker reports
-them so the pipeline can count them and stop past ``max_error_fraction``.
+inf) or one beyond ``max_abs_reward`` in magnitude, scores 0.0 and is an error with its message
+(``checked_score``); the reward worker reports errors and timeouts, the pipeline counts both as
+failures and stops past ``max_error_fraction``. Given ``max_failures``, ``score_detailed`` stops
+once more samples than that have failed: the pending ones are not sent, the running ones are
+killed (``ScoreResult.skipped``), so a hanging function costs one ``timeout_s``, not one per sample.
 
 ``score_batch`` does the same with one scorer kept per (reward, kwargs, timeout) in this process,
 so workers are started once per reward worker, not once per batch. ``reward_fn`` is a name from
@@ -40,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from roll.configs.errors import ConfigError, did_you_mean
+from roll.configs.role import DEFAULT_MAX_ABS_REWARD
 from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, get_reward_spec
 
 logger = logging.getLogger(__name__)
@@ -48,8 +52,9 @@ WORKER_START_TIMEOUT_S = 120.0
 MAX_ERROR_MESSAGE = 300
 
 
-def checked_score(value: Any) -> float:
-    """``value`` as a float; TypeError / ValueError unless it is a finite number."""
+def checked_score(value: Any, max_abs: float = DEFAULT_MAX_ABS_REWARD) -> float:
+    """``value`` as a float; TypeError / ValueError unless it is a finite number of magnitude at
+    most ``max_abs``."""
     if value is None or isinstance(value, (str, bytes)):
         raise TypeError(f"returned {_short(repr(value))}, not a number")
     try:
@@ -58,7 +63,15 @@ def checked_score(value: Any) -> float:
         raise TypeError(f"returned a {type(value).__name__}, not a number") from None
     if not math.isfinite(score):
         raise ValueError(f"returned {score}, not a finite number")
+    if abs(score) > max_abs:
+        raise ValueError(f"returned {score:g}, beyond max_abs_reward={max_abs:g}")
     return score
+
+
+def allowed_failures(max_error_fraction: float, samples: int) -> int:
+    """How many of ``samples`` may fail before a run stops: more than ``max_error_fraction`` of
+    them ends it (the epsilon keeps 0.29 * 100 at 29, not 28)."""
+    return math.floor(max_error_fraction * samples + 1e-9)
 
 
 def _short(text: str) -> str:
@@ -67,12 +80,17 @@ def _short(text: str) -> str:
 
 @dataclass
 class ScoreResult:
-    """Scores in input order; ``errors[i]`` is "" or the message of sample i's failure;
-    ``timeouts[i]`` says it ran past the time limit (it scores 0.0 and is not an error)."""
+    """Scores in input order; ``errors[i]`` is "" or the message of sample i's error;
+    ``timeouts[i]`` says it ran past the time limit (it scores 0.0; a failure, not an error);
+    ``skipped[i]`` that it was not scored because the call stopped early (see ``max_failures``)."""
 
     scores: list[float]
     errors: list[str] = field(default_factory=list)
     timeouts: list[bool] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+
+    def failures(self) -> int:
+        return sum(bool(e) for e in self.errors) + sum(self.timeouts)
 
 
 def resolve_target(reward_fn: str, path: str = "reward_fn") -> str:
@@ -128,7 +146,7 @@ def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str
             )
 
 
-def _worker_main(fd: int, target: str, kwargs: dict[str, Any]) -> None:
+def _worker_main(fd: int, target: str, kwargs: dict[str, Any], max_abs: float) -> None:
     """Worker process: load the function, say ready, then score (index, response, truth) messages."""
     conn = Connection(fd)
     fn = load_target(target)
@@ -136,7 +154,7 @@ def _worker_main(fd: int, target: str, kwargs: dict[str, Any]) -> None:
     while (msg := conn.recv()) is not None:
         index, response, truth = msg
         try:
-            conn.send((index, checked_score(fn(response, truth, **kwargs)), None))
+            conn.send((index, checked_score(fn(response, truth, **kwargs), max_abs), None))
         except Exception as exc:  # a failing sample scores 0.0 and is counted, the run goes on
             conn.send((index, 0.0, _short(f"{type(exc).__name__}: {exc}")))
 
@@ -145,10 +163,18 @@ class _Worker:
     """One scoring process, started as ``python -m`` this module (not multiprocessing spawn, which
     re-runs the parent's ``__main__``: a Ray worker's or a script's), talking over a socket pair."""
 
-    def __init__(self, target: str, kwargs: dict[str, Any]):
+    def __init__(self, target: str, kwargs: dict[str, Any], max_abs: float = DEFAULT_MAX_ABS_REWARD):
         self.conn, child = Pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        argv = [sys.executable, "-m", __name__, str(child.fileno()), target, json.dumps(kwargs)]
+        argv = [
+            sys.executable,
+            "-m",
+            __name__,
+            str(child.fileno()),
+            target,
+            json.dumps(kwargs),
+            repr(max_abs),
+        ]
         self.process = subprocess.Popen(argv, env=env, pass_fds=[child.fileno()])
         child.close()
         try:
@@ -171,7 +197,12 @@ class RewardScorer:
     """A rule reward run in ``num_procs`` worker processes with a per-sample time limit."""
 
     def __init__(
-        self, reward_fn: str, reward_kwargs: dict[str, Any] | None, timeout_s: float, num_procs: int = 1
+        self,
+        reward_fn: str,
+        reward_kwargs: dict[str, Any] | None,
+        timeout_s: float,
+        num_procs: int = 1,
+        max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
     ):
         if timeout_s <= 0 or num_procs < 1:
             raise ValueError(f"timeout_s must be > 0 and num_procs >= 1, got {timeout_s} and {num_procs}")
@@ -179,47 +210,76 @@ class RewardScorer:
         load_target(self.target)  # fail here, with the name, rather than in a worker
         self.kwargs = dict(reward_kwargs or {})
         self.timeout_s = timeout_s
-        self.workers = [_Worker(self.target, self.kwargs) for _ in range(num_procs)]
+        self.max_abs = max_abs_reward
+        # A slot whose process was killed (timeout, early stop) is None until it is needed again.
+        self.workers: list[_Worker | None] = [self._start() for _ in range(num_procs)]
         self.stats = {"scored": 0, "timeouts": 0, "errors": 0}
+
+    def _start(self) -> _Worker:
+        return _Worker(self.target, self.kwargs, self.max_abs)
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
         return self.score_detailed(responses, ground_truths).scores
 
-    def score_detailed(self, responses: Sequence[str], ground_truths: Sequence[str]) -> ScoreResult:
-        """Scores with each sample's error message and timeout flag (see ``ScoreResult``)."""
+    def score_detailed(
+        self, responses: Sequence[str], ground_truths: Sequence[str], max_failures: int | None = None
+    ) -> ScoreResult:
+        """Scores with each sample's error message and timeout flag (see ``ScoreResult``). Once
+        more than ``max_failures`` samples have failed (errors and timeouts), the rest are skipped:
+        the run is ending, and a hanging function would otherwise cost ``timeout_s`` per sample."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
         n = len(responses)
-        result = ScoreResult([0.0] * n, [""] * n, [False] * n)
+        result = ScoreResult([0.0] * n, [""] * n, [False] * n, [False] * n)
         pending = deque(range(n))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample index, start time)
         while pending or busy:
+            if max_failures is not None and result.failures() > max_failures:
+                self._skip(pending, busy, result)
+                break
             for slot in range(len(self.workers)):
                 if slot not in busy and pending:
                     index = pending.popleft()
-                    self.workers[slot].conn.send((index, responses[index], ground_truths[index]))
+                    self._worker(slot).conn.send((index, responses[index], ground_truths[index]))
                     busy[slot] = (index, time.monotonic())
             self._collect(busy, result)
-        self.stats["scored"] += n
+        self.stats["scored"] += n - sum(result.skipped)
         failed = [i for i, e in enumerate(result.errors) if e]
-        if failed:
-            logger.warning(
+        if failed:  # the driver logs the warning, once per step and role
+            logger.debug(
                 "reward %s failed on %d of %d samples, e.g. sample %d: %s",
                 self.target, len(failed), n, failed[0], result.errors[failed[0]],
             )  # fmt: skip
         return result
 
+    def _skip(self, pending: deque[int], busy: dict[int, tuple[int, float]], result: ScoreResult) -> None:
+        """Stop early: the pending samples are not sent, the running ones' processes are killed."""
+        for index in pending:
+            result.skipped[index] = True
+        pending.clear()
+        for slot, (index, _) in list(busy.items()):
+            result.skipped[index] = True
+            self._drop(slot)
+            del busy[slot]
+        logger.debug("reward %s: stopped early, %d samples not scored", self.target, sum(result.skipped))
+
+    def _worker(self, slot: int) -> _Worker:
+        worker = self.workers[slot]
+        if worker is None:
+            worker = self.workers[slot] = self._start()
+        return worker
+
     def _collect(self, busy: dict[int, tuple[int, float]], result: ScoreResult) -> None:
         """Wait for the first result or deadline; store results, replace workers past their deadline."""
         deadline = min(start for _, start in busy.values()) + self.timeout_s
-        conns = {self.workers[slot].conn: slot for slot in busy}
+        conns = {self._worker(slot).conn: slot for slot in busy}
         for conn in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
             slot = conns[conn]
             try:
                 index, value, error = conn.recv()
             except EOFError:  # the worker died (e.g. out of memory): count it like an error
                 index, value, error = busy[slot][0], 0.0, "reward worker exited"
-                self._replace(slot)
+                self._drop(slot)
             result.scores[index] = value
             if error:
                 self.stats["errors"] += 1
@@ -229,21 +289,23 @@ class RewardScorer:
         now = time.monotonic()
         for slot, (index, start) in list(busy.items()):
             if now - start >= self.timeout_s:
-                logger.warning(
-                    "reward %s timed out (%.1f s) on sample %d", self.target, self.timeout_s, index
-                )
+                logger.debug("reward %s timed out (%.1f s) on sample %d", self.target, self.timeout_s, index)
                 self.stats["timeouts"] += 1
                 result.scores[index] = 0.0
                 result.timeouts[index] = True
-                self._replace(slot)
+                self._drop(slot)
                 del busy[slot]
 
-    def _replace(self, slot: int) -> None:
-        self.workers[slot].kill()
-        self.workers[slot] = _Worker(self.target, self.kwargs)
+    def _drop(self, slot: int) -> None:
+        """Kill the slot's process; a new one starts when the slot is next needed."""
+        worker, self.workers[slot] = self.workers[slot], None
+        if worker is not None:
+            worker.kill()
 
     def close(self) -> None:
         for worker in self.workers:
+            if worker is None:
+                continue
             try:
                 worker.conn.send(None)
             except (BrokenPipeError, OSError):
@@ -302,4 +364,4 @@ def close_all_scorers() -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    _worker_main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]))
