@@ -42,12 +42,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "reward_norm": Unsupported("remove it; use norm_mean_type/norm_std_type or whiten_rewards"),
     "reward_scale": Unsupported("remove it; use norm_std_type or whiten_rewards"),
     "reward_shift": Unsupported("remove it; use norm_mean_type or whiten_rewards"),
-    "pg_variant": Unsupported(
-        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
-    ),
-    "*.pg_variant": Unsupported(
-        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
-    ),
+    "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
         "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
@@ -97,7 +92,8 @@ REWARD_WORKERS = {
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
-ACTOR_WORKERS = ("ActorWorker",)
+# ActorPGWorker is ROLL's worker for pg_variant; roll's one actor worker computes every variant.
+ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
 
 
 class _Problems:
@@ -116,6 +112,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     notes: list[str] = []
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
+    _map_policy_loss(raw, problems, notes)
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
@@ -411,3 +408,63 @@ def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
             node["data_args"] = data_args
             data_args.setdefault("template", template)
     notes.append(f"global_template: {template!r} -> data_args.template of every role without one")
+
+
+# ROLL's options of the pg_variant losses (top level or actor_train) -> roll's policy_loss section.
+POLICY_LOSS_KEYS = (
+    "tis_lower_bound",
+    "tis_upper_bound",
+    "topr_positive_weight",
+    "topr_negative_weight",
+    "cispo_epsilon_low",
+    "cispo_epsilon_high",
+    "cispo_use_unified_mask",
+    "kimi15_tau",
+)
+
+
+def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+    """ROLL reads ``pg_variant`` and its options from actor_train; roll's keys are top-level
+    ``pg_variant`` and ``policy_loss.<option>``. A value given in both places must agree."""
+    role = raw.get("actor_train") if isinstance(raw.get("actor_train"), dict) else {}
+    for key in ("pg_variant", *POLICY_LOSS_KEYS):
+        target = raw if key == "pg_variant" else raw.setdefault("policy_loss", {})
+        for source, where in ((raw, key), (role, f"actor_train.{key}")):
+            if key not in source or source is target:
+                continue
+            value = source.pop(key)
+            if target.setdefault(key, value) != value:
+                problems.add(f"{where}={value!r}", f"conflicts with {key}={target[key]!r}; give one value")
+            elif where != key or target is not raw:
+                notes.append(f"{where} -> {'policy_loss.' if target is not raw else ''}{key}: {value!r}")
+    if raw.get("policy_loss") == {}:
+        raw.pop("policy_loss")
+    _map_ratio_type(raw, problems, notes)
+    _map_pg_clip_range(raw, notes)
+
+
+def _map_ratio_type(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+    """ROLL's ``ratio_type: segment`` (one ratio per response) on the PPO loss is GSPO's ratio."""
+    ratio_type = raw.pop("ratio_type", None)
+    if ratio_type in (None, "token"):
+        return
+    if ratio_type == "segment" and raw.get("pg_variant", "ppo") in ("ppo", "gspo"):
+        raw["pg_variant"] = "gspo"
+        notes.append("ratio_type: 'segment' -> pg_variant: gspo (sequence-level ratio, PPO clip)")
+        return
+    problems.add(
+        f"ratio_type={ratio_type!r}",
+        f"a sequence-level ratio is pg_variant: gspo (PPO clip only), not pg_variant {raw.get('pg_variant')!r}",
+    )
+
+
+def _map_pg_clip_range(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL uses ``pg_clip_low``/``pg_clip_high`` only with ``use_pg_clip_range: true``; roll uses
+    them whenever they are set, so without the switch they are dropped."""
+    if "use_pg_clip_range" not in raw:
+        return
+    if raw.pop("use_pg_clip_range"):
+        return
+    for key in ("pg_clip_low", "pg_clip_high"):
+        if raw.pop(key, None) is not None:
+            notes.append(f"{key} dropped: use_pg_clip_range is false, so ROLL clips at pg_clip")

@@ -26,6 +26,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
     score_stats_by_domain,
 )
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
+from roll.pipeline.rlvr.algorithms.policy_losses import READS_SCORES
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
 from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
@@ -215,6 +216,8 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> tuple[Batch, dict[str
     train_fields = [k for k in _TRAIN_FIELDS if k in batch]
     if config.off_policy_correction.mode != "none" and "old_log_probs" not in batch:
         train_fields.append("infer_logprobs")  # the loss computes the weights
+    if config.pg_variant in READS_SCORES:
+        train_fields.append("scores")
     train_batch = batch.select(train_fields)
     if config.overlong.filter and "truncated" in batch:
         # DAPO overlong filtering: truncated responses leave the loss (and its token count).
