@@ -45,7 +45,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
-        "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
+        "remove it or write inference; llm_judge scores with the role's own inference strategy "
+        "(no API judge)",
+        (None, "inference"),
     ),
     "rewards.*.reward_type": Unsupported(
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
@@ -183,9 +185,20 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
             f"{path}.worker_cls={cls}", f"maps to reward_fn {name} but reward_fn is {reward['reward_fn']}"
         )
     notes.append(f"{path}.worker_cls {cls} -> reward_fn: {name}")
+    if name == "llm_judge":
+        _drop_judge_value_head(reward, path, notes)
     for key, rewards in REWARD_KWARGS.items():
         if key in reward and name in rewards:
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
+
+
+def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) -> None:
+    """ROLL's judge files carry ``model_type: trl`` (a value head) for a generative judge, where it
+    means nothing: the judge generates its verdict."""
+    model_args = reward.get("model_args")
+    if isinstance(model_args, dict) and model_args.get("model_type") == "trl":
+        del model_args["model_type"]
+        notes.append(f"{path}.model_args.model_type: 'trl' dropped; a generative LLM judge has no value head")
 
 
 def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
@@ -215,12 +228,14 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problem
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
 
 
-_FP32 = ("float32", "fp32")
+# ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
+REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
 def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
     """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters with fp32 gradient reduction, CPU offload."""
+    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
+    ``use_remove_padding`` as sequence packing."""
     config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
     size = config.pop("fsdp_size", None)
     if size is not None and size not in (_num_devices(role, path), -1):
@@ -229,17 +244,49 @@ def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list
         )
     if "offload_policy" in config:
         config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
-    param, reduce = config.pop("param_dtype", None), config.pop("reduce_dtype", None)
+    param = config.pop("param_dtype", None)
     dtype = (role.get("model_args") or {}).get("dtype", "bf16")
     if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
         problems.add(
             f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
         )
-    if reduce is not None and reduce not in _FP32:
-        problems.add(f"{at}.reduce_dtype={reduce!r}", "remove it; roll reduces gradients in float32")
+    reduce = config.get("reduce_dtype")
+    if reduce is not None and reduce not in REDUCE_DTYPES:
+        problems.add(
+            f"{at}.reduce_dtype={reduce!r}",
+            f"gradients reduce in one of {', '.join(REDUCE_DTYPES)} (FSDP2 MixedPrecisionPolicy.reduce_dtype)",
+        )
+    elif reduce is not None:
+        config["reduce_dtype"] = REDUCE_DTYPES[reduce]
     if param is not None or reduce is not None:
         config.setdefault("mixed_precision", True)
         notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
+    if "use_remove_padding" in config:
+        _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
+
+
+def _remove_padding_to_packing(
+    value: Any, config: dict[str, Any], at: str, problems: _Problems, notes: list[str]
+) -> None:
+    """ROLL's ``use_remove_padding``: rows packed without padding, roll's ``sequence_packing``."""
+    if config.setdefault("sequence_packing", bool(value)) != bool(value):
+        problems.add(f"{at}.use_remove_padding={value!r}", "conflicts with strategy_config.sequence_packing")
+    else:
+        notes.append(f"{at}.use_remove_padding: {value!r} -> strategy_config.sequence_packing: {bool(value)}")
+
+
+def _map_remove_padding(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """The role-level spelling of ``use_remove_padding``, on the strategies that pack."""
+    value = role.pop("use_remove_padding")
+    role_path = path.rsplit(".", 1)[0]
+    args = role.get("strategy_args") or {}
+    if args.get("strategy_name") not in PACKING_STRATEGIES:
+        if value:
+            problems.add(f"{path}={value!r}", f"roll packs rows in {', '.join(PACKING_STRATEGIES)} only")
+        return
+    config = args.setdefault("strategy_config", {}) or {}
+    args["strategy_config"] = config
+    _remove_padding_to_packing(value, config, role_path, problems, notes)
 
 
 def _num_devices(role: dict[str, Any], path: str) -> int | None:
@@ -378,6 +425,7 @@ def _map_packing(role: dict[str, Any], path: str, problems: _Problems, notes: li
 ROLE_MAPPERS: dict[str, Callable[..., None]] = {
     "num_gpus_per_worker": _map_num_gpus_per_worker,
     "strategy_args": _map_strategy,
+    "use_remove_padding": _map_remove_padding,
     **{
         key: _map_packing
         for key in (
