@@ -159,7 +159,8 @@ def check_tracker(config: Any) -> None:
 
 def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
     """Asynchronous generation needs actor_infer on devices of its own (it keeps generating while
-    the other roles run) and trains on samples one weight version old, so it needs the correction."""
+    the other roles run) and trains on samples one weight version old: without the correction it
+    runs, as in ROLL, with a warning."""
     if not config.async_generation_ratio:
         return
     for owners, devices in plan.shared:
@@ -171,7 +172,9 @@ def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
                 "give actor_infer devices of its own or set async_generation_ratio: 0",
             )
     if config.off_policy_correction.mode == "none":
-        raise ConfigError(
-            "off_policy_correction.mode",
-            "async_generation_ratio: 1 trains on samples from the previous weight version; set tis or mis",
+        print(
+            "WARNING: async_generation_ratio: 1 trains on samples from the previous weight version with "
+            "no off_policy_correction (as ROLL does); off_policy_correction.mode: tis or mis corrects "
+            "it; the train/infer gap is logged as rollout/logprob_mismatch",
+            file=sys.stderr,
         )
