@@ -106,13 +106,6 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
                     "CUDA context and parameters stay on the device while the engine is awake (model "
                     f"update, probe); use at most {COLOCATED_ENGINE_MEMORY}",
                 )
-            if strategy == "vllm" and typed.sleep_level == 2 and name == "actor_infer":
-                raise ConfigError(
-                    f"{name}.strategy_args.strategy_config.sleep_level",
-                    f"is 2 but {name} shares devices with {trains[0]}: level 2 drops the weights at every "
-                    "offload, and the pipeline offloads the engine after each model update (before it "
-                    "generates again); set 1 (weights wait in CPU memory)",
-                )
             if strategy == "sglang" and not typed.enable_memory_saver:
                 raise ConfigError(
                     f"{name}.strategy_args.strategy_config.enable_memory_saver",
