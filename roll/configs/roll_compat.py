@@ -476,7 +476,12 @@ def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str])
     ``pg_variant`` and ``policy_loss.<option>``. A value given in both places must agree."""
     role = raw.get("actor_train") if isinstance(raw.get("actor_train"), dict) else {}
     for key in ("pg_variant", *POLICY_LOSS_KEYS):
+        if key not in raw and key not in role:
+            continue
         target = raw if key == "pg_variant" else raw.setdefault("policy_loss", {})
+        if not isinstance(target, dict):
+            problems.add(f"policy_loss={target!r}", "must be a mapping of the pg_variant options")
+            return
         for source, where in ((raw, key), (role, f"actor_train.{key}")):
             if key not in source or source is target:
                 continue
@@ -485,8 +490,6 @@ def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str])
                 problems.add(f"{where}={value!r}", f"conflicts with {key}={target[key]!r}; give one value")
             elif where != key or target is not raw:
                 notes.append(f"{where} -> {'policy_loss.' if target is not raw else ''}{key}: {value!r}")
-    if raw.get("policy_loss") == {}:
-        raw.pop("policy_loss")
     _map_ratio_type(raw, problems, notes)
     _map_pg_clip_range(raw, notes)
 
