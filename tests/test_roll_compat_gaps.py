@@ -181,7 +181,16 @@ def test_gap7_use_remove_padding_is_sequence_packing(tmp_path, capsys):
 
 
 def test_gap8_colocated_vllm_sleep_level_2_dry_runs(tmp_path, capsys):
-    assert dry_run(roll_file(tmp_path, sleep_level=2)) == 0, capsys.readouterr().err
+    from roll.pipeline.rlvr.startup import refills_on_wake
+
+    path = roll_file(tmp_path, sleep_level=2)
+    assert dry_run(path) == 0, capsys.readouterr().err
+    colocated = {"actor_train", "actor_infer"}
+    assert refills_on_wake(load_config(path), colocated)
+    assert not refills_on_wake(load_config(path), {"actor_train"})  # disaggregated: never sleeps
+    assert not refills_on_wake(
+        load_config(path, ["actor_infer.strategy_args.strategy_config.sleep_level=1"]), colocated
+    )
 
 
 class _Cluster:
