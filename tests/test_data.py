@@ -234,7 +234,8 @@ def test_domain_probs_keyed_by_reward_role_cover_its_tags():
     tags = Counter(r.tag for _ in range(4) for r in sampler.next_batch())
     assert tags["deepmath"] + tags["aime"] == 24 and tags["KodCode"] == 8
     assert tags["aime"] > 0  # the role's stream draws from both tags' rows
-    with pytest.raises(ConfigError, match=r"\['KodCode'\] have rows but no probability"):
+    with pytest.raises(ConfigError, match=r"\['KodCode'\] have rows but no probability") as info:
         PromptSampler(ds, 8, 0, {"math_rule": 1.0}, role_tags=roles)
+    assert "routed by rewards.code_sandbox: add code_sandbox: 0" in str(info.value)
     with pytest.raises(ConfigError, match=r"domain_interleave_probs\.math_rule: no prompt rows"):
         PromptSampler(ds, 8, 0, {"math_rule": 0.5, "KodCode": 0.5})  # no role named math_rule

@@ -10,7 +10,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.loader import build_dataclass
-from roll.configs.rl_options import OffPolicyCorrectionConfig
+from roll.configs.rl_options import OffPolicyCorrectionConfig, PolicyLossConfig
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig
 from roll.core.batch import Batch
 from roll.distributed.strategy.generation import build_generation_batch
@@ -199,6 +199,7 @@ def test_loss_agg_mode_is_read_from_the_loss_factories() -> None:
         use_kl_loss, kl_loss_type, kl_loss_coef, entropy_loss_coef = False, "k1", 0.0, 0.0
         loss_agg_mode = "seq-mean-token-sum"
         off_policy_correction = OffPolicyCorrectionConfig()
+        pg_variant, policy_loss = "ppo", PolicyLossConfig()
 
     assert loss_agg_mode_of(make_actor_loss_fn(Config())) == "seq-mean-token-sum"
     assert loss_agg_mode_of(lambda outputs, batch: None) is None

@@ -51,8 +51,7 @@ def test_every_unsupported_key_is_named_in_one_line(capsys):
     for key in (
         "difficulty_loss_weight=True",
         "reward_norm='batch'",
-        "actor_train.worker_cls=ActorPGWorker",
-        "actor_train.pg_variant='topr'",
+        "ratio_type='segment' (a sequence-level ratio is pg_variant: gspo",
         "actor_train.use_dynamic_batching_in_train=True",
         "actor_train.strategy_args.strategy_config.fsdp_size=2",
         "rewards.code_sandbox.use_local=False",
@@ -78,7 +77,7 @@ def test_fsdp2_keys_map_onto_fsdp2_config():
         }
     }
     config = translate_roll_keys(raw)["actor_train"]["strategy_args"]["strategy_config"]
-    assert config == {"cpu_offload": True, "mixed_precision": True}
+    assert config == {"cpu_offload": True, "mixed_precision": True, "reduce_dtype": "fp32"}
 
 
 @pytest.mark.parametrize(
@@ -89,7 +88,7 @@ def test_fsdp2_keys_map_onto_fsdp2_config():
                 "actor_train": {
                     "strategy_args": {
                         "strategy_name": "fsdp2_train",
-                        "strategy_config": {"reduce_dtype": "bf16"},
+                        "strategy_config": {"reduce_dtype": "fp16"},
                     }
                 }
             },
@@ -119,9 +118,10 @@ def test_roll_keys_at_their_off_value_are_dropped():
     raw = {
         "difficulty_loss_weight": False,
         "reward_norm": None,
-        "pg_variant": "ppo",
     }
     assert translate_roll_keys(raw) == {}
+    # pg_variant is roll's key too (its policy losses, docs/policy_losses.md).
+    assert translate_roll_keys({"pg_variant": "ppo"}) == {"pg_variant": "ppo"}
     # roll has async_generation_ratio itself (same meaning): it passes through untouched.
     assert translate_roll_keys({"async_generation_ratio": 1}) == {"async_generation_ratio": 1}
 

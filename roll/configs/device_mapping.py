@@ -5,8 +5,9 @@ the ``device_mapping`` field, checked by the loader):
 
 - a YAML list: ``[0, 1, 2, 3]``
 - ranges and ids separated by commas: ``"0-7"``, ``"0-3,8-11"``, ``"4"``
-- the Python-looking string that alibaba/ROLL files use: ``"list(range(0,8))"``,
-  ``"list(range(0, 16, 2))"``, ``"range(8)"``; it is parsed by a regular expression, never evaluated.
+- the Python-looking strings that alibaba/ROLL files use: ``"list(range(0,8))"``,
+  ``"list(range(0, 16, 2))"``, ``"range(8)"`` and a literal list inside ``list(...)``:
+  ``"list([0,1,2,3,8,9,10,11])"``, ``"[0, 1]"``; they are parsed by regular expressions, never evaluated.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from roll.configs.errors import ConfigError
 
 _RANGE_CALL = re.compile(r"^\s*(?:list\(\s*)?range\(\s*([^()]*?)\s*\)(?:\s*\))?\s*$")
+_LIST_LITERAL = re.compile(r"^\s*(?:list\(\s*)?\[([^\[\]()]*)\](?:\s*\))?\s*$")
 _SPAN = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 _HINT = "use a YAML list like [0, 1, 2, 3], a span like '0-3', or 'list(range(0,4))'"
 
@@ -74,6 +76,12 @@ def _parse_string(text: str, path: str) -> list[int]:
     m = _RANGE_CALL.match(text)
     if m:
         return _parse_range_args(m.group(1), text, path)
+    literal = _LIST_LITERAL.match(text)
+    if literal:
+        if text.strip().startswith("list") != text.strip().endswith(")"):
+            raise ConfigError(path, f"cannot parse {text!r}: unbalanced parentheses; {_HINT}")
+        items = [p.strip() for p in literal.group(1).split(",") if p.strip()]
+        return [_as_int(item, f"{path}[{i}]") for i, item in enumerate(items)]
     ids: list[int] = []
     for part in text.split(","):
         span = _SPAN.match(part)

@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.configs.ranges import bounded, one_of
-from roll.configs.rl_options import DynamicSamplingConfig, OffPolicyCorrectionConfig, OverlongConfig
+from roll.configs.rl_options import (
+    DynamicSamplingConfig,
+    OffPolicyCorrectionConfig,
+    OverlongConfig,
+    PolicyLossConfig,
+)
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
 from roll.configs.timeouts import WorkerTimeoutsConfig
 
@@ -14,6 +19,7 @@ from roll.configs.timeouts import WorkerTimeoutsConfig
 _ALGO = "roll.pipeline.rlvr.algorithms"
 ADV_ESTIMATORS = f"{_ALGO}.advantages:ADV_ESTIMATORS"
 LOSS_AGG_MODES = f"{_ALGO}.masked:AGG_MODES"
+POLICY_LOSSES = f"{_ALGO}.policy_losses:POLICY_LOSSES"
 KL_ESTIMATORS = f"{_ALGO}.kl:KL_ESTIMATORS"
 KL_REFUSED = f"{_ALGO}.kl:KL_REFUSED"
 NORM_TYPES = f"{_ALGO}.sample_options:NORM_TYPES"
@@ -103,6 +109,9 @@ class RLVRConfig:
     recompute_old_log_probs: str = one_of("auto", "auto", "always")
     gamma: float = bounded(1.0, ge=0, le=1)
     lambd: float = bounded(1.0, ge=0, le=1)
+    # The policy loss (alibaba/ROLL's pg_variant names, docs/policy_losses.md); its options in policy_loss.
+    pg_variant: str = one_of("ppo", table=POLICY_LOSSES)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     pg_clip: float = bounded(0.2, ge=0)
     pg_clip_low: float | None = bounded(None, ge=0)
     pg_clip_high: float | None = bounded(None, ge=0)

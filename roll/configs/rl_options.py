@@ -5,6 +5,7 @@ its own YAML key of ``RLVRConfig``; every option is off by default.
     dynamic_sampling: {enabled: true, max_rounds: 4}
     overlong: {buffer_length: 8, penalty_factor: 1.0, filter: false}
     off_policy_correction: {mode: tis, level: token, cap: 2.0}
+    policy_loss: {cispo_epsilon_low: 0.1, cispo_epsilon_high: 0.2}   # options of pg_variant's loss
 """
 
 from __future__ import annotations
@@ -51,3 +52,30 @@ class OffPolicyCorrectionConfig:
     mode: str = one_of("none", table=f"{_OFF_POLICY}:CORRECTION_MODES")
     level: str = one_of("token", table=f"{_OFF_POLICY}:CORRECTION_LEVELS")
     cap: float = bounded(2.0, gt=0)
+
+
+@dataclass
+class PolicyLossConfig:
+    """Options of the ``pg_variant`` losses, under alibaba/ROLL's key names (docs/policy_losses.md;
+    roll.pipeline.rlvr.algorithms.policy_losses). Each variant reads its own; ppo and gspo read
+    the top-level ``pg_clip*`` and ``dual_clip_*`` keys instead."""
+
+    # tis: the ratio is truncated to [tis_lower_bound, tis_upper_bound] and used as a constant weight.
+    tis_lower_bound: float = bounded(0.0, ge=0)
+    tis_upper_bound: float = bounded(1.0, gt=0)
+    # topr: weights of the responses scoring > 0 (plain update) and <= 0 (ratio truncated to [0, 1]).
+    topr_positive_weight: float = bounded(1.0, ge=0)
+    topr_negative_weight: float = bounded(1.0, ge=0)
+    # cispo: the ratio clipped to [1 - epsilon_low, 1 + epsilon_high] is a constant weight;
+    # unified mask: tokens PPO would clip (A > 0 above, A < 0 below the range) leave the loss.
+    cispo_epsilon_low: float = bounded(0.1, ge=0, le=1)
+    cispo_epsilon_high: float = bounded(0.1, ge=0)
+    cispo_use_unified_mask: bool = False
+    # kimi15: weight of the squared log-ratio penalty tau / 2 * (logp - old_logp)^2.
+    kimi15_tau: float = bounded(0.1, ge=0)
+
+    def __post_init__(self) -> None:
+        if self.tis_lower_bound >= self.tis_upper_bound:
+            raise ValueError(
+                f"tis_lower_bound: must be below tis_upper_bound ({self.tis_lower_bound} >= {self.tis_upper_bound})"
+            )

@@ -42,15 +42,12 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "reward_norm": Unsupported("remove it; use norm_mean_type/norm_std_type or whiten_rewards"),
     "reward_scale": Unsupported("remove it; use norm_std_type or whiten_rewards"),
     "reward_shift": Unsupported("remove it; use norm_mean_type or whiten_rewards"),
-    "pg_variant": Unsupported(
-        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
-    ),
-    "*.pg_variant": Unsupported(
-        "remove it or write ppo; roll's policy loss is the clipped PPO one", (None, "ppo")
-    ),
+    "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
-        "remove it; llm_judge always scores with the role's own inference strategy", (None, "inference")
+        "remove it or write inference; llm_judge scores with the role's own inference strategy "
+        "(no API judge)",
+        (None, "inference"),
     ),
     "rewards.*.reward_type": Unsupported(
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
@@ -99,7 +96,8 @@ REWARD_WORKERS = {
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
-ACTOR_WORKERS = ("ActorWorker",)
+# ActorPGWorker is ROLL's worker for pg_variant; roll's one actor worker computes every variant.
+ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
 
 
 class _Problems:
@@ -118,6 +116,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     notes: list[str] = []
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
+    _map_policy_loss(raw, problems, notes)
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
@@ -188,9 +187,20 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
             f"{path}.worker_cls={cls}", f"maps to reward_fn {name} but reward_fn is {reward['reward_fn']}"
         )
     notes.append(f"{path}.worker_cls {cls} -> reward_fn: {name}")
+    if name == "llm_judge":
+        _drop_judge_value_head(reward, path, notes)
     for key, rewards in REWARD_KWARGS.items():
         if key in reward and name in rewards:
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
+
+
+def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) -> None:
+    """ROLL's judge files carry ``model_type: trl`` (a value head) for a generative judge, where it
+    means nothing: the judge generates its verdict."""
+    model_args = reward.get("model_args")
+    if isinstance(model_args, dict) and model_args.get("model_type") == "trl":
+        del model_args["model_type"]
+        notes.append(f"{path}.model_args.model_type: 'trl' dropped; a generative LLM judge has no value head")
 
 
 def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
@@ -220,12 +230,14 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problem
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
 
 
-_FP32 = ("float32", "fp32")
+# ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
+REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
 def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
     """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters with fp32 gradient reduction, CPU offload."""
+    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
+    ``use_remove_padding`` as sequence packing."""
     config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
     size = config.pop("fsdp_size", None)
     if size is not None and size not in (_num_devices(role, path), -1):
@@ -234,17 +246,49 @@ def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list
         )
     if "offload_policy" in config:
         config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
-    param, reduce = config.pop("param_dtype", None), config.pop("reduce_dtype", None)
+    param = config.pop("param_dtype", None)
     dtype = (role.get("model_args") or {}).get("dtype", "bf16")
     if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
         problems.add(
             f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
         )
-    if reduce is not None and reduce not in _FP32:
-        problems.add(f"{at}.reduce_dtype={reduce!r}", "remove it; roll reduces gradients in float32")
+    reduce = config.get("reduce_dtype")
+    if reduce is not None and reduce not in REDUCE_DTYPES:
+        problems.add(
+            f"{at}.reduce_dtype={reduce!r}",
+            f"gradients reduce in one of {', '.join(REDUCE_DTYPES)} (FSDP2 MixedPrecisionPolicy.reduce_dtype)",
+        )
+    elif reduce is not None:
+        config["reduce_dtype"] = REDUCE_DTYPES[reduce]
     if param is not None or reduce is not None:
         config.setdefault("mixed_precision", True)
         notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
+    if "use_remove_padding" in config:
+        _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
+
+
+def _remove_padding_to_packing(
+    value: Any, config: dict[str, Any], at: str, problems: _Problems, notes: list[str]
+) -> None:
+    """ROLL's ``use_remove_padding``: rows packed without padding, roll's ``sequence_packing``."""
+    if config.setdefault("sequence_packing", bool(value)) != bool(value):
+        problems.add(f"{at}.use_remove_padding={value!r}", "conflicts with strategy_config.sequence_packing")
+    else:
+        notes.append(f"{at}.use_remove_padding: {value!r} -> strategy_config.sequence_packing: {bool(value)}")
+
+
+def _map_remove_padding(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """The role-level spelling of ``use_remove_padding``, on the strategies that pack."""
+    value = role.pop("use_remove_padding")
+    role_path = path.rsplit(".", 1)[0]
+    args = role.get("strategy_args") or {}
+    if args.get("strategy_name") not in PACKING_STRATEGIES:
+        if value:
+            problems.add(f"{path}={value!r}", f"roll packs rows in {', '.join(PACKING_STRATEGIES)} only")
+        return
+    config = args.setdefault("strategy_config", {}) or {}
+    args["strategy_config"] = config
+    _remove_padding_to_packing(value, config, role_path, problems, notes)
 
 
 def _num_devices(role: dict[str, Any], path: str) -> int | None:
@@ -383,6 +427,7 @@ def _map_packing(role: dict[str, Any], path: str, problems: _Problems, notes: li
 ROLE_MAPPERS: dict[str, Callable[..., None]] = {
     "num_gpus_per_worker": _map_num_gpus_per_worker,
     "strategy_args": _map_strategy,
+    "use_remove_padding": _map_remove_padding,
     **{
         key: _map_packing
         for key in (
@@ -413,3 +458,66 @@ def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
             node["data_args"] = data_args
             data_args.setdefault("template", template)
     notes.append(f"global_template: {template!r} -> data_args.template of every role without one")
+
+
+# ROLL's options of the pg_variant losses (top level or actor_train) -> roll's policy_loss section.
+POLICY_LOSS_KEYS = (
+    "tis_lower_bound",
+    "tis_upper_bound",
+    "topr_positive_weight",
+    "topr_negative_weight",
+    "cispo_epsilon_low",
+    "cispo_epsilon_high",
+    "cispo_use_unified_mask",
+    "kimi15_tau",
+)
+
+
+def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+    """ROLL reads ``pg_variant`` and its options from actor_train; roll's keys are top-level
+    ``pg_variant`` and ``policy_loss.<option>``. A value given in both places must agree."""
+    role = raw.get("actor_train") if isinstance(raw.get("actor_train"), dict) else {}
+    for key in ("pg_variant", *POLICY_LOSS_KEYS):
+        if key not in raw and key not in role:
+            continue
+        target = raw if key == "pg_variant" else raw.setdefault("policy_loss", {})
+        if not isinstance(target, dict):
+            problems.add(f"policy_loss={target!r}", "must be a mapping of the pg_variant options")
+            return
+        for source, where in ((raw, key), (role, f"actor_train.{key}")):
+            if key not in source or source is target:
+                continue
+            value = source.pop(key)
+            if target.setdefault(key, value) != value:
+                problems.add(f"{where}={value!r}", f"conflicts with {key}={target[key]!r}; give one value")
+            elif where != key or target is not raw:
+                notes.append(f"{where} -> {'policy_loss.' if target is not raw else ''}{key}: {value!r}")
+    _map_ratio_type(raw, problems, notes)
+    _map_pg_clip_range(raw, notes)
+
+
+def _map_ratio_type(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+    """ROLL's ``ratio_type: segment`` (one ratio per response) on the PPO loss is GSPO's ratio."""
+    ratio_type = raw.pop("ratio_type", None)
+    if ratio_type in (None, "token"):
+        return
+    if ratio_type == "segment" and raw.get("pg_variant", "ppo") in ("ppo", "gspo"):
+        raw["pg_variant"] = "gspo"
+        notes.append("ratio_type: 'segment' -> pg_variant: gspo (sequence-level ratio, PPO clip)")
+        return
+    problems.add(
+        f"ratio_type={ratio_type!r}",
+        f"a sequence-level ratio is pg_variant: gspo (PPO clip only), not pg_variant {raw.get('pg_variant')!r}",
+    )
+
+
+def _map_pg_clip_range(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL uses ``pg_clip_low``/``pg_clip_high`` only with ``use_pg_clip_range: true``; roll uses
+    them whenever they are set, so without the switch they are dropped."""
+    if "use_pg_clip_range" not in raw:
+        return
+    if raw.pop("use_pg_clip_range"):
+        return
+    for key in ("pg_clip_low", "pg_clip_high"):
+        if raw.pop(key, None) is not None:
+            notes.append(f"{key} dropped: use_pg_clip_range is false, so ROLL clips at pg_clip")

@@ -107,7 +107,16 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
     sharding: str = one_of("full_shard", table="roll.distributed.strategy.fsdp2_strategy:SHARDINGS")
     mixed_precision: bool = True
+    # With mixed_precision: the dtype gradients are reduced (reduce-scattered) in across ranks
+    # (FSDP2 MixedPrecisionPolicy.reduce_dtype). bf16 halves the gradient traffic at the cost of
+    # summing in 8 mantissa bits; the sharded gradients and the optimizer stay in the parameter dtype.
+    reduce_dtype: str = one_of("fp32", "fp32", "bf16")
     cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reduce_dtype != "fp32" and not self.mixed_precision:
+            raise ValueError(f"reduce_dtype: {self.reduce_dtype} needs mixed_precision: true")
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")

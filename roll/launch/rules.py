@@ -106,13 +106,6 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
                     "CUDA context and parameters stay on the device while the engine is awake (model "
                     f"update, probe); use at most {COLOCATED_ENGINE_MEMORY}",
                 )
-            if strategy == "vllm" and typed.sleep_level == 2 and name == "actor_infer":
-                raise ConfigError(
-                    f"{name}.strategy_args.strategy_config.sleep_level",
-                    f"is 2 but {name} shares devices with {trains[0]}: level 2 drops the weights at every "
-                    "offload, and the pipeline offloads the engine after each model update (before it "
-                    "generates again); set 1 (weights wait in CPU memory)",
-                )
             if strategy == "sglang" and not typed.enable_memory_saver:
                 raise ConfigError(
                     f"{name}.strategy_args.strategy_config.enable_memory_saver",
@@ -159,7 +152,8 @@ def check_tracker(config: Any) -> None:
 
 def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
     """Asynchronous generation needs actor_infer on devices of its own (it keeps generating while
-    the other roles run) and trains on samples one weight version old, so it needs the correction."""
+    the other roles run) and trains on samples one weight version old: without the correction it
+    runs, as in ROLL, with a warning."""
     if not config.async_generation_ratio:
         return
     for owners, devices in plan.shared:
@@ -171,7 +165,9 @@ def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
                 "give actor_infer devices of its own or set async_generation_ratio: 0",
             )
     if config.off_policy_correction.mode == "none":
-        raise ConfigError(
-            "off_policy_correction.mode",
-            "async_generation_ratio: 1 trains on samples from the previous weight version; set tis or mis",
+        print(
+            "WARNING: async_generation_ratio: 1 trains on samples from the previous weight version with "
+            "no off_policy_correction (as ROLL does); off_policy_correction.mode: tis or mis corrects "
+            "it; the train/infer gap is logged as rollout/logprob_mismatch",
+            file=sys.stderr,
         )

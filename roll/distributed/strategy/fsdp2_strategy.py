@@ -133,7 +133,8 @@ class FSDP2TrainStrategy:
         policy = MixedPrecisionPolicy()
         if self.config.mixed_precision:
             compute = torch_dtype(self.role_config.model_args.dtype)
-            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            reduce = torch_dtype(self.config.reduce_dtype)
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         offload = CPUOffloadPolicy() if self.config.cpu_offload and self.ctx.is_cuda else OffloadPolicy()
         kwargs = {
             "mesh": self.mesh,

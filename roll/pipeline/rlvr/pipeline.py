@@ -81,17 +81,15 @@ def run_pipeline(config: RLVRConfig) -> Path:
 
 def update_inference_weights(run: RLVRRun, step: int, always: bool = False) -> dict[str, float]:
     """Move actor_train's new weights into actor_infer every ``model_update_frequency`` steps
-    (``always``: now, e.g. after a resume, whatever the step)."""
+    (``always``: now, e.g. after a resume, whatever the step). An engine that drops its weights
+    when it sleeps (``run.refill_on_wake``) gets them when it next wakes to generate instead."""
     if step % run.config.model_update_frequency and not always:
         return {}
-    # A colocated trainer's gradients and optimizer state stay offloaded: the export brings back
-    # its parameters only (when offload_params moved them), and they leave again after the sync.
+    if run.refill_on_wake:  # the engine drops its weights asleep: its next wake loads these
+        run.weight_version = step  # (stages.engine_awake)
+        return {}
     with stages.on_devices(run, "actor_infer"):
-        metrics = run.model_update.sync(version=step)
-    run.weight_version = step
-    if "actor_train" in run.colocated:
-        run.model("actor_train").offload_states()
-    return metrics
+        return stages.sync_engine_weights(run, step)
 
 
 def validate_first(run: RLVRRun, start: int, startup: StageTimer) -> dict[str, float]:

@@ -55,8 +55,11 @@ class RLVRRun:
     tag_routes: dict[str, str] = field(default_factory=dict)
     default_reward: str | None = None
     show_progress: bool = True
-    # The version actor_infer holds (the step whose weights were synced last; 0: the initial ones).
+    # The version actor_infer generates with (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
+    # actor_infer drops its weights when it sleeps (vLLM sleep_level 2, colocated): every wake to
+    # generate refills them by a model update (stages.engine_awake); see ``startup.refills_on_wake``.
+    refill_on_wake: bool = False
 
     def model(self, role: str) -> ModelCluster:
         """The cluster of model role ``role`` (actor_train, actor_infer, reference, critic)."""
@@ -178,7 +181,7 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
     records the start-up phases (``startup/*`` metrics)."""
     from roll.models.tokenizer import load_tokenizer
     from roll.pipeline.rlvr.perf import StageTimer
-    from roll.pipeline.rlvr.startup import offloaded_roles, start_clusters
+    from roll.pipeline.rlvr.startup import offloaded_roles, refills_on_wake, start_clusters
 
     timer = timer or StageTimer()
     run_dir = Path(config.output_dir)
@@ -194,6 +197,7 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
         run.val_generating_args = config.validation.generating_args
         run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
     run.colocated = offloaded_roles(config, plan)
+    run.refill_on_wake = refills_on_wake(config, run.colocated)
     try:
         start_clusters(run, timer)
         with timer("model_update_setup"):

@@ -26,6 +26,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
     score_stats_by_domain,
 )
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
+from roll.pipeline.rlvr.algorithms.policy_losses import READS_SCORES
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
 from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
@@ -48,6 +49,29 @@ def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
         cluster.offload_states()
 
 
+@contextlib.contextmanager
+def engine_awake(run: RLVRRun) -> Iterator[None]:
+    """actor_infer ready to generate for the block: on its devices and, where sleeping drops its
+    weights (``run.refill_on_wake``: vLLM ``sleep_level: 2`` colocated with its trainer), refilled
+    by a model update right after the wake, so the engine is woken, updated and used with no
+    offload in between."""
+    with on_devices(run, "actor_infer"):
+        if run.refill_on_wake:
+            sync_engine_weights(run, run.weight_version)
+        yield
+
+
+def sync_engine_weights(run: RLVRRun, version: int) -> dict[str, float]:
+    """Move actor_train's weights into the (awake) engines as ``version``. A colocated trainer's
+    gradients and optimizer state stay offloaded: the export brings back its parameters only (when
+    offload_params moved them), and they leave again after the sync."""
+    metrics = run.model_update.sync(version=version)
+    run.weight_version = version
+    if "actor_train" in run.colocated:
+        run.model("actor_train").offload_states()
+    return metrics
+
+
 def dp_call(dp_size: int, compute: Callable[[Batch], Batch], batch: Batch, rows_per_input: int = 1) -> Batch:
     """Run ``compute`` (a cluster's DP_COMPUTE call) on a batch of any size: pad it to a multiple of
     ``dp_size`` (repeating the last row), then drop the padding's outputs."""
@@ -62,7 +86,7 @@ def dp_call(dp_size: int, compute: Callable[[Batch], Batch], batch: Batch, rows_
 def generate_rollouts(run: RLVRRun, prompts: Batch, params: SamplingParams) -> Batch:
     """``actor_infer`` samples ``params.n`` responses per prompt; rows i*n..i*n+n-1 belong to prompt i."""
     infer = run.model("actor_infer")
-    with on_devices(run, "actor_infer"):
+    with engine_awake(run):
         batch = dp_call(infer.dp_size, lambda b: infer.generate(b, params), prompts, rows_per_input=params.n)
     texts = run.tokenizer.batch_decode(
         [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],
@@ -216,6 +240,8 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> tuple[Batch, dict[str
     train_fields = [k for k in _TRAIN_FIELDS if k in batch]
     if config.off_policy_correction.mode != "none" and "old_log_probs" not in batch:
         train_fields.append("infer_logprobs")  # the loss computes the weights
+    if config.pg_variant in READS_SCORES:
+        train_fields.append("scores")
     train_batch = batch.select(train_fields)
     if config.overlong.filter and "truncated" in batch:
         # DAPO overlong filtering: truncated responses leave the loss (and its token count).

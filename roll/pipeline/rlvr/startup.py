@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.strategy_configs import strategy_config_of
 from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
@@ -53,6 +54,19 @@ def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
         return not cpu or (args is not None and get_strategy_spec(args.strategy_name).offloads_on_cpu)
 
     return {name for name in shared if offloads(name)}
+
+
+def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
+    """Whether actor_infer loses its weights each time it is offloaded (vLLM ``sleep_level: 2``
+    between the stages of a colocated layout), so each wake must refill them."""
+    if "actor_infer" not in colocated:
+        return False
+    args = config.actor_infer.strategy_args
+    return (
+        args is not None
+        and args.strategy_name == "vllm"
+        and strategy_config_of(config.actor_infer).sleep_level == 2
+    )
 
 
 def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:

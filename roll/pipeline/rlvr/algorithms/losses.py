@@ -15,6 +15,7 @@ for value clipping, ``values`` (the critic's values before the update).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -25,12 +26,14 @@ from roll.core.loss import LossFn
 from roll.pipeline.rlvr.algorithms.kl import get_kl_estimator
 from roll.pipeline.rlvr.algorithms.masked import agg_loss, masked_mean
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights
+from roll.pipeline.rlvr.algorithms.policy_losses import (
+    PolicyLossOptions,
+    PolicyTerms,
+    get_policy_loss,
+)
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
-
-# exp() of log-ratios beyond this bound overflows fp32 long before it means anything.
-LOG_RATIO_BOUND = 20.0
 
 
 def _masked_frac(condition: torch.Tensor, mask: torch.Tensor) -> float:
@@ -47,43 +50,38 @@ def policy_loss(
     dual_clip_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    variant: str = "ppo",
+    options: PolicyLossOptions | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip policy loss, aggregated by ``loss_agg_mode``. With ``r = exp(logp - old_logp)``::
+    """The ``variant`` policy loss (``POLICY_LOSSES``; default the PPO clip), aggregated by
+    ``loss_agg_mode``. For ppo, with ``r = exp(logp - old_logp)``::
 
         L_t = max(-A_t * r, -A_t * clamp(r, 1 - clip_low, 1 + clip_high))
         dual clip (A_t < 0 only): L_t = min(L_t, -A_t * dual_clip_c)
 
     ``is_weights`` (off-policy correction, see algorithms/off_policy.py) multiply ``L_t`` after the
-    clipping, as constants. Metrics: ``pg_loss``; ``clipfrac`` = fraction of valid tokens where the clipped term is the
-    active one (its gradient is zero), split into ``clipfrac_high`` (r > 1 + clip_high, A > 0) and
-    ``clipfrac_low`` (r < 1 - clip_low, A < 0); ``dual_clip_frac`` = fraction where the dual-clip
-    bound is active; ``approx_kl`` = mean of ``(r - 1) - log r`` (k3 estimate of KL(old || new));
-    ``ratio_mean``, ``ratio_max`` over valid tokens.
+    clipping, as constants. Metrics: ``pg_loss``; for ppo/gspo ``clipfrac`` = fraction of valid tokens
+    where the clipped term is the active one (its gradient is zero), split into ``clipfrac_high``
+    (r > 1 + clip_high, A > 0) and ``clipfrac_low`` (r < 1 - clip_low, A < 0), ``dual_clip_frac`` =
+    fraction where the dual-clip bound is active; each variant's own (policy_losses.py);
+    ``approx_kl`` = mean of ``(r - 1) - log r`` (k3 estimate of KL(old || new)); ``ratio_mean``,
+    ``ratio_max`` over valid tokens.
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c: must be > 1, got {dual_clip_c}")
     mask = response_mask.to(log_probs.dtype)
-    log_ratio = (log_probs - old_log_probs).clamp(min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(min=1.0 - clip_low, max=1.0 + clip_high)
-    losses = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    metrics = {
-        "clipfrac": _masked_frac(clip_active, mask),
-        "clipfrac_high": _masked_frac(clip_active & (advantages > 0), mask),
-        "clipfrac_low": _masked_frac(clip_active & (advantages < 0), mask),
-        "dual_clip_frac": 0.0,
-    }
-    if dual_clip_c is not None:
-        bound = -advantages * dual_clip_c
-        dual_active = (advantages < 0) & (losses > bound)
-        losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
-        metrics["dual_clip_frac"] = _masked_frac(dual_active, mask)
+    opts = dataclasses.replace(
+        options or PolicyLossOptions(), clip_low=clip_low, clip_high=clip_high, dual_clip_c=dual_clip_c
+    )
+    terms = PolicyTerms(log_probs, old_log_probs, advantages, mask, scores)
+    losses, metrics = get_policy_loss(variant)(terms, opts)
     if is_weights is not None:
         losses = losses * is_weights.detach().to(losses.dtype)
     loss = agg_loss(losses, mask, loss_agg_mode)
     with torch.no_grad():
+        log_ratio = terms.log_ratio()
+        ratio = torch.exp(log_ratio)
         valid_ratio = ratio[mask > 0]
         metrics["pg_loss"] = loss.item()
         metrics["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask).item()
@@ -153,6 +151,8 @@ def actor_loss(
     kl_loss_coef: float,
     kl_loss_type: str,
     correction: tuple[str, str, float] | None = None,
+    variant: str = "ppo",
+    options: PolicyLossOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``total = pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss`` (KL only when ``use_kl_loss``).
 
@@ -180,6 +180,9 @@ def actor_loss(
         dual_clip_c,
         loss_agg_mode,
         weights,
+        variant,
+        options,
+        batch["scores"] if "scores" in batch else None,
     )
     metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
     if entropy_coef != 0.0 or "entropy" in outputs:
@@ -229,6 +232,7 @@ def make_actor_loss_fn(config: RLVRConfig) -> LossFn:
         get_kl_estimator(config.kl_loss_type, "kl_loss_type")
     off_policy = config.off_policy_correction
     correction = None if off_policy.mode == "none" else (off_policy.mode, off_policy.level, off_policy.cap)
+    get_policy_loss(config.pg_variant)
     return functools.partial(
         actor_loss,
         clip_low=clip_low,
@@ -240,6 +244,8 @@ def make_actor_loss_fn(config: RLVRConfig) -> LossFn:
         kl_loss_coef=float(config.kl_loss_coef),
         kl_loss_type=config.kl_loss_type,
         correction=correction,
+        variant=config.pg_variant,
+        options=PolicyLossOptions(**dataclasses.asdict(config.policy_loss)),
     )
 
 

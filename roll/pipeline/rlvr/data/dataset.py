@@ -184,11 +184,24 @@ def resolve_files(data_args: DataArgs, path_prefix: str) -> list[Path]:
         raise ConfigError(key, "no prompt files given")
     paths = []
     for name in data_args.file_name:
-        path = Path(data_args.dataset_dir) / name if data_args.dataset_dir else Path(name)
+        path = prompt_file_path(data_args.dataset_dir, name)
         if not path.is_file():
-            raise ConfigError(key, f"{name!r}: no such file {str(path)!r}")
+            joined = " (dataset_dir joined in front)" if path != Path(name) else ""
+            raise ConfigError(key, f"{name!r}: no such file {str(path)!r}{joined}")
         paths.append(path)
     return paths
+
+
+def prompt_file_path(dataset_dir: str | None, name: str) -> Path:
+    """``dataset_dir / name``, as alibaba/ROLL does, except where ``name`` is absolute or already
+    starts with ``dataset_dir`` (``dataset_dir: data`` + ``data/x.jsonl`` reads ``data/x.jsonl``)."""
+    path = Path(name)
+    if not dataset_dir or path.is_absolute():
+        return path
+    base = Path(dataset_dir)
+    if path.parts[: len(base.parts)] == base.parts:
+        return path
+    return base / path
 
 
 def load_prompt_files(

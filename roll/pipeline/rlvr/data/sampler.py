@@ -149,14 +149,24 @@ def check_domain_probs(
     missing = [d for d in domains if key_of[d] not in probs]
     if missing:
         raise ConfigError(
-            path,
-            f"domains {missing} have rows but no probability; give each tag, or its reward role, "
-            "one (0 leaves it out)",
+            path, f"domains {missing} have rows but no probability; {_what_to_write(missing, role_tags)}"
         )
     total = sum(probs.values())
     if abs(total - 1.0) > 1e-6:
         raise ConfigError(path, f"probabilities must sum to 1, they sum to {total:g}")
     return {d: float(p) for d, p in probs.items()}
+
+
+def _what_to_write(missing: list[str], role_tags: dict[str, list[str]] | None) -> str:
+    """Name the reward role that routes each missing tag, and the key to add (ROLL drops the rows
+    of a domain it leaves out; roll asks for the 0)."""
+    role_of = {t: name for name, tags in (role_tags or {}).items() for t in tags}
+    roles = sorted({role_of[d] for d in missing if d in role_of})
+    if not roles:
+        return "give each tag, or its reward role, one (0 leaves it out)"
+    keys = ", ".join(f"{name}: 0" for name in roles)
+    named = ", ".join(f"rewards.{name}" for name in roles)
+    return f"they are routed by {named}: add {keys} (0 leaves its rows out, as ROLL does) or a probability"
 
 
 def to_batch(rows: Sequence[PromptRow], pad_token_id: int, prompt_length: int) -> Batch:
