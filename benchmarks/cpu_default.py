@@ -8,17 +8,23 @@ TRL's single-process GRPOTrainer on the same task.
 
 The roll run is ``examples/config/rlvr_config.yaml`` as shipped, with ``max_steps=--steps``,
 validation and checkpoints off (``eval_steps=0 save_steps=0``, as TRL runs neither) and its own
-``output_dir``. Per stage: the mean over steps 2.. (step 1 holds one-off warm-up), from
-``time/<stage>`` in metrics.jsonl; "step" is ``time/step`` (the stages' sum) less validation; start-up is
-``startup/to_first_step_s`` (process start to the first step) and its phases; wall is the
-process's whole life, shutdown included.
+``output_dir``. The headline, measured alike for both frameworks, is the **loop's wall time per
+step**: from the start of the first step to the end of the last, over the number of steps (the first
+step included, validation left out). For roll that is the last step's ``perf/wall_s`` less
+``startup/to_first_step_s`` (both process ages) less every step's ``time/validation``; for TRL, the
+first ``on_step_begin`` to the last ``on_step_end``. Beside it, each
+framework's own per-step timer over steps 2.. (step 1 holds one-off warm-up): roll's stage sum
+(``time/step`` less validation: it leaves out what runs between stages, such as logging and the
+metrics of a step), TRL's step callback. Per stage: the mean over steps 2.., from ``time/<stage>``;
+start-up is ``startup/to_first_step_s`` (process start to the first step) and its phases; "process
+wall" is the process's whole life, shutdown included.
 
 The TRL row (``--trl``; trl is not a roll dependency: install it, e.g. into ``--trl_path`` with
 ``pip install --target DIR trl``) trains the same SFT model on the same prompts with roll's
 ``math_rule`` reward: 16 prompts x 8 samples a step, 32-token responses, lr 1e-4 constant after 10
 warm-up steps, beta (KL) 0.001, one optimizer step on all 128 samples, fp32, one process with
 ``torch.set_num_threads(2)``. Its step is the trainer's step (generation, reference, loss,
-optimizer), timed by a callback.
+optimizer), timed by a callback; its loop wall time as above.
 """
 
 from __future__ import annotations
@@ -142,7 +148,10 @@ def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = N
     for stage in STAGES:
         out[stage] = statistics.mean(r.get(f"time/{stage}", 0.0) for r in timed)
     # time/step sums every stage of the step, validation included; the table leaves it out.
-    out["step"] = statistics.mean(r["time/step"] - r.get("time/validation", 0.0) for r in timed)
+    out["stage_sum"] = statistics.mean(r["time/step"] - r.get("time/validation", 0.0) for r in timed)
+    loop = loop_wall_per_step(rows)
+    if loop is not None:
+        out["loop_wall_per_step"] = loop
     out["steps"] = float(len(steps))
     ends = meter.line_ages() if meter is not None else []
     if len(ends) == len(rows) and len(steps) > 1:  # one line per step (validation off)
@@ -155,6 +164,18 @@ def summarize_roll(metrics: Path, wall: float | None, meter: CpuMeter | None = N
     if scores:
         out["reward_first"], out["reward_last"] = scores[0], statistics.mean(scores[-3:])
     return out
+
+
+def loop_wall_per_step(rows: list[dict]) -> float | None:
+    """The training loop's wall seconds per step from a run's metrics rows: the last step's
+    ``perf/wall_s`` less ``startup/to_first_step_s`` (process ages at the loop's end and start), less
+    the validation inside the loop, over the steps; None for a run that did not record both ages."""
+    steps = [r for r in rows if "time/step" in r]
+    start = next((r["startup/to_first_step_s"] for r in rows if "startup/to_first_step_s" in r), None)
+    if not steps or start is None or "perf/wall_s" not in steps[-1]:
+        return None
+    validation = sum(r.get("time/validation", 0.0) for r in steps)
+    return (steps[-1]["perf/wall_s"] - start - validation) / len(steps)
 
 
 def run_trl(steps: int, trl_path: str | None, model: Path) -> dict[str, float]:
@@ -209,6 +230,7 @@ def _trl_child(steps: int, model_dir: str) -> None:
     class Timer(TrainerCallback):
         def __init__(self):
             self.begin: list[float] = []
+            self.ends: list[float] = []
             self.times: list[float] = []
             self.rewards: list[float] = []
             self.end_ages: list[float] = []
@@ -217,7 +239,8 @@ def _trl_child(steps: int, model_dir: str) -> None:
             self.begin.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.begin[-1])
+            self.ends.append(time.perf_counter())
+            self.times.append(self.ends[-1] - self.begin[-1])
             self.end_ages.append(time.time() - born)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -265,7 +288,8 @@ def _trl_child(steps: int, model_dir: str) -> None:
         json.dumps(
             {
                 "startup": timer.begin[0] - time.perf_counter() + (time.time() - born),
-                "step": statistics.mean(timed),
+                "step_timer": statistics.mean(timed),
+                "loop_wall_per_step": (timer.ends[-1] - timer.begin[0]) / len(timer.ends),
                 "steps": float(len(timer.times)),
                 "reward_first": timer.rewards[0] if timer.rewards else float("nan"),
                 "reward_last": statistics.mean(timer.rewards[-3:]) if timer.rewards else float("nan"),
@@ -294,10 +318,12 @@ def table(roll: dict[str, float], trl: dict[str, float] | None) -> str:
     row("CPU seconds to the first step (all processes)", "startup_cpu", "{:.1f}")
     for stage in STAGES:
         row(f"{stage}, s/step", stage, "{:.3f}")
-    row("**step, s**", "step", "{:.3f}")
+    row("**loop wall per step (all steps, validation out), s**", "loop_wall_per_step", "{:.3f}")
+    row("stage sum per step (roll, steps 2..), s", "stage_sum", "{:.3f}")
+    row("step callback (TRL, steps 2..), s", "step_timer", "{:.3f}")
     row("CPU seconds per step (all processes)", "cpu_per_step", "{:.2f}")
     row("steps", "steps", "{:.0f}")
-    row("wall, s", "wall", "{:.1f}")
+    row("process wall, s", "wall", "{:.1f}")
     row("reward, first step", "reward_first", "{:.3f}")
     row("reward, mean of last 3", "reward_last", "{:.3f}")
     return "\n".join(lines)

@@ -3,10 +3,12 @@
 Random weights of Qwen2.5-1.5B / Qwen2.5-7B / a small Qwen3-MoE architecture, sequences of 4096
 tokens (512 prompt + 3584 response), micro-batch 1, 8 micro-batches per optimizer step, bf16
 with fp32 main params and Adam, through ``MegatronTrainStrategy.train_step`` with a PPO-clip loss
-on the vocab-parallel log-probs. MFU = model FLOPs / (step time x GPUs x measured bf16 peak), the
-peak being an 8192^3 bf16 matmul timed on the same device in the same run. Model FLOPs count 6 x
-matmul parameters per token (MoE: the activated experts), the LM head, and causal attention
-(2 x 2 x seq/2 x heads x head_dim per token forward, x3 for training); recompute is not counted.
+on the vocab-parallel log-probs. MFU = model FLOPs / (step time x GPUs x peak), printed twice:
+``MFU (datasheet)`` against the datasheet dense bf16 peak (989 TFLOP/s for H100/H200 SXM, as the
+field reports MFU) and ``MFU (measured peak)`` against an 8192^3 bf16 matmul timed on the same device
+in the same run. Model FLOPs count 6 x matmul parameters per token (MoE: the activated experts), the
+LM head, and causal attention (2 x 2 x seq/2 x heads x head_dim per token forward, x3 for
+training); recompute is not counted. The ``layers`` column says how many decoder layers ran.
 
     torchrun --nproc_per_node 1 benchmarks/megatron_train_step.py --out one.json
     torchrun --nproc_per_node 2 benchmarks/megatron_train_step.py --out two.json
@@ -39,6 +41,8 @@ from roll.models.random_checkpoint import preset_config  # noqa: E402
 
 SEQ, PROMPT = 4096, 512
 MICRO_BATCHES = 8
+# Dense bf16 tensor-core peak without sparsity, TFLOP/s, from the vendor datasheets (SXM parts).
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 def qwen25_1p5b() -> transformers.PretrainedConfig:
@@ -110,6 +114,17 @@ def flops_per_token(cfg) -> float:
     matmul = layers * (attn_params + mlp_params) + h * cfg.vocab_size
     attention = layers * 2 * SEQ * q_dim  # QK^T and AV, causal: SEQ/2 keys on average
     return 3 * (2 * matmul + attention)
+
+
+def datasheet_peak_tflops(gpu_name: str) -> float | None:
+    """The datasheet dense bf16 peak of a device named like ``torch.cuda.get_device_name`` ("NVIDIA
+    H100 80GB HBM3"), or None for a device not in ``DATASHEET_BF16_TFLOPS``."""
+    return next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in gpu_name.upper()), None)
+
+
+def mfu(model_tflop: float, step_ms: float, gpus: int, peak_tflops: float) -> float:
+    """Model FLOPs utilization: the step's model TFLOP over (seconds x GPUs x peak TFLOP/s)."""
+    return model_tflop / (step_ms / 1e3) / gpus / peak_tflops
 
 
 def measured_peak_tflops(device: torch.device) -> float:
@@ -196,6 +211,8 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "gpus": world,
         "layout": _layout(case, dp_size),
         "seq": SEQ,
+        "layers": hf_config.num_hidden_layers,
+        "gpu_name": torch.cuda.get_device_name(device),
         "tokens_per_s": tokens / step_s,
         "step_ms": step_s * 1e3,
         "peak_gib": float(peak),
@@ -243,23 +260,42 @@ def _offload_freed(strategy) -> dict:
 
 
 # ---------------------------------------------------------------------------------- output
-COLUMNS = ("config", "GPUs", "layout", "seq", "tokens/s", "MFU", "peak GiB", "step ms", "bf16 peak TFLOP/s")
+COLUMNS = (
+    "config",
+    "GPUs",
+    "layout",
+    "layers",
+    "seq",
+    "tokens/s",
+    "MFU (datasheet)",
+    "MFU (measured peak)",
+    "peak GiB",
+    "step ms",
+    "datasheet TFLOP/s",
+    "measured TFLOP/s",
+)
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown table; each row carries the bf16 matmul peak measured in its own run."""
+def table(rows: list[dict], datasheet_tflops: float | None = None) -> str:
+    """Markdown table; each row carries the bf16 matmul peak measured in its own run, and its
+    device's datasheet peak comes from its ``gpu_name`` (``datasheet_tflops`` wins when given, for
+    rows written before the name was recorded)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        mfu = r["model_tflop"] / (r["step_ms"] / 1e3) / r["gpus"] / r["peak_tflops"]
+        sheet = datasheet_tflops or datasheet_peak_tflops(r.get("gpu_name", ""))
+        measured = mfu(r["model_tflop"], r["step_ms"], r["gpus"], r["peak_tflops"])
         cells = [
             r["config"],
             r["gpus"],
             r["layout"],
+            r.get("layers", "?"),
             r["seq"],
             f"{r['tokens_per_s']:,.0f}",
-            f"{mfu:.1%}",
+            f"{mfu(r['model_tflop'], r['step_ms'], r['gpus'], sheet):.1%}" if sheet else "-",
+            f"{measured:.1%}",
             f"{r['peak_gib']:.1f}",
             f"{r['step_ms']:.0f}",
+            f"{sheet:.0f}" if sheet else "-",
             f"{r['peak_tflops']:.0f}",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -279,13 +315,19 @@ def main() -> None:
     )
     parser.add_argument("--out", help="write the rows and the measured peak as JSON")
     parser.add_argument("--table", nargs="+", help="print the table of these JSON files and exit")
+    parser.add_argument(
+        "--datasheet_tflops",
+        type=float,
+        help="the device's datasheet dense bf16 peak (default: by device name, 989 for H100/H200)",
+    )
     parser.add_argument("--only", help="run only cases whose name contains this")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     if args.table:
         runs = [json.loads(Path(p).read_text()) for p in args.table]
-        print(table([{"peak_tflops": run["peak"][str(r["gpus"])], **r} for run in runs for r in run["rows"]]))
+        rows = [{"peak_tflops": run["peak"][str(r["gpus"])], **r} for run in runs for r in run["rows"]]
+        print(table(rows, args.datasheet_tflops))
         return
     warnings.filterwarnings("ignore")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -306,7 +348,7 @@ def main() -> None:
             if args.out:
                 Path(args.out).write_text(json.dumps({"rows": rows, "peak": {str(world): peak}}, indent=1))
     if rank == 0:
-        print(table(rows))
+        print(table(rows, args.datasheet_tflops))
     dist.destroy_process_group()
 
 

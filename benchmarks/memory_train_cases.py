@@ -18,9 +18,11 @@ import megatron_train_step as bench  # noqa: E402
 
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
+CASES = [
+    bench.Case("MoE 3.2B (32 experts, top-4), 1 GPU", bench.small_moe, 1, {"moe_grouped_gemm": True}),
+    bench.Case("Qwen2.5-1.5B full recompute", bench.qwen25_1p5b, 1, FULL_RECOMPUTE),
+]
+
 if __name__ == "__main__":
-    bench.CASES[:] = [
-        bench.Case("MoE 3.2B (32 experts, top-4), 1 GPU", bench.small_moe, 1, {"moe_grouped_gemm": True}),
-        bench.Case("Qwen2.5-1.5B full recompute", bench.qwen25_1p5b, 1, FULL_RECOMPUTE),
-    ]
+    bench.CASES[:] = CASES
     bench.main()

@@ -4,15 +4,24 @@ Each row runs in its own process (so GPU memory and peaks do not mix), generatin
 tokens past EOS (``ignore_eos``) for every one of ``--prompts`` random prompts of ``--prompt_len``
 tokens at temperature 1, with the sampled tokens' log-probs, on one GPU in bf16:
 
-- ``raw_vllm``: ``vllm.LLM(...).generate`` as vLLM users call it (engine core in its own process);
-- ``vllm``: roll's ``vllm`` strategy (engine core in the worker process, our request loop);
-- ``raw_sglang``: ``sglang.Engine(...).generate`` with roll's engine options, one batched call;
-- ``sglang``: roll's ``sglang`` strategy (one request per sample, our request ids);
+- ``raw_vllm``: vLLM's engine driven directly (``llm.llm_engine.add_request`` / ``step``) with what
+  roll's strategy sends: its engine options, the engine core in-process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the requests of ``vllm_generate_requests`` (our ids, ``n``
+  per request, per-request seeds, ``logprobs=0``, final output only);
+- ``raw_vllm_mp``: the same requests through ``vllm.LLM.generate`` in vLLM's default layout (engine
+  core in its own process), as vLLM users call it;
+- ``vllm``: roll's ``vllm`` strategy (the same requests, plus its bookkeeping and Batch conversion);
+- ``raw_sglang``: one ``sglang.Engine.generate`` call with what roll's strategy sends: its engine
+  options and the requests of ``sglang_generate_requests`` (one per sample, our ids, per-request
+  seeds, ``return_logprob``);
+- ``sglang``: roll's ``sglang`` strategy;
 - ``hf_infer``: roll's transformers ``generate`` strategy, ``--hf_batch`` prompts at a time;
 - ``megatron_infer``: roll's megatron-core KV-cached generation, ``--hf_batch`` prompts at a time.
 
-The engine rows share their engine options (``roll.distributed.strategy.engine_options``), so their
-difference is the strategy's own overhead. Peak memory is the device's used memory (all
+The raw rows and roll's share the engine options (``roll.distributed.strategy.engine_options``),
+the sampling parameters (``sampling_params``) and the request builders
+(``roll.distributed.strategy.engine_requests``), so a raw row against roll's is the strategy's own
+overhead. Peak memory is the device's used memory (all
 processes), sampled every 50 ms.
 
     python examples/make_random_checkpoint.py --preset qwen2.5-1.5b --out output/qwen2.5-1.5b-random
@@ -33,7 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS = ("raw_vllm", "vllm", "raw_sglang", "sglang", "hf_infer", "megatron_infer")
+ROWS = ("raw_vllm", "raw_vllm_mp", "vllm", "raw_sglang", "sglang", "hf_infer", "megatron_infer")
+WARMUP_PROMPTS = 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,8 +108,42 @@ def sglang_config(args: argparse.Namespace) -> dict:
     )
 
 
+def sampling_params(args: argparse.Namespace):
+    """What every row asks for: one sample a prompt, ``--new_tokens`` past EOS, temperature 1, the
+    sampled tokens' log-probs, seeded."""
+    from roll.core.sampling import SamplingParams
+
+    return SamplingParams(
+        n=1, max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, logprobs=True, seed=args.seed
+    )
+
+
+def raw_sglang_requests(args: argparse.Namespace, prompts: list[list[int]], prefix: str, context_len):
+    """``Engine.generate`` keyword arguments with exactly what roll's sglang strategy passes."""
+    from roll.distributed.strategy.engine_requests import RequestPlan, sglang_generate_requests
+
+    params = sampling_params(args)
+    plan = RequestPlan(prefix, len(prompts), params.n, per_sample=True)
+    requests = sglang_generate_requests(plan, prompts, params, context_len)
+    return {
+        "input_ids": [r.prompt_ids for r in requests],
+        "sampling_params": [r.sampling for r in requests],
+        "return_logprob": params.logprobs,
+        "rid": [r.request_id for r in requests],
+    }
+
+
+def raw_vllm_requests(args: argparse.Namespace, prompts: list[list[int]], prefix: str):
+    """``(request id, prompt ids, vllm.SamplingParams kwargs)`` as roll's vllm strategy submits them."""
+    from roll.distributed.strategy.engine_requests import RequestPlan, vllm_generate_requests
+
+    params = sampling_params(args)
+    plan = RequestPlan(prefix, len(prompts), params.n, per_sample=False)
+    return [(r.request_id, r.prompt_ids, r.sampling) for r in vllm_generate_requests(plan, prompts, params)]
+
+
 def run_raw_sglang(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
-    """SGLang's offline engine as its users call it, with the options roll's strategy would pass."""
+    """SGLang's offline engine with roll's engine options and roll's requests, one call."""
     import sglang
 
     from roll.configs.strategy_configs import SGLangConfig
@@ -108,52 +152,77 @@ def run_raw_sglang(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[
     cfg = SGLangConfig(**sglang_config(args))
     options = sglang_engine_options(cfg, role_config(args, "sglang", **sglang_config(args)), "raw", args.seed)
     engine = sglang.Engine(**options.kwargs)
-    params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-    engine.generate(input_ids=prompts[:8], sampling_params=params, return_logprob=True)
+    context = getattr(engine.tokenizer_manager, "context_len", None)
+    engine.generate(**raw_sglang_requests(args, prompts[:WARMUP_PROMPTS], "warm", context))
+    request = raw_sglang_requests(args, prompts, "raw", context)
     start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    outs = engine.generate(**request)
     elapsed = time.perf_counter() - start
     engine.shutdown()
     return sum(o["meta_info"]["completion_tokens"] for o in outs), elapsed
 
 
-def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
-    """vLLM as its users call it, with the options roll's strategy would pass."""
+def _vllm_llm(args: argparse.Namespace, in_process: bool):
     import vllm
 
     from roll.configs.strategy_configs import VLLMConfig
     from roll.distributed.strategy.engine_options import vllm_engine_options
 
+    if in_process:  # as roll's strategy runs it (vllm_strategy.py's module docstring)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = VLLMConfig(**vllm_config(args))
     options = vllm_engine_options(cfg, role_config(args, "vllm", **vllm_config(args)), "raw", args.seed, "")
-    kwargs = {
-        k: v
-        for k, v in options.kwargs.items()
-        if k not in ("worker_extension_cls", "distributed_executor_backend")
-    }
-    llm = vllm.LLM(**kwargs)
-    params = vllm.SamplingParams(
-        n=1,
-        temperature=1.0,
-        max_tokens=args.new_tokens,
-        ignore_eos=True,
-        logprobs=0,
-        detokenize=False,
-        seed=args.seed,
-    )
-    warm = [{"prompt_token_ids": p} for p in prompts[:8]]
-    llm.generate(warm, params, use_tqdm=False)
+    drop = ("worker_extension_cls", "distributed_executor_backend")
+    return vllm.LLM(**{k: v for k, v in options.kwargs.items() if k not in drop})
+
+
+def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
+    """vLLM's engine loop in-process with roll's options and requests (see the module docstring)."""
+    import vllm
+
+    engine = _vllm_llm(args, in_process=True).llm_engine
+    final_only = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+
+    def run(requests) -> int:
+        for rid, prompt, kwargs in requests:
+            engine.add_request(
+                rid, {"prompt_token_ids": prompt}, vllm.SamplingParams(**kwargs, output_kind=final_only)
+            )
+        tokens = 0
+        while engine.has_unfinished_requests():
+            tokens += sum(len(c.token_ids) for o in engine.step() if o.finished for c in o.outputs)
+        return tokens
+
+    run(raw_vllm_requests(args, prompts[:WARMUP_PROMPTS], "warm"))
+    requests = raw_vllm_requests(args, prompts, "raw")
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+    tokens = run(requests)
+    return tokens, time.perf_counter() - start
+
+
+def run_raw_vllm_mp(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
+    """The same requests through ``LLM.generate``, engine core in its own process (vLLM's default)."""
+    import vllm
+
+    llm = _vllm_llm(args, in_process=False)
+
+    def run(requests) -> int:
+        inputs = [{"prompt_token_ids": prompt} for _, prompt, _ in requests]
+        params = [vllm.SamplingParams(**kwargs) for _, _, kwargs in requests]
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    run(raw_vllm_requests(args, prompts[:WARMUP_PROMPTS], "warm"))
+    requests = raw_vllm_requests(args, prompts, "raw")
+    start = time.perf_counter()
+    tokens = run(requests)
+    return tokens, time.perf_counter() - start
 
 
 def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) -> tuple[int, float]:
     import torch
 
     from roll.core.batch import Batch
-    from roll.core.sampling import SamplingParams
     from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.registry import load_strategy_class
 
@@ -163,9 +232,7 @@ def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) 
     )
     strategy = load_strategy_class(name)(role_config(args, name, **extra), ctx)
     strategy.initialize()
-    params = SamplingParams(
-        n=1, max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, seed=args.seed
-    )
+    params = sampling_params(args)
 
     def batch(rows: list[list[int]]) -> Batch:
         t = torch.tensor(rows, dtype=torch.long)
@@ -173,7 +240,7 @@ def run_strategy(args: argparse.Namespace, name: str, prompts: list[list[int]]) 
             {"prompts": t, "prompt_mask": torch.ones_like(t)}, {"uid": [str(i) for i in range(len(rows))]}
         )
 
-    strategy.generate(batch(prompts[:8]), params)  # warm-up: compile, graphs, allocator
+    strategy.generate(batch(prompts[:WARMUP_PROMPTS]), params)  # warm-up: compile, graphs, allocator
     step = len(prompts) if name in ("vllm", "sglang") else args.hf_batch
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -196,10 +263,9 @@ def run_one(args: argparse.Namespace) -> None:
 
     monitor = DeviceMemoryMonitor(torch.device("cuda", 0))
     prompts = prompt_ids(args, AutoConfig.from_pretrained(args.model).vocab_size)
-    if args.one == "raw_vllm":
-        tokens, elapsed = run_raw_vllm(args, prompts)
-    elif args.one == "raw_sglang":
-        tokens, elapsed = run_raw_sglang(args, prompts)
+    raw = {"raw_vllm": run_raw_vllm, "raw_vllm_mp": run_raw_vllm_mp, "raw_sglang": run_raw_sglang}
+    if args.one in raw:
+        tokens, elapsed = raw[args.one](args, prompts)
     else:
         tokens, elapsed = run_strategy(args, args.one, prompts)
     peak = monitor.take_peak() / 2**30

@@ -28,8 +28,10 @@ from roll.distributed.strategy.engine_requests import (
     completions_to_batch,
     rows_to_tensor,
     scoring_requests,
+    sglang_generate_requests,
     sglang_input_logprobs,
     sglang_sampling_params,
+    vllm_generate_requests,
     vllm_prompt_logprobs,
     vllm_sampling_kwargs,
 )
@@ -94,6 +96,36 @@ def test_vllm_sampling_kwargs_defaults_leave_engine_defaults():
     }
     # top_k off (-1 or 0) is left to the engine: its "off" value changed between vLLM releases.
     assert "top_k" not in vllm_sampling_kwargs(SamplingParams(top_k=0))
+
+
+def test_vllm_generate_requests_one_per_row_seeded_apart():
+    params = SamplingParams(n=4, max_new_tokens=8, seed=100, ignore_eos=True)
+    reqs = vllm_generate_requests(RequestPlan("p", 2, 4, per_sample=False), [[5, 6], [7]], params)
+    assert [(r.request_id, r.prompt_ids) for r in reqs] == [("p-0", [5, 6]), ("p-1", [7])]
+    assert [(r.sampling["n"], r.sampling["seed"]) for r in reqs] == [(4, 100), (4, 104)]
+    assert all(r.sampling["logprobs"] == 0 and r.sampling["ignore_eos"] for r in reqs)
+
+
+def test_vllm_generate_requests_per_sample():
+    params = SamplingParams(n=2, max_new_tokens=8, seed=0)
+    reqs = vllm_generate_requests(RequestPlan("q", 2, 2, per_sample=True), [[5], [6]], params)
+    assert [r.request_id for r in reqs] == ["q-0-0", "q-0-1", "q-1-0", "q-1-1"]
+    assert [r.prompt_ids for r in reqs] == [[5], [5], [6], [6]]
+    assert [(r.sampling["n"], r.sampling["seed"]) for r in reqs] == [(1, 0), (1, 1), (1, 2), (1, 3)]
+
+
+def test_sglang_generate_requests_one_per_sample_within_the_context():
+    params = SamplingParams(n=2, max_new_tokens=8, seed=10)
+    plan = RequestPlan("s", 2, 2, per_sample=True)
+    reqs = sglang_generate_requests(plan, [[1, 2, 3], [4]], params, context_len=8)
+    assert [r.request_id for r in reqs] == ["s-0-0", "s-0-1", "s-1-0", "s-1-1"]
+    assert [r.prompt_ids for r in reqs] == [[1, 2, 3], [1, 2, 3], [4], [4]]
+    assert [r.sampling["sampling_seed"] for r in reqs] == [10, 11, 12, 13]
+    assert [r.sampling["max_new_tokens"] for r in reqs] == [5, 5, 7, 7]  # 8 - prompt, at most 8
+    unbounded = sglang_generate_requests(plan, [[1, 2, 3], [4]], params, context_len=None)
+    assert {r.sampling["max_new_tokens"] for r in unbounded} == {8}
+    with pytest.raises(ValueError, match="one per sample"):
+        sglang_generate_requests(RequestPlan("s", 1, 2, per_sample=False), [[1]], params, None)
 
 
 def test_sglang_sampling_params_mapping():

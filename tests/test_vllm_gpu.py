@@ -11,8 +11,11 @@ What each test checks, on the default example's model shape (tiny Qwen2, bf16):
 - ``sleep``/``wake_up`` frees the KV cache and weights and brings them back (same greedy output);
 - ``load_weights`` (in-process, and by CUDA IPC into TP=2 workers) makes the engine score like the
   new weights;
-- a model update through Ray from an fsdp2_train trainer: colocated (CUDA IPC) and, on 2 GPUs,
-  disaggregated (NCCL), checksums equal and the probe within bf16 tolerance.
+- a model update through Ray from an fsdp2_train trainer (``ModelUpdateGroup`` between a trainer
+  and an engine cluster, as the pipeline builds them): colocated on one GPU (CUDA IPC) and, on 2
+  GPUs, disaggregated (NCCL); the sync's checksums agree (``check_update``), versions advance, and
+  afterwards the engine's log-probs of a probe batch equal the trainer's within bf16 tolerance
+  (before it, they do not: the trainer took a step the engine has not seen).
 
 bf16 tolerance: see tests/engine_gpu.py.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +51,13 @@ from engine_gpu import (  # noqa: E402
 )
 from engine_gpu import make_strategy as make_engine_strategy  # noqa: E402
 
+from roll.configs.pipeline_config import RLVRConfig  # noqa: E402
+from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.distributed.strategy.registry import get_strategy_spec  # noqa: E402
+
+# Ray workers cannot import this test module by name; ship its functions (the loss) by value.
+pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
 
 
 def make_strategy(model_dir: Path, rank: int = 0, **cfg):
@@ -136,3 +146,104 @@ def test_tensor_parallel_2_generates_scores_and_loads_by_ipc(models, monkeypatch
     finally:
         del tp.llm
         torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------- model update through Ray
+
+
+def _policy_loss(outputs, micro):
+    mask = micro["response_mask"].float()
+    return -(outputs["log_probs"] * mask).sum() / mask.sum(), {}
+
+
+def _update_config(model_dir: Path, infer_devices: list[int]) -> RLVRConfig:
+    """fsdp2_train on GPU 0 (bf16 compute, fp32 master weights) -> vllm on ``infer_devices``."""
+
+    def role(strategy: str, devices: list[int], **strategy_config) -> RoleConfig:
+        args = StrategyArgs(strategy, strategy_config=strategy_config)
+        args.config = get_strategy_spec(strategy).config_cls(**strategy_config)
+        return RoleConfig(
+            model_args=ModelArgs(model_name_or_path=str(model_dir), dtype="bf16"),
+            training_args=TrainingArgs(learning_rate=0.05),
+            strategy_args=args,
+            device_mapping=devices,
+            infer_batch_size=4,
+        )
+
+    engine = {"gpu_memory_utilization": 0.2, "enforce_eager": True, "sleep_level": 1, "max_model_len": 128}
+    return RLVRConfig(
+        actor_train=role("fsdp2_train", [0], mixed_precision=True),
+        actor_infer=role("vllm", infer_devices, **engine),
+        num_gpus_per_node=max(infer_devices) + 1,
+        device="cuda",
+        model_update_buffer_size_mb=1,  # several buckets for the tiny model
+        model_update_probe_size=0,  # the test probes itself, before and after the sync
+    )
+
+
+def _run_ray_model_update(model_dir: Path, infer_devices: list[int]) -> None:
+    import ray
+    from transformers import AutoConfig
+
+    from roll.distributed.model_update.group import ModelUpdateGroup
+    from roll.distributed.model_update.probe import build_probe_batch
+    from roll.distributed.model_update.worker_mixin import ModelUpdateReceiverMixin, ModelUpdateSenderMixin
+    from roll.distributed.scheduler.placement import plan_placement
+    from roll.distributed.scheduler.resource_manager import ResourceManager
+    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
+
+    if ray.is_initialized():
+        ray.shutdown()
+    config = _update_config(model_dir, infer_devices)
+    plan = plan_placement(config)
+    rm = ResourceManager(plan, "cuda", log_to_driver=False)
+    try:
+        train = ModelCluster(
+            "actor_train", ModelWorker, rm, plan.roles["actor_train"], config.actor_train, config
+        )
+        infer = ModelCluster(
+            "actor_infer", ModelWorker, rm, plan.roles["actor_infer"], config.actor_infer, config
+        )
+        train.initialize(10)
+        infer.initialize()
+        group = ModelUpdateGroup(train, infer, config)
+        group.setup()
+        colocated = [bool(spec.local_receivers) for spec in group.specs]
+        assert colocated == [infer_devices == [0]], f"links {group.specs}"
+        probe = build_probe_batch(AutoConfig.from_pretrained(model_dir).vocab_size, size=4, seed=0)
+
+        def trainer_logprobs():
+            outs = train.call(ModelUpdateSenderMixin.model_update_probe_log_probs, probe)
+            return next(out for out in outs if out is not None)
+
+        train.train_step(probe, _policy_loss, seed=1)  # moves the trainer away from the engine
+        want = trainer_logprobs()
+        [stale] = infer.call(ModelUpdateReceiverMixin.model_update_probe_log_probs, probe)
+        with pytest.raises(AssertionError):  # the step is larger than the bf16 tolerance
+            assert_close(stale, want, probe["response_mask"], "engine before the update")
+
+        metrics = group.sync(version=1)  # raises ModelUpdateError on any checksum mismatch
+        assert metrics["model_update/version_train"] == metrics["model_update/version_infer"] == 1
+        assert metrics["model_update/bytes"] > 0
+        assert infer.model_update_version() == [1]
+        [fresh] = infer.call(ModelUpdateReceiverMixin.model_update_probe_log_probs, probe)
+        assert_close(fresh, want, probe["response_mask"], "engine after the update")
+        infer.shutdown()
+        train.shutdown()
+    finally:
+        rm.destroy()
+        ray.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_ray_model_update_fsdp2_to_vllm_colocated(models):
+    """Trainer and engine on GPU 0: the buckets reach the engine by CUDA IPC."""
+    _run_ray_model_update(models[0], infer_devices=[0])
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ray_model_update_fsdp2_to_vllm_disaggregated(models):
+    """Trainer on GPU 0, engine on GPU 1: the buckets cross by NCCL broadcast."""
+    _run_ray_model_update(models[0], infer_devices=[1])

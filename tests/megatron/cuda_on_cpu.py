@@ -10,11 +10,18 @@ machines (``cuda_on_cpu`` is a no-op there) and never imported by ``roll/``.
 
 >>> with cuda_on_cpu():
 ...     strategy.initialize(); strategy.train_step(micro_batches, loss_fn)
+
+The CPU variants of the multi-rank tests also run on CUDA machines: ``cuda_hidden()`` around the
+spawn starts the ranks with ``CUDA_VISIBLE_DEVICES=""``, so they see no GPU and take these shims.
+
+>>> with cuda_hidden():
+...     mp.spawn(worker, nprocs=2)
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -105,3 +112,19 @@ def cuda_on_cpu():
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+
+
+@contextlib.contextmanager
+def cuda_hidden():
+    """Processes started inside the block (``mp.spawn``'s ranks, subprocesses) see no CUDA device:
+    ``CUDA_VISIBLE_DEVICES`` is empty in the environment they inherit, before their torch initialises
+    CUDA. This process is unaffected (its CUDA, if any, is already initialised)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved

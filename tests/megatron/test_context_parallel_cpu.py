@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
+from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
 from test_packing_cpu import capture_grads, compare, log_probs, ragged_batch, train_grads  # noqa: E402
 from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
@@ -111,7 +111,6 @@ def _four_rank_worker(rank: int, port: int, path: str, scratch: str) -> None:
 
 
 @pytest.mark.slow  # four processes: about 90 s on two cores
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
     """TP2 + SP x CP2 against TP2 + SP x DP2 on four ranks."""
     import torch.multiprocessing as mp
@@ -119,12 +118,12 @@ def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
     from roll.utils.ports import free_port
 
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
-    mp.spawn(_four_rank_worker, args=(free_port(), path, str(tmp_path)), nprocs=4, join=True)
+    with cuda_hidden():
+        mp.spawn(_four_rank_worker, args=(free_port(), path, str(tmp_path)), nprocs=4, join=True)
     bad = [f"rank {r}: {x}" for r in range(4) for x in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
     assert not bad, "TP2 x CP2 differs from TP2 x DP2:\n" + "\n".join(bad)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_context_parallel_matches_one_rank(tmp_path: Path) -> None:
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
     bad = run_two_ranks(_worker, (path, str(tmp_path)), tmp_path)

@@ -40,7 +40,7 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
+from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 from two_rank_training import pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
 
@@ -179,11 +179,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_logits_match_transformers_and_weights_round_trip(world_size, checkpoints, tmp_path) -> None:
     args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path), _run_case)
-    mp.spawn(conv._worker, args=args, nprocs=world_size, join=True)
+    with cuda_hidden():
+        mp.spawn(conv._worker, args=args, nprocs=world_size, join=True)
 
 
 def test_yarn_and_the_expert_bias_matter(tmp_path) -> None:
@@ -342,7 +342,6 @@ def _worker(rank: int, port: int, scratch: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_converter_round_trip_and_training(tmp_path: Path) -> None:
     save_deepseek(tmp_path / "hf")
     add_mtp_layer(tmp_path / "hf")

@@ -233,12 +233,10 @@ def _run(checks: str, path: str, scratch: Path) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_distributed_optimizer_checkpoint_resumes_and_reshards(tmp_path: Path) -> None:
     _run("dense", save_tiny_qwen2(tmp_path / "model", layers=4), tmp_path)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_moe_checkpoint_resumes_with_expert_optimizer(tmp_path: Path) -> None:
     from roll.models.random_checkpoint import write_random_checkpoint
 

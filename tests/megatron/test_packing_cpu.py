@@ -180,7 +180,6 @@ def _worker(rank: int, port: int, path: str, scratch: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_packed_and_budgeted_match_padded(tmp_path: Path) -> None:
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
     bad = run_two_ranks(_worker, (path, str(tmp_path)), tmp_path)

@@ -89,7 +89,6 @@ def _run(checks: str, path: str, scratch: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_freeze_moe_router_keeps_routers_fixed(tmp_path: Path) -> None:
     from roll.models.random_checkpoint import write_random_checkpoint
 
@@ -101,6 +100,5 @@ def test_freeze_moe_router_keeps_routers_fixed(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU + gloo variant (the shims)")
 def test_uneven_first_stage_matches_the_unsplit_model(tmp_path: Path) -> None:
     _run("uneven", save_tiny_qwen2(tmp_path / "model", layers=3), tmp_path)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import compat  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
@@ -95,9 +96,11 @@ def raw_params(strategy) -> dict[str, torch.Tensor]:
 
 
 def run_two_ranks(worker: Callable, args: tuple, scratch: Path) -> list[str]:
-    """Spawn ``worker(rank, port, *args)`` on two processes; each writes its problems, one per line,
-    to ``scratch/rank{r}.txt``. Returns them prefixed with the rank."""
-    mp.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
+    """Spawn ``worker(rank, port, *args)`` on two CPU processes (CUDA hidden from them, so GPU machines
+    run these tests too); each writes its problems, one per line, to ``scratch/rank{r}.txt``. Returns
+    them prefixed with the rank."""
+    with cuda_hidden():
+        mp.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
     return [
         f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
     ]

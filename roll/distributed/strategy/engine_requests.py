@@ -148,6 +148,54 @@ class RequestPlan:
         return row, sample
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request of a generate call as the strategy submits it: our request id, the prompt's
+    token ids and the engine's sampling options (``vllm.SamplingParams`` kwargs / SGLang's dict)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+
+
+def vllm_generate_requests(
+    plan: RequestPlan, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> list[EngineRequest]:
+    """The requests the ``vllm`` strategy submits for ``prompts`` (one per row of ``plan``): one
+    request of ``n`` per row seeded ``seed + row * n``, or with ``plan.per_sample`` ``n`` requests
+    of one seeded ``seed + row * n + sample``. ``benchmarks/rollout.py``'s raw row sends the same."""
+    ids = iter(plan.request_ids())
+    out = []
+    for i, prompt in enumerate(prompts):
+        if plan.per_sample:
+            for j in range(plan.n):
+                kwargs = vllm_sampling_kwargs(params, n=1, seed_offset=i * plan.n + j)
+                out.append(EngineRequest(next(ids), list(prompt), kwargs))
+        else:
+            out.append(
+                EngineRequest(next(ids), list(prompt), vllm_sampling_kwargs(params, seed_offset=i * plan.n))
+            )
+    return out
+
+
+def sglang_generate_requests(
+    plan: RequestPlan, prompts: Sequence[Sequence[int]], params: SamplingParams, context_len: int | None
+) -> list[EngineRequest]:
+    """The requests the ``sglang`` strategy submits: ``n`` of one sample per prompt row, request
+    ``k = row * n + sample`` seeded ``seed + k``; ``max_new_tokens`` is cut to what fits in
+    ``context_len`` (SGLang refuses a request past its context; vLLM stops it there: do the same)."""
+    if not plan.per_sample:
+        raise ValueError(f"plan {plan.prefix!r}: SGLang requests are one per sample (per_sample=True)")
+    rows = [list(p) for p in prompts for _ in range(plan.n)]
+    out = []
+    for k, (rid, prompt) in enumerate(zip(plan.request_ids(), rows)):
+        sampling = sglang_sampling_params(params, seed_offset=k)
+        if context_len:
+            sampling["max_new_tokens"] = max(1, min(sampling["max_new_tokens"], context_len - len(prompt)))
+        out.append(EngineRequest(rid, prompt, sampling))
+    return out
+
+
 @dataclass
 class Completion:
     """One sampled response: token ids, the engine's log-prob of each (None if not asked for),

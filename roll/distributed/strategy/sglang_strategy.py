@@ -55,8 +55,8 @@ from roll.distributed.strategy.engine_requests import (
     require_unit_temperature,
     rows_to_tensor,
     scoring_requests,
+    sglang_generate_requests,
     sglang_input_logprobs,
-    sglang_sampling_params,
     shareable_bucket,
 )
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
@@ -120,7 +120,7 @@ class SGLangStrategy:
         params = capped(params, width)
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self._prefix(), len(prompts), params.n, per_sample=True)
-        completions = self._generate(plan, [p for p in prompts for _ in range(params.n)], params)
+        completions = self._generate(plan, prompts, params)
         return completions_to_batch(
             batch, completions, params.n, self.pad_token_id, width, params.logprobs, params.temperature
         ).to("cpu")
@@ -132,7 +132,7 @@ class SGLangStrategy:
         from another thread stops them, keeping what was generated (``finish_reason == "abort"``)."""
         params = capped(params, response_width(self.ctx, params))
         plan = RequestPlan(request_id or self._prefix(), 1, params.n, per_sample=True)
-        return self._generate(plan, [list(prompt_ids)] * params.n, params)
+        return self._generate(plan, [list(prompt_ids)], params)
 
     def abort(self, request_ids: list[str] | None = None) -> list[str]:
         """Abort in-flight requests (all when None; an id also matches ``<id>-...``) by posting
@@ -163,15 +163,14 @@ class SGLangStrategy:
         return f"{self.ctx.role}{self.ctx.rank}-{next(self._calls)}"
 
     def _generate(
-        self, plan: RequestPlan, inputs: list[list[int]], params: SamplingParams
+        self, plan: RequestPlan, prompts: list[list[int]], params: SamplingParams
     ) -> list[Completion]:
-        ids = plan.request_ids()
-        sampling = [sglang_sampling_params(params, seed_offset=k) for k in range(len(ids))]
-        context = getattr(self.engine.tokenizer_manager, "context_len", None)
-        if context:  # SGLang refuses a request past its context; vLLM stops it there: do the same
-            for request, prompt in zip(sampling, inputs):
-                request["max_new_tokens"] = max(1, min(request["max_new_tokens"], context - len(prompt)))
+        """``plan.n`` samples of each prompt row, one request each (``sglang_generate_requests``)."""
         self._ensure_ready()
+        context = getattr(self.engine.tokenizer_manager, "context_len", None)
+        requests = sglang_generate_requests(plan, prompts, params, context)
+        ids = [r.request_id for r in requests]
+        inputs, sampling = [r.prompt_ids for r in requests], [r.sampling for r in requests]
         self.registry.add(ids)
         try:
             with self._lock:

@@ -62,8 +62,8 @@ from roll.distributed.strategy.engine_requests import (
     rows_to_tensor,
     scoring_requests,
     shareable_bucket,
+    vllm_generate_requests,
     vllm_prompt_logprobs,
-    vllm_sampling_kwargs,
 )
 from roll.distributed.strategy.generation import (
     capped,
@@ -127,8 +127,8 @@ class VLLMStrategy:
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self._prefix(), len(prompts), params.n, per_sample=False)
         requests = [
-            (rid, prompt, self._sampling(vllm_sampling_kwargs(params, seed_offset=i * params.n)))
-            for i, (rid, prompt) in enumerate(zip(plan.request_ids(), prompts))
+            (r.request_id, r.prompt_ids, self._sampling(r.sampling))
+            for r in vllm_generate_requests(plan, prompts, params)
         ]
         collector = CompletionCollector(plan)
         for rid, output in self._run(requests).items():
@@ -147,8 +147,8 @@ class VLLMStrategy:
         params = capped(params, response_width(self.ctx, params))
         plan = RequestPlan(request_id or self._prefix(), 1, params.n, per_sample=True)
         requests = [
-            (rid, list(prompt_ids), self._sampling(vllm_sampling_kwargs(params, n=1, seed_offset=j)))
-            for j, rid in enumerate(plan.request_ids())
+            (r.request_id, r.prompt_ids, self._sampling(r.sampling))
+            for r in vllm_generate_requests(plan, [prompt_ids], params)
         ]
         collector = CompletionCollector(plan)
         for rid, output in self._run(requests).items():
