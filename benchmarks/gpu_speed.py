@@ -14,6 +14,7 @@ the run, the stage and by how much.
     python benchmarks/gpu_speed.py --gpus 1                  # the 1-GPU mode (one H100 is enough)
     python benchmarks/gpu_speed.py --only qwen2.5-1.5B-rlvr_megatron_vllm_2gpus --save
     python benchmarks/gpu_speed.py --repo /path/to/other/checkout --label before   # same runs, other code
+    python benchmarks/gpu_speed.py --from_runs output/gpu_speed --gpu_name "NVIDIA H200" --gpus 1  # tables again
 
 ``--save`` merges the measured runs into the baseline file (plain JSON, see ``save_baseline``).
 ``--parallel`` runs configs on disjoint GPUs at once (a 4-GPU host runs two 2-GPU configs
@@ -405,19 +406,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--floor_s", type=float, default=0.1)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument(
+        "--from_runs",
+        type=Path,
+        default=None,
+        help="print (and --save) runs made earlier: DIR/<config>/metrics.jsonl",
+    )
+    parser.add_argument(
+        "--gpu_name", default="", help="with --from_runs: the GPU they ran on, e.g. 'NVIDIA H200'"
+    )
+    parser.add_argument(
+        "--commit", default="", help="with --save: the commit the runs measured (default: HEAD)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
+    if args.from_runs is None:
+        import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_speed: no CUDA GPU visible; this benchmark runs the GPU examples", file=sys.stderr)
-        return 2
-    gpus = args.gpus or torch.cuda.device_count()
-    gpu_name = torch.cuda.get_device_name(0)
-    flops, hbm, sheet = datasheet(gpu_name)
+        if not torch.cuda.is_available():
+            print("gpu_speed: no CUDA GPU visible; this benchmark runs the GPU examples", file=sys.stderr)
+            return 2
+        gpus, gpu_name = args.gpus or torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    else:
+        if not args.gpu_name:
+            print("gpu_speed: --from_runs needs --gpu_name (the GPU the runs ran on)", file=sys.stderr)
+            return 2
+        gpus, gpu_name = args.gpus or 8, args.gpu_name
     only = {c for c in args.only.split(",") if c}
     unknown = only - {r.config for r in RUNS}
     if unknown:
@@ -433,18 +450,72 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"gpu_speed: {args.repo} has no config {missing}; skipped", file=sys.stderr)
         runs = [r for r in runs if r.config not in missing]
-    out = (args.out / args.label) if args.label else args.out
-    out.mkdir(parents=True, exist_ok=True)
     baseline_path = args.baseline or BASELINES / f"{gpu_slug(gpu_name)}.json"
     baseline = load_baseline(baseline_path).get("runs", {})
+    _, _, sheet = datasheet(gpu_name)
 
     def log(msg: str) -> None:
         print(f"[gpu_speed {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     log(f"{gpus} x {gpu_name} ({sheet}); runs: {[r.config for r in runs]}; baseline {baseline_path}")
-    results = run_all(
-        args.repo.resolve(), runs, args.steps, out.resolve(), gpus, args.parallel, args.timeout, log, sheet
-    )
+    if args.from_runs is not None:
+        out = args.from_runs
+        results = read_runs(args.repo.resolve(), runs, out.resolve(), sheet)
+    else:
+        out = (args.out / args.label) if args.label else args.out
+        out.mkdir(parents=True, exist_ok=True)
+        results = run_all(
+            args.repo.resolve(),
+            runs,
+            args.steps,
+            out.resolve(),
+            gpus,
+            args.parallel,
+            args.timeout,
+            log,
+            sheet,
+        )
+    failures, slower = report(args, runs, results, baseline, gpu_name)
+    if args.from_runs is None:
+        (out / "results.json").write_text(json.dumps([m.__dict__ for m in results], indent=1) + "\n")
+    if args.save:
+        commit = (
+            args.commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True, text=True
+            ).stdout.strip()
+        )
+        save_baseline(baseline_path, gpu_name, commit or "unknown", results)
+        log(f"baseline saved: {baseline_path}")
+    for line in failures + slower:
+        print(line)
+    return 1 if failures or slower else 0
+
+
+def read_runs(repo: Path, runs: list[SpeedRun], out: Path, gpu: str) -> list[Measured]:
+    """``Measured`` of runs made earlier (``--from_runs``): ``out/<config>/metrics.jsonl``; the
+    wall time is the driver's age at its last step (``perf/wall_s``)."""
+    results = []
+    for run in runs:
+        path = out / run.config / "metrics.jsonl"
+        if not path.exists():
+            continue
+        rows = read_metrics(path)
+        wall = max((r.get("perf/wall_s", 0.0) for r in rows), default=0.0)
+        measured = measured_from_rows(run, rows, 0, wall)
+        overrides = [f"output_dir={out / run.config}", *run.overrides]
+        dry_run = start_dry_run(repo, run, overrides, gpu)
+        try:
+            measured.predicted_peak_gib = predicted_peak(dry_run.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            dry_run.kill()
+        results.append(measured)
+    return results
+
+
+def report(args, runs: list[SpeedRun], results: list[Measured], baseline: dict, gpu_name: str):
+    """Print one table per run; the failed runs and the regressions, one line each."""
+    flops, hbm, _ = datasheet(gpu_name)
     failures, slower = [], []
     for m in sorted(results, key=lambda m: [r.config for r in runs].index(m.config)):
         run = next(r for r in runs if r.config == m.config)
@@ -462,16 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             f"REGRESSION {line}"
             for line in regressions(m, baseline.get(m.config), args.tolerance, args.floor_s)
         ]
-    (out / "results.json").write_text(json.dumps([m.__dict__ for m in results], indent=1) + "\n")
-    if args.save:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True, text=True
-        ).stdout.strip()
-        save_baseline(baseline_path, gpu_name, commit or "unknown", results)
-        log(f"baseline saved: {baseline_path}")
-    for line in failures + slower:
-        print(line)
-    return 1 if failures or slower else 0
+    return failures, slower
 
 
 def _override(overrides: tuple[str, ...], key: str, default):
