@@ -200,8 +200,19 @@ def worker_pids(mark: str) -> list[int]:
 )
 def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code, group):
     tmp, model = tiny
+    rc, err, took, out, mark = _signal_run(tmp, model, f"signal-{signum}-{group}", signum, group)
+    if group and rc == 1 and not any(line.startswith("roll:") for line in err):
+        # docs/runtime_faults.md's known limitation: the group's SIGTERM reached the raylet first
+        # and Ray's core worker ended the driver ("The connection to the plasma store is failed",
+        # exit 1, no line; 2 of 17 runs); one more try must go cleanly.
+        rc, err, took, out, mark = _signal_run(tmp, model, f"signal-{signum}-{group}-again", signum, group)
+    _check_signal_stop(rc, err, took, out, mark, signum, code)
+
+
+def _signal_run(tmp: Path, model: Path, name: str, signum: int, group: bool):
+    """Run the tiny pipeline to its first checkpoint, signal it; (rc, stderr lines, seconds to exit,
+    output_dir, the workers' marker)."""
     mark = uuid.uuid4().hex
-    name = f"signal-{signum}-{group}"
     proc, out = launch(tmp, model, name, max_steps=50, save_steps=1, system_envs={"ROLL_TEST_RUN": mark})
     checkpoint = out / "checkpoints" / "step_1"
     deadline = time.monotonic() + 300
@@ -217,7 +228,11 @@ def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code, 
     else:
         proc.send_signal(signum)
     rc, err = finish(proc, timeout=120)
-    took = time.monotonic() - sent
+    return rc, err, time.monotonic() - sent, out, mark
+
+
+def _check_signal_stop(rc, err, took, out, mark, signum, code) -> None:
+    checkpoint = out / "checkpoints" / "step_1"
     assert rc == code, err[-20:]
     # `timeout -k 10` kills a driver still running 10 s after its SIGTERM; ray.shutdown alone took
     # 8-10 s when the signal had reached Ray's own processes too (now bounded, ray_shutdown.py).
@@ -232,8 +247,8 @@ def test_signal_stops_workers_and_keeps_the_last_checkpoint(tiny, signum, code, 
     assert read_state(checkpoint)["step"] == 1
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(checkpoint / "actor_train", tmp / f"{name}.pt")
-    weights = torch.load(tmp / f"{name}.pt", weights_only=False)["model"]
+    dcp_to_torch_save(checkpoint / "actor_train", out / "weights.pt")
+    weights = torch.load(out / "weights.pt", weights_only=False)["model"]
     assert weights and all(torch.isfinite(t).all() for t in weights.values() if torch.is_tensor(t))
 
 
