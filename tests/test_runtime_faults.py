@@ -242,7 +242,9 @@ def _check_signal_stop(rc, err, took, out, mark, signum, code) -> None:
         f"roll: stopped by {signal.Signals(signum).name}; the workers were stopped; "
         f"last checkpoint: {out / 'checkpoints'}/step_"
     ), err[-10:]
-    time.sleep(2)
+    deadline = time.monotonic() + 20  # killed processes take a moment to be reaped on a busy machine
+    while worker_pids(mark) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert worker_pids(mark) == []
     assert read_state(checkpoint)["step"] == 1
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

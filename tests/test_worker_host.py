@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import pytest
 import ray
@@ -289,5 +290,11 @@ def test_a_host_ends_when_its_last_member_shuts_down(slots_free):
     clusters["actor_infer"].shutdown()
     assert [r["role"] for r in clusters["actor_train"].call(HostedProbe.whoami)] == ["actor_train"] * 2
     clusters["actor_train"].shutdown()
+    deadline = time.monotonic() + 60  # ray.kill is asynchronous: a call may still land before it
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(host.call.remote("actor_train", 0, "whoami"), timeout=60)
+        while time.monotonic() < deadline:
+            try:
+                ray.get(host.call.remote("actor_train", 0, "whoami"), timeout=60)
+            except ray.exceptions.RayTaskError:
+                pass  # the member is gone, the process not yet
+            time.sleep(0.2)
