@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,10 @@ def test_overflow_warning_names_devices_role_and_knob() -> None:
     assert overflow_warning(group, 100 * GIB, "gpu H100") is None
     line = overflow_warning(group, 79 * GIB, "gpu H100")
     assert line.startswith("devices 0-2: predicted peak 80.0 GiB while actor_train runs")
-    assert "exceeds 79.0 GiB (gpu H100)" in line
+    assert (
+        "exceeds 79.0 GiB (gpu H100) by 1.0 GiB; largest: actor_train optimizer 70.0 GiB (88% of the peak)"
+        in line
+    )
     assert line.endswith("-> turn actor_train.strategy_args.strategy_config.use_distributed_optimizer")
 
 
@@ -176,12 +180,20 @@ ONE_GPU = [f"{role}.device_mapping=[0]" for role in ("actor_train", "actor_infer
 def test_dry_run_warns_for_7b_on_one_h100(tmp_path, capsys) -> None:
     path = _shipped_with_model("rlvr_megatron_vllm_2gpus", tmp_path, "qwen2.5-7b")
     argv = ["--config_name", "rlvr_megatron_vllm_2gpus", "--config_path", path, "--dry_run", "gpu=H100"]
-    assert main(argv + ONE_GPU) == 0
-    out = capsys.readouterr().out
+    assert main(argv + ONE_GPU) == 1  # refused: it would not fit
+    captured = capsys.readouterr()
+    out = captured.out
     assert "Memory plan (GiB per device, one rank of each role; device memory: gpu H100)" in out
     warning = [line for line in out.splitlines() if line.startswith("WARNING: ")]
     assert len(warning) == 1 and warning[0].startswith("WARNING: devices 0: predicted peak ")
-    assert "while actor_train runs" in warning[0] and "exceeds 79.2 GiB" in warning[0]
+    assert "while actor_train runs" in warning[0] and "exceeds 79.2 GiB (gpu H100) by " in warning[0]
+    # The role, the term, its size and share, and the key to change; the last line says it is refused.
+    assert re.search(
+        r"largest: actor_train optimizer [\d.]+ GiB \(\d+% of the peak\) -> turn actor_train\.strategy_args\."
+        r"strategy_config\.tensor_model_parallel_size",
+        warning[0],
+    ), warning[0]
+    assert captured.err.splitlines()[-1] == "roll: --dry_run: does not fit: " + warning[0][len("WARNING: ") :]
     # As shipped (TP=2 over two GPUs, 7B) it fits an H200 and nothing is flagged.
     assert main(argv[:-1] + ["gpu=H200"]) == 0
     out = capsys.readouterr().out
@@ -194,6 +206,10 @@ def test_memory_check_error_refuses_with_one_line(tmp_path, capsys) -> None:
     assert main(argv + ONE_GPU + ["device_memory_gib=80", "memory_check=error"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ConfigError: memory_check: devices 0: predicted peak")
+    assert re.search(
+        r"exceeds 80\.0 GiB \(device_memory_gib 80\) by [\d.]+ GiB; largest: actor_train ", err[0]
+    )
+    assert err[0].endswith("(memory_check: warn only warns)")
 
 
 def test_launch_prints_the_warning_before_starting(tmp_path, capsys, monkeypatch) -> None:
@@ -224,10 +240,14 @@ RLVR_CONFIGS = sorted(
 def test_every_shipped_config_gets_a_plan(name: str, tmp_path, capsys) -> None:
     """Every strategy a shipped config uses has a formula (no role is left out with a note)."""
     # A model its layout fits (the check before launch compares them): MoE files get an MoE model.
-    path = _shipped_with_model(name, tmp_path, "qwen3-30b-a3b" if "A3B" in name else "qwen2.5-1.5b")
-    assert main(["--config_name", name, "--config_path", path, "--dry_run", "gpu=H200", "device=cuda"]) == 0
+    # Files made for a cut of the model ("pretrain: ...-4l") get that many layers.
+    pretrain = str(yaml.safe_load((REPO / "examples/config" / f"{name}.yaml").read_text()).get("pretrain"))
+    layers = int(pretrain.rsplit("-", 1)[1][:-1]) if re.search(r"-\d+l$", pretrain) else None
+    path = _shipped_with_model(name, tmp_path, "qwen3-30b-a3b" if "A3B" in name else "qwen2.5-1.5b", layers)
+    code = main(["--config_name", name, "--config_path", path, "--dry_run", "gpu=H200", "device=cuda"])
     out = capsys.readouterr().out
     assert "device peak" in out and "note:" not in out, out
+    assert code == (1 if "WARNING: " in out else 0)  # a --dry_run that would not fit is refused
 
 
 def test_fsdp2_shards_fp32_state_over_the_world() -> None:

@@ -459,6 +459,28 @@ def test_check_capacity_names_the_key_to_fix():
         check_capacity(plan, [("10.0.0.1", 2.0), ("10.0.0.2", 1.0)])
 
 
+def test_each_rank_must_run_on_the_node_its_devices_were_reserved_on():
+    """The check after the workers start (``startup.check_worker_nodes``): each rank reports its
+    own Ray node id, compared with the node its bundle was reserved on."""
+    plan = plan_placement(make_config())  # 2 nodes x 2 devices
+    rm = ResourceManager.__new__(ResourceManager)
+    rm.plan, rm.device = plan, "cpu"
+    rm.slots = [resource_manager.DeviceSlot("10.0.0.1", "n0", "0", 4)] * 2
+    rm.slots += [resource_manager.DeviceSlot("10.0.0.2", "n1", str(i), 4) for i in range(2)]
+    reference = plan.roles["reference"]  # devices 2-3: node 1
+    rm.check_worker_nodes(reference, ["n1", "n1"])
+    with pytest.raises(
+        resource_manager.PlacementError,
+        match=r"^reference rank 1 runs on Ray node n0 but its devices \[3\] were reserved on node 1 "
+        r"\(10\.0\.0\.2, Ray node n1\)",
+    ):
+        rm.check_worker_nodes(reference, ["n1", "n0"])
+    assert rm.describe({"reference": reference}).splitlines() == [
+        "node 0: 10.0.0.1 (Ray node n0) cpu ids 0,0: no workers",
+        "node 1: 10.0.0.2 (Ray node n1) cpu ids 0,1: reference ranks 0-1",
+    ]
+
+
 def test_dp_layout_checks():
     layouts = [DPRank(0, 2, True), DPRank(0, 2, False), DPRank(1, 2, True), DPRank(1, 2, False)]
     assert check_dp_layout(layouts, "actor_train") == 2

@@ -16,7 +16,8 @@ from pathlib import Path
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig
-from roll.configs.strategy_configs import MegatronConfig, strategy_config_of
+from roll.configs.strategy_configs import MegatronConfig, SGLangConfig, VLLMConfig, strategy_config_of
+from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
 from roll.pipeline.rlvr.checkpoint import resolve_resume
@@ -42,6 +43,7 @@ def check_files(config: RLVRConfig) -> None:
         if name not in NO_TOKENIZER_ROLES:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
         check_megatron_layout(name, role)
+        check_engine_role_layout(name, role)
     first: dict[str, str] = {}  # tag -> "file:line" of its first row
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args", first)
     tags = train.copy()
@@ -82,6 +84,35 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
         if exc.path.startswith(name):
             raise
         raise ConfigError(f"{name}.{exc.path}", exc.message) from None
+
+
+def check_engine_role_layout(name: str, role: RoleConfig) -> None:
+    """A vLLM/SGLang role's tensor- and expert-parallel split against its model's heads and experts
+    (config.json), before any engine starts (``engine_options.check_engine_tp`` / ``check_engine_ep``)."""
+    cfg = strategy_config_of(role)
+    if not isinstance(cfg, (VLLMConfig, SGLangConfig)):
+        return
+    path = f"{name}.strategy_args.strategy_config"
+    model = role.model_args.model_name_or_path
+    try:
+        hf_config = json.loads((Path(model) / "config.json").read_text() or "{}")
+    except ValueError as exc:
+        raise ConfigError(
+            f"{name}.model_args.model_name_or_path", f"{model}/config.json is not JSON ({exc})"
+        ) from None
+    check_engine_tp(hf_config, cfg.tensor_parallel_size, f"{path}.tensor_parallel_size", model)
+    kwargs = cfg.engine_kwargs
+    if isinstance(cfg, VLLMConfig) and kwargs.get("enable_expert_parallel"):
+        dp = kwargs.get("data_parallel_size", 1)
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ConfigError(
+                f"{path}.engine_kwargs.data_parallel_size", f"must be an integer >= 1, got {dp!r}"
+            )
+        ep = cfg.tensor_parallel_size * dp
+        what = f"enable_expert_parallel; tensor_parallel_size x data_parallel_size = {cfg.tensor_parallel_size} x {dp}"
+        check_engine_ep(hf_config, ep, f"{path}.tensor_parallel_size", what, model)
+    elif isinstance(cfg, SGLangConfig) and isinstance(kwargs.get("ep_size"), int):
+        check_engine_ep(hf_config, kwargs["ep_size"], f"{path}.engine_kwargs.ep_size", "ep_size", model)
 
 
 def check_tokenizer_dir(path: str, key: str) -> None:

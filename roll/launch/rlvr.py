@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan, device_kind=kind))
             print(memory.format())
+            if memory.warnings:  # refused: a launch would run out of device memory (memory_check: warn)
+                print(f"roll: --dry_run: does not fit: {memory.warnings[0]}", file=sys.stderr)
+                return 1
             return 0
         for warning in memory.warnings:
             print(f"WARNING: {warning}", file=sys.stderr)

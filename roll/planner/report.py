@@ -110,7 +110,8 @@ def plan_memory(
 
 
 def overflow_warning(group: DeviceGroup, capacity: int, source: str) -> str | None:
-    """One line naming the devices, the stage, the largest contributor and the key to turn."""
+    """One line naming the devices, the stage, the overflow, the largest term (a part of
+    ``PARTS`` of the running role, or another role's idle memory) and the key to turn."""
     role_name, peak = group.peak()
     if peak <= capacity:
         return None
@@ -125,7 +126,8 @@ def overflow_warning(group: DeviceGroup, capacity: int, source: str) -> str | No
     return (
         f"devices {format_device_ids(list(group.devices))}: predicted peak {peak / GIB:.1f} GiB while "
         f"{role_name} runs ({running.peak / GIB:.1f}{resident}) exceeds {capacity / GIB:.1f} GiB "
-        f"({source}); largest: {who} {part} {size / GIB:.1f} GiB -> turn {knob}"
+        f"({source}) by {(peak - capacity) / GIB:.1f} GiB; largest: {who} {part} {size / GIB:.1f} GiB "
+        f"({100 * size / peak:.0f}% of the peak) -> turn {knob}"
     )
 
 

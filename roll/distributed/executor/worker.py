@@ -159,6 +159,7 @@ class Worker:
             "rank": self.rank,
             "pid": os.getpid(),
             "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "device": str(self.ctx.device),
         }
 

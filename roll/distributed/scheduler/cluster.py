@@ -203,6 +203,8 @@ class Cluster:
         self.worker_cls = worker_cls
         self.world_size = role_plan.world_size
         self._error: WorkerError | None = None
+        # Where each rank runs, for naming a dead one on a run that spans nodes (``_fail``).
+        self.nodes = _rank_nodes(resource_manager, role_plan)
         self.timeouts = pipeline_config.worker_timeouts if pipeline_config else WorkerTimeoutsConfig()
         extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
         remote_cls = ray.remote(worker_cls) if hosts is None else None
@@ -306,6 +308,8 @@ class Cluster:
         worker = self.workers[rank] if rank < len(self.workers) else None
         if isinstance(worker, HostedWorker) and isinstance(exc, RayActorError) and not worker.host.killed:
             self._error = self._error.on_host(worker.host.describe())
+        elif isinstance(exc, RayActorError) and self.nodes.get(rank):
+            self._error = self._error.on_host(f"{self.role} rank {rank} on {self.nodes[rank]}")
         self._kill()
         return self._error
 
@@ -346,6 +350,16 @@ class Cluster:
                 except RayError:  # the actor is already gone
                     pass
         self.workers = []
+
+
+def _rank_nodes(resource_manager: ResourceManager, role_plan: RolePlan) -> dict[int, str]:
+    """``{rank: "node 1 (10.0.0.2)"}`` when the run spans nodes (a dead process is then named with
+    its node); empty on one node, where the rank says it all."""
+    if resource_manager.plan.num_nodes < 2 or role_plan.cpu_only:
+        return {}
+    return {
+        w.rank: f"node {w.node} ({resource_manager.slots[w.devices[0]].node_ip})" for w in role_plan.workers
+    }
 
 
 def _share_batches(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:

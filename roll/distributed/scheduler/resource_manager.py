@@ -35,6 +35,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.errors import PlacementError
 from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
@@ -300,14 +301,34 @@ class ResourceManager:
         share = int(10_000 / sharing) / 10_000  # Ray counts resources in units of 1e-4
         return options | {"num_gpus": share, "scheduling_strategy": self._bundle(devices[0])}
 
-    def describe(self) -> str:
-        """One line per node: its IP and the Ray GPU ids of its device slots."""
+    def check_worker_nodes(self, role_plan: RolePlan, node_ids: list[str]) -> None:
+        """Each rank of ``role_plan`` reported the Ray node it runs on (``node_ids``, by rank): raise
+        PlacementError unless that is the node its devices were reserved on."""
+        for worker, node_id in zip(role_plan.workers, node_ids):
+            want = self.slots[worker.devices[0]]
+            if node_id != want.node_id:
+                raise PlacementError(
+                    f"{role_plan.role} rank {worker.rank} runs on Ray node {node_id} but its devices "
+                    f"{list(worker.devices)} were reserved on node {worker.node} ({want.node_ip}, Ray node "
+                    f"{want.node_id})"
+                )
+
+    def describe(self, roles: dict[str, RolePlan] | None = None) -> str:
+        """One line per node: its IP, Ray node id and the Ray GPU ids of its device slots, and the
+        ranks of each of ``roles`` (default: the plan's) that run there."""
         per_node = self.plan.devices_per_node
+        roles = self.plan.roles if roles is None else roles
         lines = []
         for node in range(self.plan.num_nodes):
             slots = self.slots[node * per_node : (node + 1) * per_node]
+            held = [
+                f"{name} ranks {format_device_ids([w.rank for w in rp.workers if w.node == node])}"
+                for name, rp in roles.items()
+                if not rp.cpu_only and node in rp.nodes
+            ]
             lines.append(
-                f"node {node}: {slots[0].node_ip} {self.device} ids {','.join(s.gpu_id for s in slots)}"
+                f"node {node}: {slots[0].node_ip} (Ray node {slots[0].node_id}) {self.device} ids "
+                f"{','.join(s.gpu_id for s in slots)}: {'; '.join(held) or 'no workers'}"
             )
         return "\n".join(lines)
 

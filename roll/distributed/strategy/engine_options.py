@@ -166,3 +166,60 @@ def sglang_engine_options(cfg: SGLangConfig, role_config: RoleConfig, role: str,
     for engine_key, cfg_key in SGLANG_CONFIG_KEYS.items():
         derived[engine_key] = (getattr(cfg, cfg_key), f"{path}.{cfg_key}")
     return _build_options(derived, cfg.engine_kwargs, path)
+
+
+# --------------------------------------------------------------------------- layout vs model
+
+
+def model_split_sizes(hf_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(attention heads, KV heads, routed experts; 0 for a dense model) of a config.json's dict;
+    a multimodal file's language model is its ``text_config``."""
+    if "num_attention_heads" not in hf_config and isinstance(hf_config.get("text_config"), Mapping):
+        hf_config = hf_config["text_config"]
+    heads = int(hf_config.get("num_attention_heads") or 0)
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    # Qwen-MoE files say num_experts, Mixtral num_local_experts, DeepSeek n_routed_experts.
+    experts = next(
+        (hf_config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in hf_config), 0
+    )
+    return heads, kv_heads, int(experts or 0)
+
+
+def check_engine_tp(hf_config: Mapping[str, Any], tp: int, key: str, model: str) -> None:
+    """A vLLM/SGLang engine's split of ``model`` (its config.json as a dict) over ``tp``
+    tensor-parallel ranks; a ConfigError naming ``key`` otherwise. Each rank takes an equal share
+    of the attention heads; the KV heads are split the same way, or copied when there are fewer of
+    them than ranks, so one count must divide the other."""
+    heads, kv_heads, _ = model_split_sizes(hf_config)
+    where = f"{model}/config.json"
+    if heads and heads % tp:
+        raise ConfigError(
+            key,
+            f"{tp} does not divide the model's {heads} attention heads (num_attention_heads in {where}); "
+            f"use one of {_divisors(heads)}",
+        )
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        fits = [d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]
+        raise ConfigError(
+            key,
+            f"{tp} and the model's {kv_heads} KV heads (num_key_value_heads in {where}) do not split "
+            f"evenly either way (each rank gets an equal share, or a copy when ranks outnumber them); "
+            f"use one of {fits}",
+        )
+
+
+def check_engine_ep(hf_config: Mapping[str, Any], ep: int, key: str, what: str, model: str) -> None:
+    """Each of an engine's ``ep`` expert-parallel ranks (``what``: how that number is made) holds an
+    equal share of ``model``'s routed experts; a ConfigError naming ``key`` otherwise. A dense
+    model has nothing to split."""
+    _, _, experts = model_split_sizes(hf_config)
+    if experts and experts % ep:
+        raise ConfigError(
+            key,
+            f"expert parallelism over {ep} ranks ({what}) does not divide the model's {experts} experts "
+            f"({model}/config.json); use a divisor of {experts}: {_divisors(experts)}",
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -14,6 +14,7 @@ initializes at once. Colocated roles are offloaded after all have initialized, a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.rlvr.prestart import Hosted
     from roll.pipeline.rlvr.run import RLVRRun
+
+logger = logging.getLogger("roll")
 
 
 def on_cpu_slots(config: RLVRConfig) -> bool:
@@ -109,6 +112,7 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
             hosted, run.hosts = start_hosts(config, run.plan, run.resources)
     with timer("workers"):
         _start_workers(run, hosted)
+        check_worker_nodes(run)
     with timer("initialize"):
         for wave in init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config)):
             seconds = get_all(*(_async_initialize(run, name) for name in wave))
@@ -117,6 +121,22 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
                 record_initialize(timer, name, per_rank)
         # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
         get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in sorted(run.colocated)))
+
+
+def check_worker_nodes(run: RLVRRun) -> None:
+    """Every device-holding worker runs on the Ray node its plan's node was reserved on (each rank
+    reports its own node id; ``ResourceManager.check_worker_nodes``), and run.log says which ranks
+    run where (on the console too when the run spans nodes)."""
+    from roll.distributed.executor.worker import Worker
+    from roll.distributed.scheduler.cluster import get_all
+
+    placed = {name: run.plan.roles[name] for name in run.clusters if not run.plan.roles[name].cpu_only}
+    answers = get_all(*(run.clusters[name].async_call(Worker.ping) for name in placed))
+    for role_plan, pings in zip(placed.values(), answers):
+        run.resources.check_worker_nodes(role_plan, [p["node_id"] for p in pings])
+    level = logging.INFO if run.plan.num_nodes > 1 else logging.DEBUG
+    for line in run.resources.describe(placed).splitlines():
+        logger.log(level, "placement: %s", line)
 
 
 def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None] | None) -> None:
