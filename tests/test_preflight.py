@@ -433,8 +433,8 @@ def test_shipped_config_passes_dry_run_with_its_files_present(path, tmp_path, ca
         from roll.configs.loader import load_config
 
         missing = engines_missing_here(load_config(tmp_path / f"{name}.yaml"))
-        assert [line for line in out.splitlines() if line.startswith("note: ") and "pip install" in line] == [
-            f"note: {e} (a one-node launch from here stops on this)" for e in missing
+        assert [line for line in out.splitlines() if line.startswith("missing engine: ")] == [
+            f"missing engine: {e} (a one-node launch from here stops on this)" for e in missing
         ]
 
 

@@ -73,7 +73,9 @@ def test_sglang_missing_stops_a_launch_and_the_dry_run_names_it(
     assert launch(tmp_path, dry_run=True) == 0
     out = capsys.readouterr().out
     assert "Placement plan" in out
-    assert "note: actor_infer.strategy_args.strategy_name: strategy 'sglang' needs the 'sglang'" in out
+    assert (
+        "missing engine: actor_infer.strategy_args.strategy_name: strategy 'sglang' needs the 'sglang'" in out
+    )
     assert "a one-node launch from here stops on this" in out
 
 

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(plan, device_kind=kind))
             print(memory.format())
             for missing in engines_missing_here(config):
-                print(f"note: {missing} (a one-node launch from here stops on this)")
+                print(f"missing engine: {missing} (a one-node launch from here stops on this)")
             return 0
         check_engines_installed(config, plan)
         for warning in memory.warnings:
