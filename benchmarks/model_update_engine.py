@@ -8,7 +8,10 @@ loading):
 - a trainer on GPU 0 holding random bf16 weights with the HF names and shapes of ``--presets``;
 - ``colocated``: an engine on GPU 0 (the trainer's device): buckets by CUDA IPC;
 - ``disagg``: an engine on GPU 1: buckets by NCCL broadcast (vLLM: into its workers' own buffers;
-  SGLang: into the worker's buffer, then ``update_weights_from_tensor`` by CUDA IPC).
+  SGLang: into the worker's buffer, then ``update_weights_from_tensor`` by CUDA IPC; roll's sender
+  does not speak SGLang's ``update_weights_from_distributed``, see docs/strategies.md).
+
+Without 2 GPUs or with the engine missing or of an untested version it prints one line and exits 2.
 
 The engines start with ``load_format=dummy`` from a config-only directory, so no checkpoint is
 written. ``sync`` is one whole update (all buckets, checksums on both ends, loads), median of
@@ -158,9 +161,19 @@ def trainer_rounds(args, preset, config_dir, ports, ctrl, device) -> list[dict]:
     return rows
 
 
-def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
+def receiving_engine(strategy, spec: LinkSpec, rank: int):
+    """(engine, join) as the pipeline's receiver picks them (``ModelUpdateReceiverMixin``): the
+    strategy takes buckets in its own processes only where it implements that link's Protocol
+    (vLLM: both; SGLang: the colocated ``SharedBucketEngine`` only, so a disaggregated bucket lands
+    in the worker's buffer and goes in by ``load_weights``), and only such an engine joins the
+    broadcast group."""
     from roll.distributed.model_update.worker_mixin import _engine_join, _engine_receives
 
+    engine = strategy if _engine_receives(strategy, spec, rank) else None
+    return engine, _engine_join(engine, spec, rank) if engine is not None else None
+
+
+def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
     strategy = start_engine(args.engine, config_dir, device, rank)
     barrier(ctrl)
     for layout, owner in LAYOUTS.items():
@@ -170,9 +183,8 @@ def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
                 barrier(ctrl)
             continue
         spec = link_spec(layout, ports[f"{preset}/{layout}"])
-        join = _engine_join(strategy, spec, rank)
+        engine, join = receiving_engine(strategy, spec, rank)
         link = Link.connect(spec, rank, device, TIMEOUT, join_data=join)
-        engine = strategy if _engine_receives(strategy, spec, rank) else None
         receiver = BucketReceiver(link, device, engine=engine)
         for version in range(args.reps + 1):
             barrier(ctrl)
@@ -209,7 +221,15 @@ def start_engine(engine: str, config_dir: str, device: torch.device, rank: int):
     return strategy
 
 
-def main() -> int:
+# How each layout's buckets reach the engine (roll's strategy, as the pipeline drives it).
+PATHS = {
+    "vllm": "colocated: CUDA IPC into vLLM's workers; disagg: NCCL broadcast into vLLM's workers",
+    "sglang": "colocated: CUDA IPC, then Engine.update_weights_from_tensor; disagg: NCCL broadcast "
+    "into the worker's buffer, then Engine.update_weights_from_tensor (CUDA IPC)",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", default="vllm", choices=sorted(ENGINE_OPTIONS))
     parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-7b")
@@ -217,11 +237,46 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket_mb", type=int, default=1024)
     parser.add_argument("--out", default=None, help="write the rows as JSON here too")
-    args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit(
-            "needs 2 GPUs (trainer and colocated engine on GPU 0, disaggregated engine on GPU 1)"
+    args = parser.parse_args(argv)
+    from roll.models.random_checkpoint import PRESETS
+
+    unknown = [p for p in args.presets.split(",") if p not in PRESETS]
+    if unknown:
+        parser.error(f"--presets: unknown {unknown}; known: {', '.join(sorted(PRESETS))}")
+    if args.reps < 1 or args.bucket_mb < 1:
+        parser.error("--reps and --bucket_mb must be >= 1")
+    return args
+
+
+def cannot_run(engine: str, gpus: int) -> str | None:
+    """Why the benchmark cannot run here (one line), before any process starts; None if it can."""
+    from roll.configs.errors import ConfigError
+    from roll.distributed.strategy.registry import (
+        check_engine_version,
+        get_strategy_spec,
+        load_strategy_class,
+    )
+
+    if gpus < 2:
+        return (
+            f"needs 2 GPUs (trainer and colocated engine on GPU 0, disaggregated engine on GPU 1); "
+            f"{gpus} visible"
         )
+    try:
+        spec = get_strategy_spec(engine)
+        check_engine_version(spec, "--engine")
+        load_strategy_class(engine, "--engine")
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = cannot_run(args.engine, torch.cuda.device_count())
+    if problem:
+        print(f"model_update_engine: {problem}", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {p: str(write_config_dir(p, Path(tmp), args.tokenizer)) for p in args.presets.split(",")}
@@ -238,18 +293,26 @@ def main() -> int:
 def print_table(data: dict, engine: str) -> None:
     from importlib.metadata import version
 
+    print("\n" + "\n".join(table_lines(data, engine, version(engine))))
+
+
+def table_lines(data: dict, engine: str, engine_version: str) -> list[str]:
+    """The table, the same columns for every engine: bytes, median sync, the NCCL bound (bytes /
+    the measured broadcast bandwidth) and sync / bound."""
     bw = data["bw"]
-    print(
-        f"\nmodel update into {engine} {version(engine)} (roll {engine} strategy), "
-        f"NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s"
-    )
-    print(f"{'preset':<14}{'layout':<11}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}")
+    lines = [
+        f"model update into {engine} {engine_version} (roll {engine} strategy), "
+        f"NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s",
+        f"({PATHS[engine]})",
+        f"{'preset':<14}{'layout':<11}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}",
+    ]
     for r in data["rows"]:
         bound = r["bytes"] / (bw * 1e9)
-        print(
+        lines.append(
             f"{r['preset']:<14}{r['layout']:<11}{r['bytes'] / 1e9:>7.2f}{r['sync_s'] * 1e3:>10.1f}"
             f"{bound * 1e3:>10.1f}{r['sync_s'] / bound:>8.2f}"
         )
+    return lines
 
 
 if __name__ == "__main__":

@@ -217,6 +217,8 @@ def test_launch_prints_the_warning_before_starting(tmp_path, capsys, monkeypatch
 
     started = []
     monkeypatch.setattr(pipeline, "run_pipeline", started.append)
+    # as on a machine with vLLM (a launch without it stops before the plan's warnings matter)
+    monkeypatch.setattr("roll.launch.roles.check_engines_installed", lambda config, plan: None)
     path = _shipped_with_model("rlvr_megatron_vllm_2gpus", tmp_path, "qwen2.5-7b")
     assert (
         main(["--config_name", "rlvr_megatron_vllm_2gpus", "--config_path", path, "gpu=H100"] + ONE_GPU) == 0

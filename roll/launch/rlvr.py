@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from roll.configs.loader import load_config
         from roll.distributed.scheduler.placement import format_plan
         from roll.launch.checks import check_before_launch
+        from roll.launch.roles import check_engines_installed, engines_missing_here
         from roll.pipeline.rlvr.prestart import prestart
         from roll.planner.report import memory_report
 
@@ -71,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan, device_kind=kind))
             print(memory.format())
+            for missing in engines_missing_here(config):
+                print(f"missing engine: {missing} (a one-node launch from here stops on this)")
             if memory.warnings:  # refused: a launch would run out of device memory (memory_check: warn)
                 print(f"roll: --dry_run: does not fit: {memory.warnings[0]}", file=sys.stderr)
                 return 1
             return 0
+        check_engines_installed(config, plan)
         for warning in memory.warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
         return run(config)

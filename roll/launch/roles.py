@@ -10,6 +10,8 @@ use). Each failure is one ``ConfigError`` naming the key.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from typing import Any
 
 from roll.configs.errors import ConfigError
@@ -22,6 +24,7 @@ from roll.configs.strategy_configs import (
     VLLMConfig,
     strategy_config_of,
 )
+from roll.distributed.scheduler.placement import PlacementPlan
 from roll.distributed.strategy.base import ValueModelStrategy
 from roll.distributed.strategy.engine_options import (
     EngineOptions,
@@ -168,3 +171,44 @@ def _check_engine_options(options: EngineOptions, module: str, args_cls: Any, en
     except Exception:  # not installed here, or fails to import: the worker that needs it reports it
         return
     options.check(accepted, engine, module.split(".")[0])
+
+
+def engines_missing_here(config: Any) -> list[ConfigError]:
+    """One ConfigError per role whose strategy needs a package (SGLang, vLLM, megatron-core) that
+    is not installed on this machine, naming the pip extra."""
+    missing = []
+    for name, role in config.roles().items():
+        if role.strategy_args is None:
+            continue
+        spec = get_strategy_spec(role.strategy_args.strategy_name)
+        for module in spec.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ImportError:  # the parent package is missing
+                found = False
+            if not found:
+                missing.append(
+                    ConfigError(
+                        f"{name}.strategy_args.strategy_name",
+                        f"strategy {spec.name!r} needs the '{module}' package, which is not installed "
+                        f"on this machine; install it with: pip install -e .[{spec.extra}]",
+                    )
+                )
+                break
+    return missing
+
+
+def workers_start_here(plan: PlacementPlan) -> bool:
+    """Whether the launch starts its workers on this machine: one node and no ``RAY_ADDRESS``
+    (a private Ray, or one ``ray start`` ran here). Several nodes or another cluster's address:
+    the engines live there, and a worker without its package reports it as it starts."""
+    return plan.num_nodes == 1 and not os.environ.get("RAY_ADDRESS")
+
+
+def check_engines_installed(config: Any, plan: PlacementPlan) -> None:
+    """At launch (not ``--dry_run``, which plans on machines without the engines and prints these
+    as notes): a strategy's package missing where the workers start is a ConfigError now, not a
+    failed worker after Ray and the other roles have started."""
+    missing = engines_missing_here(config)
+    if missing and workers_start_here(plan):
+        raise missing[0]

@@ -17,6 +17,9 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.strategy_configs import strategy_config_of
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.launch.roles import TRAIN_ROLES
+from roll.planner.devices import device_capacity
+from roll.planner.report import plan_memory
+from roll.planner.roles import GIB
 from roll.utils.tracking import TRACKERS
 
 # Largest share of a device a vLLM engine may claim next to a training role (see check_colocation).
@@ -27,6 +30,7 @@ def check_run_rules(config: RLVRConfig, plan: PlacementPlan) -> None:
     check_devices_exist(config, plan)
     check_batch_sizes(config, plan)
     check_colocation(config, plan)
+    check_sglang_memory(config, plan)
     check_algorithm(config)
     check_async(config, plan)
     check_tracker(config)
@@ -111,6 +115,57 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
                     f"{name}.strategy_args.strategy_config.enable_memory_saver",
                     f"is false but {name} shares devices with {trains[0]}; set true so the engine can release memory",
                 )
+
+
+def check_sglang_memory(config: RLVRConfig, plan: PlacementPlan) -> None:
+    """An SGLang engine on a trainer's devices keeps room for what the trainer leaves there while the
+    engine is awake (its idle memory and CUDA context, as the memory planner predicts them).
+
+    SGLang reserves ``mem_fraction_static`` of the device for weights + KV cache when it starts and
+    takes the same again each time it resumes after the trainer ran. Checked when the device size
+    is known (``gpu``, ``device_memory_gib`` or a visible GPU) and the model's shape can be read.
+    """
+    sharing = [
+        name
+        for owners, _ in plan.shared
+        if any(o in TRAIN_ROLES for o in owners)
+        for name in owners
+        if _strategy(config, name) == "sglang"
+    ]
+    if not sharing or config.memory_check == "off":
+        return
+    capacity, source = device_capacity(config)
+    if capacity is None:
+        return
+    for group in plan_memory(config, plan, capacity, source).groups:
+        for engine in group.roles:
+            others = [o for o in group.roles if o is not engine]
+            trains = [o.role for o in others if o.role in TRAIN_ROLES]
+            if engine.role not in sharing or not trains:
+                continue
+            resident = sum(o.idle + o.context for o in others)
+            fits = (capacity - engine.context - resident) / capacity
+            fraction = strategy_config_of(config.roles()[engine.role]).mem_fraction_static
+            if fraction <= fits:
+                continue
+            kept = ", ".join(f"{o.role} {(o.idle + o.context) / GIB:.1f}" for o in others)
+            advice = (
+                f"at most {int(fits * 100) / 100:.2f} fits"
+                if fits > 0.01
+                else f"none fits; offload {trains[0]}'s state or give {engine.role} devices of its own"
+            )
+            raise ConfigError(
+                f"{engine.role}.strategy_args.strategy_config.mem_fraction_static",
+                f"is {fraction} of the {capacity / GIB:.1f} GiB device ({source}), but the roles sharing "
+                f"devices {list(group.devices)[:8]} keep {resident / GIB:.1f} GiB there while the engine is "
+                f"awake ({kept} GiB predicted by the memory planner) and the engine's own CUDA context "
+                f"needs {engine.context / GIB:.1f} GiB; {advice}",
+            )
+
+
+def _strategy(config: RLVRConfig, name: str) -> str:
+    args = config.roles()[name].strategy_args
+    return args.strategy_name if args is not None else ""
 
 
 def check_algorithm(config: RLVRConfig) -> None:
