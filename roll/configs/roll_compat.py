@@ -120,6 +120,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
+    _default_reward(raw, notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
@@ -192,6 +193,18 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
     for key, rewards in REWARD_KWARGS.items():
         if key in reward and name in rewards:
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
+
+
+def _default_reward(raw: dict[str, Any], notes: list[str]) -> None:
+    """alibaba/ROLL scores a row whose tag no reward role lists in the ``math_rule`` domain
+    (``update_dataset_domain``); roll's spelling is ``default_reward: math_rule``."""
+    rewards = raw.get("rewards")
+    if not isinstance(rewards, dict) or "math_rule" not in rewards or "default_reward" in raw:
+        return
+    if any(isinstance(r, dict) and not r.get("tag_included") for r in rewards.values()):
+        return  # roll's catch-all role (empty tag_included) already takes them
+    raw["default_reward"] = "math_rule"
+    notes.append("rows whose tag no reward role lists are scored by rewards.math_rule, as in ROLL")
 
 
 def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) -> None:

@@ -10,6 +10,7 @@ Each failure is one ``ConfigError`` naming the key path.
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from roll.configs.strategy_configs import MegatronConfig, strategy_config_of
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
 from roll.pipeline.rlvr.checkpoint import resolve_resume
-from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
+from roll.pipeline.rlvr.data.dataset import BadRow, read_rows, resolve_files
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
 from roll.pipeline.rlvr.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
@@ -96,31 +97,41 @@ def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None =
     """Rows per tag over the good rows of every prompt file (bad rows are reported at load);
     ``first`` gets the ``file:line`` of each tag's first row (one already there is kept)."""
     tags: Counter[str] = Counter()
+    bad: list[BadRow] = []
     for path in resolve_files(data_args, prefix):
-        for _, _, tag, line in read_rows(path, data_args, []):
+        for _, _, tag, line in read_rows(path, data_args, bad):
             tags[tag] += 1
             if first is not None:
                 first.setdefault(tag, f"{path}:{line}")
     if not tags:
         raise ConfigError(
             f"{prefix}.file_name",
-            f"no usable prompt rows in {data_args.file_name} (every row is empty or bad)",
+            f"no usable prompt rows in {data_args.file_name} (every row is empty or bad"
+            + (f"; first: {bad[0]})" if bad else ")"),
         )
     return tags
 
 
 def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, str] | None = None) -> None:
-    """Every reward role's tags occur in the data, and every tag of the data has a reward role
-    (else the error names the ``file:line`` of the tag's first row, from ``first``)."""
+    """Every reward role has rows (a tag of its ``tag_included`` that matches none is a warning, as
+    alibaba/ROLL lists tags its data lacks), and every tag of the data has a reward role (else the
+    error names the ``file:line`` of the tag's first row, from ``first``)."""
     routes, catch_all = build_tag_routes(config)
     for name, reward in config.rewards.items():
-        for i, tag in enumerate(reward.tag_included):
-            if tag not in tags:
-                raise ConfigError(
-                    f"rewards.{name}.tag_included[{i}]",
-                    f"tag {tag!r} matches no row of the prompt files (their tags: {sorted(tags)}); "
-                    "fix the tag, or the rows' tag field (a row without one takes its file's stem)",
-                )
+        unused = [tag for tag in reward.tag_included if tag not in tags]
+        if not unused:
+            continue
+        if len(unused) == len(reward.tag_included) and name != catch_all:
+            raise ConfigError(
+                f"rewards.{name}.tag_included",
+                f"no tag of {unused} matches a row of the prompt files (their tags: {sorted(tags)}); "
+                "fix the tags, or the rows' tag field (a row without one takes its file's stem)",
+            )
+        print(
+            f"WARNING: rewards.{name}.tag_included: {unused} match no row of the prompt files "
+            f"(their tags: {sorted(tags)}); the role scores the rows of its other tags",
+            file=sys.stderr,
+        )
     if catch_all is None:
         for tag, count in sorted(tags.items()):
             if tag not in routes:

@@ -116,6 +116,8 @@ def setup_logging(run_dir: Path) -> None:
 
 
 def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
+    """(tag -> reward role, the role scoring every other tag or None): a role with an empty
+    ``tag_included``, or ``default_reward``."""
     routes = {tag: name for name, reward in config.rewards.items() for tag in reward.tag_included}
     catch_all = [name for name, reward in config.rewards.items() if not reward.tag_included]
     if len(catch_all) > 1:
@@ -123,7 +125,13 @@ def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
             f"rewards.{catch_all[1]}.tag_included",
             f"only one reward role may leave tag_included empty (also rewards.{catch_all[0]})",
         )
-    return routes, (catch_all[0] if catch_all else None)
+    if catch_all and config.default_reward not in (None, catch_all[0]):
+        raise ConfigError(
+            "default_reward",
+            f"rewards.{catch_all[0]} already scores every unlisted tag (its tag_included is empty); "
+            "give one of the two",
+        )
+    return routes, (catch_all[0] if catch_all else config.default_reward)
 
 
 def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
