@@ -12,6 +12,7 @@ below are the reference that docs/migrating_from_roll.md describes key by key.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import sys
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any
 
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError
+from roll.configs.strategy_configs import STRATEGY_CONFIGS
+from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
 
@@ -45,9 +48,13 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
-        "remove it or write inference; llm_judge scores with the role's own inference strategy "
-        "(no API judge)",
+        "ROLL: api asks a remote judge API, cluster a separate judge service (ROLL's own "
+        "LLMJudgeRewardWorker refuses cluster too); roll's llm_judge scores with the role's own engine: "
+        "write inference",
         (None, "inference"),
+    ),
+    "rollout_mock": Unsupported(
+        "ROLL dumps or replays rollouts to align precision between runs; roll has no rollout dump: remove it"
     ),
     "rewards.*.reward_type": Unsupported(
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
@@ -69,6 +76,20 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
+    **{
+        f"{where}{key}": Unsupported(
+            "ROLL trains LoRA adapters on the frozen model; roll trains all parameters: remove the lora_* "
+            "keys to train the full model",
+            (None,),
+        )
+        for where in ("", "*.model_args.")
+        for key in ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
+    },
+    "*.model_args.ulysses_size": Unsupported(
+        "ROLL splits each sequence over N devices (Ulysses attention) in fsdp2; roll's fsdp2 does not: "
+        "remove it, or use megatron_train with context_parallel_size: N",
+        (None, 1),
+    ),
     "checkpoint_config.type": Unsupported(
         "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
         (None, "file_system"),
@@ -82,6 +103,7 @@ DROPPED: dict[str, str] = {
     "logging_dir": "roll writes run.log and metrics.jsonl under output_dir (TensorBoard: tracker_kwargs.log_dir)",
     "*.data_args.preprocessing_num_workers": _PREPROCESS,
     "rewards.*.data_args.preprocessing_num_workers": _PREPROCESS,
+    "model_download_type": "roll loads local checkpoint directories (ROLL: the hub to download from)",
     "*.training_args.num_train_epochs": _EPOCHS,
     "rewards.*.training_args.num_train_epochs": _EPOCHS,
 }
@@ -93,6 +115,12 @@ REWARD_WORKERS = {
     "CodeSandboxRewardWorker": "code_sandbox",
     "GeneralRuleRewardWorker": "ifeval",
     "CrossThinkQARuleRewardWorker": "multiple_choice",
+}
+# ROLL's reward workers of its vision-language pipeline (images, video): refused with what they score.
+_VL = "roll trains text-only models (no vision-language pipeline)"
+VISION_REWARD_WORKERS = {
+    "DetectionRewardWorker": f"ROLL scores object-detection boxes on images; {_VL}",
+    "VideoR1RewardWorker": f"ROLL scores Video-R1 answers on videos; {_VL}",
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
@@ -120,7 +148,12 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
+            if isinstance(reward.get("strategy_args"), dict):
+                _map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
     _default_reward(raw, notes)
+    _map_rpc_timeout(raw, problems, notes)
+    _drop_offload_nccl(raw, "offload_nccl", notes)
+    _complete_interleave_probs(raw, notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
@@ -133,7 +166,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             " (see docs/migrating_from_roll.md)",
         )
     for note in notes:
-        print(f"roll: {note}", file=sys.stderr)
+        print(note if note.startswith("WARNING: ") else f"roll: {note}", file=sys.stderr)
     return raw
 
 
@@ -179,9 +212,8 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
     cls = _class_name(reward.pop("worker_cls"))
     name = REWARD_WORKERS.get(cls)
     if name is None:
-        problems.add(
-            f"{path}.worker_cls={cls}", f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
-        )
+        advice = VISION_REWARD_WORKERS.get(cls, "unknown ROLL reward worker")
+        problems.add(f"{path}.worker_cls={cls}", f"{advice}; roll's: {', '.join(REWARD_WORKERS)}")
         return
     if reward.setdefault("reward_fn", name) != name:
         problems.add(
@@ -193,6 +225,43 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
     for key, rewards in REWARD_KWARGS.items():
         if key in reward and name in rewards:
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
+
+
+def _map_rpc_timeout(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+    """ROLL waits ``rpc_timeout`` seconds for any worker call; roll's waits are per stage
+    (``worker_timeouts``): each stage not given there gets the same limit."""
+    if "rpc_timeout" not in raw:
+        return
+    seconds = raw.pop("rpc_timeout")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        problems.add(f"rpc_timeout={seconds!r}", "ROLL's seconds per worker call: give a positive number")
+        return
+    timeouts = raw.setdefault("worker_timeouts", {}) or {}
+    raw["worker_timeouts"] = timeouts
+    for f in dataclasses.fields(WorkerTimeoutsConfig):
+        timeouts.setdefault(f.name, seconds)
+    notes.append(f"rpc_timeout: {seconds} -> worker_timeouts of every stage not set there")
+
+
+def _complete_interleave_probs(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL splits each step's prompts by ``domain_interleave_probs`` with ``int(p * batch)`` for
+    every domain but the last, which takes the rest: probabilities that do not sum to 1 (a line left
+    commented out) give the last domain the remainder. roll's sampler needs them to sum to 1."""
+    data_args = (raw.get("actor_train") or {}).get("data_args") or {}
+    probs = data_args.get("domain_interleave_probs")
+    if not isinstance(probs, dict) or not probs:
+        return
+    values = list(probs.values())
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return  # roll's loader names the bad value
+    last, rest = list(probs)[-1], sum(values[:-1])
+    if abs(sum(values) - 1.0) < 1e-6 or not 0 <= rest < 1:
+        return
+    probs[last] = round(1.0 - rest, 6)
+    notes.append(
+        f"WARNING: actor_train.data_args.domain_interleave_probs sum to {sum(values):g}; {last}: "
+        f"{values[-1]} -> {probs[last]:g}, the remainder ROLL gives its last domain"
+    )
 
 
 def _default_reward(raw: dict[str, Any], notes: list[str]) -> None:
@@ -216,7 +285,17 @@ def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) 
         notes.append(f"{path}.model_args.model_type: 'trl' dropped; a generative LLM judge has no value head")
 
 
+def _drop_offload_nccl(node: dict[str, Any], path: str, notes: list[str]) -> None:
+    """ROLL's ``offload_nccl`` (top level or per role) frees NCCL buffers while a role sleeps."""
+    if node.pop("offload_nccl", None):
+        notes.append(
+            f"WARNING: {path}: true dropped; ROLL frees the NCCL buffers while a role sleeps, roll keeps "
+            "its communicators on the device (plan a little more device memory)"
+        )
+
+
 def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    _drop_offload_nccl(role, f"{path}.offload_nccl", notes)
     if "worker_cls" in role:
         cls = _class_name(role.pop("worker_cls"))
         if cls not in ACTOR_WORKERS:
@@ -245,6 +324,22 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problem
 
 # ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
 REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+# ROLL's FSDP2 expert-parallel layout: refused (roll's fsdp2 shards whole layers over all devices).
+_EP = "use megatron_train with expert_model_parallel_size"
+FSDP2_LAYOUT_KEYS = {
+    "ep_size": f"ROLL shards MoE experts over ep_size devices in fsdp2; roll's fsdp2 has no expert parallelism: {_EP}",
+    "efsdp_size": f"ROLL's FSDP group size of the expert-parallel layout; roll's fsdp2 has none: {_EP}",
+}
+# ROLL's FSDP2 memory and kernel options roll does not have: the same model and loss, other memory use.
+FSDP2_DROPPED = {
+    "apply_tiled_mlp": "ROLL runs the MLP in tiles to cut activation memory; roll runs it whole",
+    "tiled_num_shards": "the tile count of apply_tiled_mlp; roll runs the MLP whole",
+    "apply_expert_patch": "ROLL's MoE expert patch for FSDP2 (Ascend examples); roll uses transformers' MoE blocks",
+    "moe_use_grouped_mm": "roll uses transformers' MoE blocks as they are",
+    "wrap_policy": "roll shards each decoder layer and the whole model (embeddings and lm_head with the root)",
+}
 
 
 def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
@@ -278,6 +373,13 @@ def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list
         notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
     if "use_remove_padding" in config:
         _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
+    for key, what in FSDP2_LAYOUT_KEYS.items():
+        if config.get(key) not in (None, 1, -1):
+            problems.add(f"{at}.{key}={config[key]!r}", what)
+        config.pop(key, None)
+    for key, what in FSDP2_DROPPED.items():
+        if key in config:
+            notes.append(f"WARNING: {at}.{key}: {config.pop(key)!r} dropped; {what}")
 
 
 def _remove_padding_to_packing(
@@ -315,6 +417,7 @@ MEGATRON_PASSTHROUGH = (
     "bias_activation_fusion",
     "masked_softmax_fusion",
     "bias_dropout_fusion",
+    "moe_shared_expert_overlap",
 )
 
 
@@ -326,6 +429,15 @@ def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: l
         if key in config:
             config.setdefault("transformer_config_kwargs", {})[key] = config.pop(key)
             notes.append(f"{at}.{key} -> {at}.transformer_config_kwargs.{key}")
+    for key, value in (config.pop("additional_configs", None) or {}).items():  # ROLL: more mcore fields
+        config.setdefault("transformer_config_kwargs", {})[key] = value
+        notes.append(f"{at}.additional_configs.{key} -> {at}.transformer_config_kwargs.{key}")
+    if "recompute_modules" in config:
+        modules = config.pop("recompute_modules")
+        if isinstance(modules, str):  # ROLL's comma-separated spelling of mcore's list
+            modules = [m.strip() for m in modules.split(",") if m.strip()]
+        config.setdefault("transformer_config_kwargs", {})["recompute_modules"] = modules
+        notes.append(f"{at}.recompute_modules -> {at}.transformer_config_kwargs.recompute_modules: {modules}")
     if "bf16" in config:
         dtype = (role.get("model_args") or {}).get("dtype", "bf16")
         if bool(config.pop("bf16")) != (dtype == "bf16"):
@@ -335,16 +447,42 @@ def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: l
         notes.append(f"{at}.sequence_parallel: true needs TP > 1; set to false as ROLL does")
 
 
+def _map_engine(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+    """ROLL hands a vllm/sglang ``strategy_config`` to the engine as it is; roll's options are
+    fields, and any other engine argument goes in ``engine_kwargs`` (checked by the installed
+    engine when it starts)."""
+    args = role["strategy_args"]
+    config, at = args["strategy_config"], f"{path}.strategy_config"
+    known = {f.name for f in dataclasses.fields(STRATEGY_CONFIGS[args["strategy_name"]])}
+    extra = [key for key in config if key not in known]
+    if not extra:
+        return
+    engine_kwargs = config.setdefault("engine_kwargs", {})
+    for key in extra:
+        if engine_kwargs.setdefault(key, config[key]) != config[key]:
+            problems.add(f"{at}.{key}={config[key]!r}", f"conflicts with engine_kwargs.{key}")
+        config.pop(key)
+    notes.append(f"{at}: {', '.join(extra)} -> engine_kwargs (engine arguments, as ROLL passes them)")
+
+
 STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
     "fsdp2_train": _map_fsdp2,
     "fsdp2_infer": _map_fsdp2,
     "megatron_train": _map_megatron,
     "megatron_infer": _map_megatron,
+    "vllm": _map_engine,
+    "sglang": _map_engine,
 }
 
 
 def _map_strategy(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
     args = role["strategy_args"]
+    if isinstance(args, dict) and args.get("strategy_name") == "fsdp2_infer":
+        args["strategy_name"] = "fsdp2_train"  # mapped below like fsdp2_train
+        notes.append(
+            f"WARNING: {path}.strategy_name: fsdp2_infer -> fsdp2_train (roll has no forward-only FSDP2 "
+            "strategy; the role only computes log-probs, its optimizer never steps)"
+        )
     if not isinstance(args, dict) or not isinstance(args.get("strategy_config"), dict):
         return
     mapper = STRATEGY_MAPPERS.get(str(args.get("strategy_name")))

@@ -25,7 +25,7 @@ from roll.pipeline.rlvr.data.dataset import BadRow, read_rows, resolve_files
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
 from roll.pipeline.rlvr.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
-from roll.pipeline.rlvr.run import build_tag_routes
+from roll.pipeline.rlvr.run import build_tag_routes, reward_role_tags
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -51,7 +51,7 @@ def check_files(config: RLVRConfig) -> None:
     check_tag_routes(config, tags, first)
     probs = config.actor_train.data_args.domain_interleave_probs
     if probs:
-        role_tags = {name: reward.tag_included for name, reward in config.rewards.items()}
+        role_tags = reward_role_tags(config, train)
         check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs", role_tags)
     check_reward_options(config)
     if config.resume_from_checkpoint not in (False, None, ""):
@@ -113,23 +113,20 @@ def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None =
 
 
 def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, str] | None = None) -> None:
-    """Every reward role has rows (a tag of its ``tag_included`` that matches none is a warning, as
-    alibaba/ROLL lists tags its data lacks), and every tag of the data has a reward role (else the
+    """A tag of a reward role's ``tag_included`` that matches no row is a warning (alibaba/ROLL's files
+    list tags their data lacks, and a judge role whose file is left out), and every tag of the data has a reward role (else the
     error names the ``file:line`` of the tag's first row, from ``first``)."""
     routes, catch_all = build_tag_routes(config)
     for name, reward in config.rewards.items():
         unused = [tag for tag in reward.tag_included if tag not in tags]
         if not unused:
             continue
-        if len(unused) == len(reward.tag_included) and name != catch_all:
-            raise ConfigError(
-                f"rewards.{name}.tag_included",
-                f"no tag of {unused} matches a row of the prompt files (their tags: {sorted(tags)}); "
-                "fix the tags, or the rows' tag field (a row without one takes its file's stem)",
-            )
+        scores = "the rows of its other tags" if len(unused) < len(reward.tag_included) else "no rows"
+        if name == catch_all:
+            scores = "the rows of its other tags and of every unlisted tag"
         print(
             f"WARNING: rewards.{name}.tag_included: {unused} match no row of the prompt files "
-            f"(their tags: {sorted(tags)}); the role scores the rows of its other tags",
+            f"(their tags: {sorted(tags)}); the role scores {scores}, as in ROLL",
             file=sys.stderr,
         )
     if catch_all is None:

@@ -134,6 +134,17 @@ def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
     return routes, (catch_all[0] if catch_all else config.default_reward)
 
 
+def reward_role_tags(config: RLVRConfig, tags: Iterable[str]) -> dict[str, list[str]]:
+    """Each reward role's tags for ``domain_interleave_probs`` keyed by role: its ``tag_included``,
+    and for the role scoring unlisted tags (``build_tag_routes``) those of ``tags`` too, so that
+    ``math_rule: 0.4`` mixes them in as alibaba/ROLL's math_rule domain does."""
+    routes, default = build_tag_routes(config)
+    out = {name: list(reward.tag_included) for name, reward in config.rewards.items()}
+    if default is not None:
+        out[default] += sorted({t for t in tags if t not in routes})
+    return out
+
+
 def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     from roll.pipeline.rlvr.data.dataset import load_prompt_files
     from roll.pipeline.rlvr.data.sampler import PromptSampler, to_batch
@@ -148,7 +159,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         config.seed,
         config.actor_train.data_args.domain_interleave_probs,
         path="actor_train.data_args.domain_interleave_probs",
-        role_tags={name: reward.tag_included for name, reward in config.rewards.items()},
+        role_tags=reward_role_tags(config, train.domains()),
     )
     val = None
     if config.validation is not None and config.validation.data_args.file_name:

@@ -120,7 +120,9 @@ def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
             try:
                 messages = json.loads(messages)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"invalid JSON in field {args.messages!r}: {exc.msg} (column {exc.colno})")
+                raise ValueError(
+                    f"invalid JSON in field {args.messages!r}: {exc.msg} (column {exc.colno})"
+                ) from None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"wrong type: field {args.messages!r} must be a non-empty list of messages")
         for i, m in enumerate(messages):
