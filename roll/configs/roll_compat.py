@@ -142,6 +142,13 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     """Return ``raw`` with ROLL keys mapped or dropped; raise one ConfigError naming every refused key."""
     problems = _Problems()
     notes: list[str] = []
+    sections = _sections(raw)
+    roll_file = any("worker_cls" in section for section in sections.values())
+    if roll_file:  # ROLL's behaviours that would hide a mistake in roll's own files
+        _default_reward(raw, notes)
+        _complete_interleave_probs(raw, notes)
+        for path, section in sections.items():
+            _map_engine(section, f"{path}.strategy_args", problems, notes)
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
     _map_policy_loss(raw, problems, notes)
@@ -150,10 +157,8 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
             if isinstance(reward.get("strategy_args"), dict):
                 _map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
-    _default_reward(raw, notes)
     _map_rpc_timeout(raw, problems, notes)
     _drop_offload_nccl(raw, "offload_nccl", notes)
-    _complete_interleave_probs(raw, notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
@@ -168,6 +173,16 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for note in notes:
         print(note if note.startswith("WARNING: ") else f"roll: {note}", file=sys.stderr)
     return raw
+
+
+def _sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The role and reward sections of ``raw`` by key path. A file whose sections carry ROLL's
+    ``worker_cls`` is a ROLL file."""
+    out = {role: raw[role] for role in ROLES if isinstance(raw.get(role), dict)}
+    rewards = raw.get("rewards")
+    if isinstance(rewards, dict):
+        out.update({f"rewards.{n}": r for n, r in rewards.items() if isinstance(r, dict)})
+    return out
 
 
 def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
@@ -213,7 +228,7 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
     name = REWARD_WORKERS.get(cls)
     if name is None:
         advice = VISION_REWARD_WORKERS.get(cls, "unknown ROLL reward worker")
-        problems.add(f"{path}.worker_cls={cls}", f"{advice}; roll's: {', '.join(REWARD_WORKERS)}")
+        problems.add(f"{path}.worker_cls={cls}", f"{advice}; known: {', '.join(REWARD_WORKERS)}")
         return
     if reward.setdefault("reward_fn", name) != name:
         problems.add(
@@ -252,7 +267,7 @@ def _complete_interleave_probs(raw: dict[str, Any], notes: list[str]) -> None:
     if not isinstance(probs, dict) or not probs:
         return
     values = list(probs.values())
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values):
         return  # roll's loader names the bad value
     last, rest = list(probs)[-1], sum(values[:-1])
     if abs(sum(values) - 1.0) < 1e-6 or not 0 <= rest < 1:
@@ -268,8 +283,10 @@ def _default_reward(raw: dict[str, Any], notes: list[str]) -> None:
     """alibaba/ROLL scores a row whose tag no reward role lists in the ``math_rule`` domain
     (``update_dataset_domain``); roll's spelling is ``default_reward: math_rule``."""
     rewards = raw.get("rewards")
-    if not isinstance(rewards, dict) or "math_rule" not in rewards or "default_reward" in raw:
+    if not isinstance(rewards, dict) or "default_reward" in raw:
         return
+    if not isinstance(rewards.get("math_rule"), dict) or "worker_cls" not in rewards["math_rule"]:
+        return  # ROLL's fallback domain is the role named math_rule of ROLL's own file
     if any(isinstance(r, dict) and not r.get("tag_included") for r in rewards.values()):
         return  # roll's catch-all role (empty tag_included) already takes them
     raw["default_reward"] = "math_rule"
@@ -449,9 +466,13 @@ def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: l
 
 def _map_engine(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
     """ROLL hands a vllm/sglang ``strategy_config`` to the engine as it is; roll's options are
-    fields, and any other engine argument goes in ``engine_kwargs`` (checked by the installed
-    engine when it starts)."""
-    args = role["strategy_args"]
+    fields, and in a ROLL file any other key goes in ``engine_kwargs`` (checked by the installed
+    engine when it starts; in roll's own files an unknown key stays an error)."""
+    args = role.get("strategy_args")
+    if not isinstance(args, dict) or args.get("strategy_name") not in ("vllm", "sglang"):
+        return
+    if not isinstance(args.get("strategy_config"), dict):
+        return
     config, at = args["strategy_config"], f"{path}.strategy_config"
     known = {f.name for f in dataclasses.fields(STRATEGY_CONFIGS[args["strategy_name"]])}
     extra = [key for key in config if key not in known]
@@ -470,8 +491,6 @@ STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
     "fsdp2_infer": _map_fsdp2,
     "megatron_train": _map_megatron,
     "megatron_infer": _map_megatron,
-    "vllm": _map_engine,
-    "sglang": _map_engine,
 }
 
 

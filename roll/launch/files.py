@@ -113,10 +113,13 @@ def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None =
 
 
 def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, str] | None = None) -> None:
-    """A tag of a reward role's ``tag_included`` that matches no row is a warning (alibaba/ROLL's files
-    list tags their data lacks, and a judge role whose file is left out), and every tag of the data has a reward role (else the
+    """A tag of a reward role's ``tag_included`` that matches no row is a warning where the role
+    still scores rows, or where ``domain_interleave_probs`` leaves the role out (alibaba/ROLL's files
+    list tags their data lacks, and leave a judge's file out of the mix); a role that would score
+    nothing otherwise is an error (a misspelt tag). Every tag of the data has a reward role (else the
     error names the ``file:line`` of the tag's first row, from ``first``)."""
     routes, catch_all = build_tag_routes(config)
+    mixed = config.actor_train.data_args.domain_interleave_probs or {}
     for name, reward in config.rewards.items():
         unused = [tag for tag in reward.tag_included if tag not in tags]
         if not unused:
@@ -124,6 +127,12 @@ def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, st
         scores = "the rows of its other tags" if len(unused) < len(reward.tag_included) else "no rows"
         if name == catch_all:
             scores = "the rows of its other tags and of every unlisted tag"
+        elif scores == "no rows" and (not mixed or name in mixed or set(unused) & set(mixed)):
+            raise ConfigError(
+                f"rewards.{name}.tag_included[{reward.tag_included.index(unused[0])}]",
+                f"tag {unused[0]!r} matches no row of the prompt files (their tags: {sorted(tags)}); "
+                "fix the tag, or the rows' tag field (a row without one takes its file's stem)",
+            )
         print(
             f"WARNING: rewards.{name}.tag_included: {unused} match no row of the prompt files "
             f"(their tags: {sorted(tags)}); the role scores {scores}, as in ROLL",
