@@ -129,13 +129,18 @@ ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
 
 
 class _Problems:
-    """Collects the refused keys of one file so they are reported together."""
+    """Collects the refused keys of one file so they are reported together; keys with the same
+    advice share it (``lora_target=..., lora_rank=64 (ROLL trains LoRA adapters ...)``)."""
 
     def __init__(self) -> None:
-        self.items: list[str] = []
+        self.by_advice: dict[str, list[str]] = {}
 
     def add(self, path: str, advice: str) -> None:
-        self.items.append(f"{path} ({advice})")
+        self.by_advice.setdefault(advice, []).append(path)
+
+    @property
+    def items(self) -> list[str]:
+        return [f"{', '.join(paths)} ({advice})" for advice, paths in self.by_advice.items()]
 
 
 def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]:
