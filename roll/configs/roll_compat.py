@@ -15,13 +15,18 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError
-from roll.configs.strategy_configs import STRATEGY_CONFIGS
+from roll.configs.roll_compat_roles import (
+    Problems,
+    class_name,
+    drop_offload_nccl,
+    map_engine,
+    map_role,
+    map_strategy,
+)
 from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
@@ -124,28 +129,11 @@ VISION_REWARD_WORKERS = {
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
-# ActorPGWorker is ROLL's worker for pg_variant; roll's one actor worker computes every variant.
-ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
-
-
-class _Problems:
-    """Collects the refused keys of one file so they are reported together; keys with the same
-    advice share it (``lora_target=..., lora_rank=64 (ROLL trains LoRA adapters ...)``)."""
-
-    def __init__(self) -> None:
-        self.by_advice: dict[str, list[str]] = {}
-
-    def add(self, path: str, advice: str) -> None:
-        self.by_advice.setdefault(advice, []).append(path)
-
-    @property
-    def items(self) -> list[str]:
-        return [f"{', '.join(paths)} ({advice})" for advice, paths in self.by_advice.items()]
 
 
 def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]:
     """Return ``raw`` with ROLL keys mapped or dropped; raise one ConfigError naming every refused key."""
-    problems = _Problems()
+    problems = Problems()
     notes: list[str] = []
     sections = _sections(raw)
     roll_file = any("worker_cls" in section for section in sections.values())
@@ -153,7 +141,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
         _default_reward(raw, notes)
         _complete_interleave_probs(raw, notes)
         for path, section in sections.items():
-            _map_engine(section, f"{path}.strategy_args", problems, notes)
+            map_engine(section, f"{path}.strategy_args", problems, notes)
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
     _map_policy_loss(raw, problems, notes)
@@ -161,13 +149,13 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
             if isinstance(reward.get("strategy_args"), dict):
-                _map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
+                map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
     _map_rpc_timeout(raw, problems, notes)
-    _drop_offload_nccl(raw, "offload_nccl", notes)
+    drop_offload_nccl(raw, "offload_nccl", notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
-            _map_role(raw[role], role, problems, notes)
+            map_role(raw[role], role, problems, notes)
     if problems.items:
         where = f"{source}: " if source else ""
         raise ConfigError(
@@ -190,7 +178,7 @@ def _sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+def _walk(node: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
     for key in list(node):
         at = f"{path}.{key}" if path else str(key)
         note = _match(at, DROPPED)
@@ -222,14 +210,10 @@ def _match(path: str, table: dict[str, Any]) -> Any:
     return None
 
 
-def _class_name(dotted: Any) -> str:
-    return str(dotted).rsplit(".", 1)[-1]
-
-
-def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+def _map_reward_worker(reward: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
     if "worker_cls" not in reward:
         return
-    cls = _class_name(reward.pop("worker_cls"))
+    cls = class_name(reward.pop("worker_cls"))
     name = REWARD_WORKERS.get(cls)
     if name is None:
         advice = VISION_REWARD_WORKERS.get(cls, "unknown ROLL reward worker")
@@ -247,7 +231,7 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
 
 
-def _map_rpc_timeout(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+def _map_rpc_timeout(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
     """ROLL waits ``rpc_timeout`` seconds for any worker call; roll's waits are per stage
     (``worker_timeouts``): each stage not given there gets the same limit."""
     if "rpc_timeout" not in raw:
@@ -307,213 +291,6 @@ def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) 
         notes.append(f"{path}.model_args.model_type: 'trl' dropped; a generative LLM judge has no value head")
 
 
-def _drop_offload_nccl(node: dict[str, Any], path: str, notes: list[str]) -> None:
-    """ROLL's ``offload_nccl`` (top level or per role) frees NCCL buffers while a role sleeps."""
-    if node.pop("offload_nccl", None):
-        notes.append(
-            f"WARNING: {path}: true dropped; ROLL frees the NCCL buffers while a role sleeps, roll keeps "
-            "its communicators on the device (plan a little more device memory)"
-        )
-
-
-def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    _drop_offload_nccl(role, f"{path}.offload_nccl", notes)
-    if "worker_cls" in role:
-        cls = _class_name(role.pop("worker_cls"))
-        if cls not in ACTOR_WORKERS:
-            problems.add(f"{path}.worker_cls={cls}", "remove it; roll's roles use one worker class each")
-    for key, mapper in ROLE_MAPPERS.items():
-        if key in role:
-            mapper(role, f"{path}.{key}", problems, notes)
-
-
-def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's devices per inference worker is roll's engine ``tensor_parallel_size``."""
-    value = role.pop("num_gpus_per_worker")
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in ("vllm", "sglang"):
-        if value not in (None, 1):
-            problems.add(f"{path}={value!r}", "only vllm/sglang workers span devices (tensor_parallel_size)")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    tp = config.setdefault("tensor_parallel_size", value)
-    if tp != value:
-        problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
-    else:
-        notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
-
-
-# ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
-REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-
-
-# ROLL's FSDP2 expert-parallel layout: refused (roll's fsdp2 shards whole layers over all devices).
-_EP = "use megatron_train with expert_model_parallel_size"
-FSDP2_LAYOUT_KEYS = {
-    "ep_size": f"ROLL shards MoE experts over ep_size devices in fsdp2; roll's fsdp2 has no expert parallelism: {_EP}",
-    "efsdp_size": f"ROLL's FSDP group size of the expert-parallel layout; roll's fsdp2 has none: {_EP}",
-}
-# ROLL's FSDP2 memory and kernel options roll does not have: the same model and loss, other memory use.
-FSDP2_DROPPED = {
-    "apply_tiled_mlp": "ROLL runs the MLP in tiles to cut activation memory; roll runs it whole",
-    "tiled_num_shards": "the tile count of apply_tiled_mlp; roll runs the MLP whole",
-    "apply_expert_patch": "ROLL's MoE expert patch for FSDP2 (Ascend examples); roll uses transformers' MoE blocks",
-    "moe_use_grouped_mm": "roll uses transformers' MoE blocks as they are",
-    "wrap_policy": "roll shards each decoder layer and the whole model (embeddings and lm_head with the root)",
-}
-
-
-def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
-    ``use_remove_padding`` as sequence packing."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    size = config.pop("fsdp_size", None)
-    if size is not None and size not in (_num_devices(role, path), -1):
-        problems.add(
-            f"{at}.fsdp_size={size!r}", "remove it; roll shards over all the role's devices (no HSDP)"
-        )
-    if "offload_policy" in config:
-        config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
-    param = config.pop("param_dtype", None)
-    dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-    if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
-        problems.add(
-            f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
-        )
-    reduce = config.get("reduce_dtype")
-    if reduce is not None and reduce not in REDUCE_DTYPES:
-        problems.add(
-            f"{at}.reduce_dtype={reduce!r}",
-            f"gradients reduce in one of {', '.join(REDUCE_DTYPES)} (FSDP2 MixedPrecisionPolicy.reduce_dtype)",
-        )
-    elif reduce is not None:
-        config["reduce_dtype"] = REDUCE_DTYPES[reduce]
-    if param is not None or reduce is not None:
-        config.setdefault("mixed_precision", True)
-        notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
-    if "use_remove_padding" in config:
-        _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
-    for key, what in FSDP2_LAYOUT_KEYS.items():
-        if config.get(key) not in (None, 1, -1):
-            problems.add(f"{at}.{key}={config[key]!r}", what)
-        config.pop(key, None)
-    for key, what in FSDP2_DROPPED.items():
-        if key in config:
-            notes.append(f"WARNING: {at}.{key}: {config.pop(key)!r} dropped; {what}")
-
-
-def _remove_padding_to_packing(
-    value: Any, config: dict[str, Any], at: str, problems: _Problems, notes: list[str]
-) -> None:
-    """ROLL's ``use_remove_padding``: rows packed without padding, roll's ``sequence_packing``."""
-    if config.setdefault("sequence_packing", bool(value)) != bool(value):
-        problems.add(f"{at}.use_remove_padding={value!r}", "conflicts with strategy_config.sequence_packing")
-    else:
-        notes.append(f"{at}.use_remove_padding: {value!r} -> strategy_config.sequence_packing: {bool(value)}")
-
-
-def _map_remove_padding(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """The role-level spelling of ``use_remove_padding``, on the strategies that pack."""
-    value = role.pop("use_remove_padding")
-    role_path = path.rsplit(".", 1)[0]
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in PACKING_STRATEGIES:
-        if value:
-            problems.add(f"{path}={value!r}", f"roll packs rows in {', '.join(PACKING_STRATEGIES)} only")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    _remove_padding_to_packing(value, config, role_path, problems, notes)
-
-
-def _num_devices(role: dict[str, Any], path: str) -> int | None:
-    mapping = role.get("device_mapping")
-    return None if mapping is None else len(parse_device_mapping(mapping, f"{path}.device_mapping"))
-
-
-# megatron-core TransformerConfig kernel switches ROLL passes through; roll's spelling is transformer_config_kwargs.
-MEGATRON_PASSTHROUGH = (
-    "apply_rope_fusion",
-    "bias_activation_fusion",
-    "masked_softmax_fusion",
-    "bias_dropout_fusion",
-    "moe_shared_expert_overlap",
-)
-
-
-def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's megatron extras: kernel switches pass through, ``bf16`` is the model dtype, and
-    sequence_parallel without TP is switched off (ROLL's mcore_adapter warns and does the same)."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    for key in MEGATRON_PASSTHROUGH:
-        if key in config:
-            config.setdefault("transformer_config_kwargs", {})[key] = config.pop(key)
-            notes.append(f"{at}.{key} -> {at}.transformer_config_kwargs.{key}")
-    for key, value in (config.pop("additional_configs", None) or {}).items():  # ROLL: more mcore fields
-        config.setdefault("transformer_config_kwargs", {})[key] = value
-        notes.append(f"{at}.additional_configs.{key} -> {at}.transformer_config_kwargs.{key}")
-    if "recompute_modules" in config:
-        modules = config.pop("recompute_modules")
-        if isinstance(modules, str):  # ROLL's comma-separated spelling of mcore's list
-            modules = [m.strip() for m in modules.split(",") if m.strip()]
-        config.setdefault("transformer_config_kwargs", {})["recompute_modules"] = modules
-        notes.append(f"{at}.recompute_modules -> {at}.transformer_config_kwargs.recompute_modules: {modules}")
-    if "bf16" in config:
-        dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-        if bool(config.pop("bf16")) != (dtype == "bf16"):
-            problems.add(f"{at}.bf16", f"remove it; model_args.dtype ({dtype}) sets the precision")
-    if config.get("sequence_parallel") and config.get("tensor_model_parallel_size", 1) == 1:
-        config["sequence_parallel"] = False
-        notes.append(f"{at}.sequence_parallel: true needs TP > 1; set to false as ROLL does")
-
-
-def _map_engine(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL hands a vllm/sglang ``strategy_config`` to the engine as it is; roll's options are
-    fields, and in a ROLL file any other key goes in ``engine_kwargs`` (checked by the installed
-    engine when it starts; in roll's own files an unknown key stays an error)."""
-    args = role.get("strategy_args")
-    if not isinstance(args, dict) or args.get("strategy_name") not in ("vllm", "sglang"):
-        return
-    if not isinstance(args.get("strategy_config"), dict):
-        return
-    config, at = args["strategy_config"], f"{path}.strategy_config"
-    known = {f.name for f in dataclasses.fields(STRATEGY_CONFIGS[args["strategy_name"]])}
-    extra = [key for key in config if key not in known]
-    if not extra:
-        return
-    engine_kwargs = config.setdefault("engine_kwargs", {})
-    for key in extra:
-        if engine_kwargs.setdefault(key, config[key]) != config[key]:
-            problems.add(f"{at}.{key}={config[key]!r}", f"conflicts with engine_kwargs.{key}")
-        config.pop(key)
-    notes.append(f"{at}: {', '.join(extra)} -> engine_kwargs (engine arguments, as ROLL passes them)")
-
-
-STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
-    "fsdp2_train": _map_fsdp2,
-    "fsdp2_infer": _map_fsdp2,
-    "megatron_train": _map_megatron,
-    "megatron_infer": _map_megatron,
-}
-
-
-def _map_strategy(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    args = role["strategy_args"]
-    if isinstance(args, dict) and args.get("strategy_name") == "fsdp2_infer":
-        args["strategy_name"] = "fsdp2_train"  # mapped below like fsdp2_train
-        notes.append(
-            f"WARNING: {path}.strategy_name: fsdp2_infer -> fsdp2_train (roll has no forward-only FSDP2 "
-            "strategy; the role only computes log-probs, its optimizer never steps)"
-        )
-    if not isinstance(args, dict) or not isinstance(args.get("strategy_config"), dict):
-        return
-    mapper = STRATEGY_MAPPERS.get(str(args.get("strategy_name")))
-    if mapper is not None:
-        mapper(role, path, problems, notes)
-
-
 def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
     """ROLL's default: roles without model_name_or_path use ``pretrain`` (the critic
     ``reward_pretrain``)."""
@@ -527,96 +304,6 @@ def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
         if model_args.get("model_name_or_path") is None:
             model_args["model_name_or_path"] = raw[source]
             notes.append(f"{role}.model_args.model_name_or_path <- {source}")
-
-
-# ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
-PACKING_STRATEGIES = ("fsdp2_train", "megatron_train", "megatron_infer")
-_BUDGETS = {
-    "train": (
-        "use_dynamic_batching_in_train",
-        "max_tokens_per_microbatch_in_train",
-        "max_tokens_per_microbatch",
-    ),
-    "infer": (
-        "use_dynamic_batching_in_infer",
-        "max_tokens_per_microbatch_in_infer",
-        "infer_max_tokens_per_microbatch",
-    ),
-}
-_PACKING_ARGS = {
-    "max_packed_sequence_length_train": "max_tokens_per_microbatch",
-    "max_packed_sequence_length_forward": "infer_max_tokens_per_microbatch",
-}
-
-
-def _roll_packing_keys(role: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Pop ROLL's packing keys of a role: ({roll strategy_config key: value}, [(key=value, advice)])."""
-    wanted: dict[str, Any] = {}
-    bad: list[tuple[str, str]] = []
-    for switch, budget, key in _BUDGETS.values():
-        on, tokens = role.pop(switch, None), role.pop(budget, None)
-        if on and tokens is None:
-            bad.append((f"{switch}={on!r}", f"set {budget} too (roll: strategy_config.{key})"))
-        elif on:
-            wanted[key] = tokens
-    for side in ("train", "infer"):
-        role.pop(f"sequence_length_round_in_{side}", None)  # roll rounds to 8 (x TP)
-    args = dict(role.pop("sequence_packing_args", None) or {})
-    if role.pop("use_sequence_packing", None):
-        wanted["sequence_packing"] = True
-        args.pop("algorithm", None)  # roll's planner is LPT bin packing
-        for side in ("train", "forward"):  # roll's minimum is 1 (the budget decides the rest)
-            if args.get(f"min_num_micro_batches_{side}") in (None, 1):
-                args.pop(f"min_num_micro_batches_{side}", None)
-        for name, key in _PACKING_ARGS.items():
-            if args.get(name) is not None:
-                wanted.setdefault(key, args.pop(name))
-        bad += [
-            (f"sequence_packing_args.{k}={v!r}", "remove it; roll has no such option")
-            for k, v in args.items()
-        ]
-    return wanted, bad
-
-
-def _map_packing(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's dynamic batching and sequence packing onto roll's packing options."""
-    wanted, bad = _roll_packing_keys(role)
-    role_path = path.rsplit(".", 1)[0]
-    for key, advice in bad:
-        problems.add(f"{role_path}.{key}", advice)
-    if not wanted:
-        return
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in PACKING_STRATEGIES:
-        problems.add(f"{role_path} packing keys", f"roll packs in {', '.join(PACKING_STRATEGIES)} only")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    for key, value in wanted.items():
-        if config.setdefault(key, value) != value:
-            problems.add(f"{role_path}: {key}={value!r}", f"conflicts with strategy_config.{key}")
-        else:
-            notes.append(f"{role_path}: ROLL packing keys -> strategy_config.{key}: {value!r}")
-
-
-ROLE_MAPPERS: dict[str, Callable[..., None]] = {
-    "num_gpus_per_worker": _map_num_gpus_per_worker,
-    "strategy_args": _map_strategy,
-    "use_remove_padding": _map_remove_padding,
-    **{
-        key: _map_packing
-        for key in (
-            "use_dynamic_batching_in_train",
-            "use_dynamic_batching_in_infer",
-            "use_sequence_packing",
-            "max_tokens_per_microbatch_in_train",
-            "max_tokens_per_microbatch_in_infer",
-            "sequence_length_round_in_train",
-            "sequence_length_round_in_infer",
-            "sequence_packing_args",
-        )
-    },
-}
 
 
 def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
@@ -648,7 +335,7 @@ POLICY_LOSS_KEYS = (
 )
 
 
-def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+def _map_policy_loss(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
     """ROLL reads ``pg_variant`` and its options from actor_train; roll's keys are top-level
     ``pg_variant`` and ``policy_loss.<option>``. A value given in both places must agree."""
     role = raw.get("actor_train") if isinstance(raw.get("actor_train"), dict) else {}
@@ -671,7 +358,7 @@ def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str])
     _map_pg_clip_range(raw, notes)
 
 
-def _map_ratio_type(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+def _map_ratio_type(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
     """ROLL's ``ratio_type: segment`` (one ratio per response) on the PPO loss is GSPO's ratio."""
     ratio_type = raw.pop("ratio_type", None)
     if ratio_type in (None, "token"):
