@@ -82,7 +82,9 @@ def test_a_row_whose_tag_no_reward_role_claims_is_named_by_file_and_line():
     from roll.pipeline.rlvr.data.dataset import PromptRow
     from roll.pipeline.rlvr.run import check_rows_routed
 
-    config = SimpleNamespace(rewards={"math": RewardConfig(reward_fn="math_rule", tag_included=["arith"])})
+    config = SimpleNamespace(
+        rewards={"math": RewardConfig(reward_fn="math_rule", tag_included=["arith"])}, default_reward=None
+    )
     rows = [
         PromptRow([1], "1+1?", "2", tag, tag, f"data/train.jsonl:{i}")
         for i, tag in enumerate(["arith", "poem", "poem"], 1)
@@ -93,5 +95,5 @@ def test_a_row_whose_tag_no_reward_role_claims_is_named_by_file_and_line():
         "rewards: no reward role claims tag 'poem' of the prompt row data/train.jsonl:2;"
     )
     check_rows_routed(config, rows[:1])
-    catch_all = SimpleNamespace(rewards={"any": RewardConfig(reward_fn="math_rule")})
+    catch_all = SimpleNamespace(rewards={"any": RewardConfig(reward_fn="math_rule")}, default_reward=None)
     check_rows_routed(catch_all, rows)

@@ -58,6 +58,9 @@ class RLVRConfig:
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     rewards: dict[str, RewardConfig] = field(default_factory=dict)
+    # The reward role that scores rows whose tag no role's tag_included lists (ROLL files get
+    # math_rule, where alibaba/ROLL sends such rows); a role with an empty tag_included does the same.
+    default_reward: str | None = None
     validation: ValidationConfig | None = None
 
     exp_name: str = "rlvr"
@@ -165,6 +168,10 @@ class RLVRConfig:
     worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
     def __post_init__(self) -> None:
+        if self.default_reward is not None and self.default_reward not in self.rewards:
+            raise ValueError(
+                f"default_reward: {self.default_reward!r} is not a reward role; roles: {sorted(self.rewards)}"
+            )
         if self.difficulty_mask and not self.difficulty_low_threshold < self.difficulty_high_threshold:
             raise ValueError(
                 f"difficulty_low_threshold: must be below difficulty_high_threshold "

@@ -12,14 +12,22 @@ below are the reference that docs/migrating_from_roll.md describes key by key.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.errors import ConfigError
+from roll.configs.roll_compat_roles import (
+    Problems,
+    class_name,
+    drop_offload_nccl,
+    map_engine,
+    map_role,
+    map_strategy,
+)
+from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
 
@@ -45,9 +53,13 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
-        "remove it or write inference; llm_judge scores with the role's own inference strategy "
-        "(no API judge)",
+        "ROLL: api asks a remote judge API, cluster a separate judge service (ROLL's own "
+        "LLMJudgeRewardWorker refuses cluster too); roll's llm_judge scores with the role's own engine: "
+        "write inference",
         (None, "inference"),
+    ),
+    "rollout_mock": Unsupported(
+        "ROLL dumps or replays rollouts to align precision between runs; roll has no rollout dump: remove it"
     ),
     "rewards.*.reward_type": Unsupported(
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
@@ -69,6 +81,20 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
+    **{
+        f"{where}{key}": Unsupported(
+            "ROLL trains LoRA adapters on the frozen model; roll trains all parameters: remove the lora_* "
+            "keys to train the full model",
+            (None,),
+        )
+        for where in ("", "*.model_args.")
+        for key in ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
+    },
+    "*.model_args.ulysses_size": Unsupported(
+        "ROLL splits each sequence over N devices (Ulysses attention) in fsdp2; roll's fsdp2 does not: "
+        "remove it, or use megatron_train with context_parallel_size: N",
+        (None, 1),
+    ),
     "checkpoint_config.type": Unsupported(
         "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
         (None, "file_system"),
@@ -82,6 +108,7 @@ DROPPED: dict[str, str] = {
     "logging_dir": "roll writes run.log and metrics.jsonl under output_dir (TensorBoard: tracker_kwargs.log_dir)",
     "*.data_args.preprocessing_num_workers": _PREPROCESS,
     "rewards.*.data_args.preprocessing_num_workers": _PREPROCESS,
+    "model_download_type": "roll loads local checkpoint directories (ROLL: the hub to download from)",
     "*.training_args.num_train_epochs": _EPOCHS,
     "rewards.*.training_args.num_train_epochs": _EPOCHS,
 }
@@ -94,36 +121,41 @@ REWARD_WORKERS = {
     "GeneralRuleRewardWorker": "ifeval",
     "CrossThinkQARuleRewardWorker": "multiple_choice",
 }
+# ROLL's reward workers of its vision-language pipeline (images, video): refused with what they score.
+_VL = "roll trains text-only models (no vision-language pipeline)"
+VISION_REWARD_WORKERS = {
+    "DetectionRewardWorker": f"ROLL scores object-detection boxes on images; {_VL}",
+    "VideoR1RewardWorker": f"ROLL scores Video-R1 answers on videos; {_VL}",
+}
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
-# ActorPGWorker is ROLL's worker for pg_variant; roll's one actor worker computes every variant.
-ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
-
-
-class _Problems:
-    """Collects the refused keys of one file so they are reported together."""
-
-    def __init__(self) -> None:
-        self.items: list[str] = []
-
-    def add(self, path: str, advice: str) -> None:
-        self.items.append(f"{path} ({advice})")
 
 
 def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]:
     """Return ``raw`` with ROLL keys mapped or dropped; raise one ConfigError naming every refused key."""
-    problems = _Problems()
+    problems = Problems()
     notes: list[str] = []
+    sections = _sections(raw)
+    roll_file = any("worker_cls" in section for section in sections.values())
+    if roll_file:  # ROLL's behaviours that would hide a mistake in roll's own files
+        _default_reward(raw, notes)
+        _complete_interleave_probs(raw, notes)
+        for path, section in sections.items():
+            map_engine(section, f"{path}.strategy_args", problems, notes)
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
     _map_policy_loss(raw, problems, notes)
     for name, reward in (raw.get("rewards") or {}).items():
         if isinstance(reward, dict):
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
+            if isinstance(reward.get("strategy_args"), dict):
+                map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
+    _map_rpc_timeout(raw, problems, notes)
+    drop_offload_nccl(raw, "offload_nccl", notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:
         if isinstance(raw.get(role), dict):
-            _map_role(raw[role], role, problems, notes)
+            map_role(raw[role], role, problems, notes)
     if problems.items:
         where = f"{source}: " if source else ""
         raise ConfigError(
@@ -132,11 +164,21 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             " (see docs/migrating_from_roll.md)",
         )
     for note in notes:
-        print(f"roll: {note}", file=sys.stderr)
+        print(note if note.startswith("WARNING: ") else f"roll: {note}", file=sys.stderr)
     return raw
 
 
-def _walk(node: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+def _sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The role and reward sections of ``raw`` by key path. A file whose sections carry ROLL's
+    ``worker_cls`` is a ROLL file."""
+    out = {role: raw[role] for role in ROLES if isinstance(raw.get(role), dict)}
+    rewards = raw.get("rewards")
+    if isinstance(rewards, dict):
+        out.update({f"rewards.{n}": r for n, r in rewards.items() if isinstance(r, dict)})
+    return out
+
+
+def _walk(node: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
     for key in list(node):
         at = f"{path}.{key}" if path else str(key)
         note = _match(at, DROPPED)
@@ -168,19 +210,14 @@ def _match(path: str, table: dict[str, Any]) -> Any:
     return None
 
 
-def _class_name(dotted: Any) -> str:
-    return str(dotted).rsplit(".", 1)[-1]
-
-
-def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
+def _map_reward_worker(reward: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
     if "worker_cls" not in reward:
         return
-    cls = _class_name(reward.pop("worker_cls"))
+    cls = class_name(reward.pop("worker_cls"))
     name = REWARD_WORKERS.get(cls)
     if name is None:
-        problems.add(
-            f"{path}.worker_cls={cls}", f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
-        )
+        advice = VISION_REWARD_WORKERS.get(cls, "unknown ROLL reward worker")
+        problems.add(f"{path}.worker_cls={cls}", f"{advice}; known: {', '.join(REWARD_WORKERS)}")
         return
     if reward.setdefault("reward_fn", name) != name:
         problems.add(
@@ -194,6 +231,57 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: _Problems, n
             reward.setdefault("reward_kwargs", {})[key] = reward.pop(key)
 
 
+def _map_rpc_timeout(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
+    """ROLL waits ``rpc_timeout`` seconds for any worker call; roll's waits are per stage
+    (``worker_timeouts``): each stage not given there gets the same limit."""
+    if "rpc_timeout" not in raw:
+        return
+    seconds = raw.pop("rpc_timeout")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        problems.add(f"rpc_timeout={seconds!r}", "ROLL's seconds per worker call: give a positive number")
+        return
+    timeouts = raw.setdefault("worker_timeouts", {}) or {}
+    raw["worker_timeouts"] = timeouts
+    for f in dataclasses.fields(WorkerTimeoutsConfig):
+        timeouts.setdefault(f.name, seconds)
+    notes.append(f"rpc_timeout: {seconds} -> worker_timeouts of every stage not set there")
+
+
+def _complete_interleave_probs(raw: dict[str, Any], notes: list[str]) -> None:
+    """ROLL splits each step's prompts by ``domain_interleave_probs`` with ``int(p * batch)`` for
+    every domain but the last, which takes the rest: probabilities that do not sum to 1 (a line left
+    commented out) give the last domain the remainder. roll's sampler needs them to sum to 1."""
+    data_args = (raw.get("actor_train") or {}).get("data_args") or {}
+    probs = data_args.get("domain_interleave_probs")
+    if not isinstance(probs, dict) or not probs:
+        return
+    values = list(probs.values())
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values):
+        return  # roll's loader names the bad value
+    last, rest = list(probs)[-1], sum(values[:-1])
+    if abs(sum(values) - 1.0) < 1e-6 or not 0 <= rest < 1:
+        return
+    probs[last] = round(1.0 - rest, 6)
+    notes.append(
+        f"WARNING: actor_train.data_args.domain_interleave_probs sum to {sum(values):g}; {last}: "
+        f"{values[-1]} -> {probs[last]:g}, the remainder ROLL gives its last domain"
+    )
+
+
+def _default_reward(raw: dict[str, Any], notes: list[str]) -> None:
+    """alibaba/ROLL scores a row whose tag no reward role lists in the ``math_rule`` domain
+    (``update_dataset_domain``); roll's spelling is ``default_reward: math_rule``."""
+    rewards = raw.get("rewards")
+    if not isinstance(rewards, dict) or "default_reward" in raw:
+        return
+    if not isinstance(rewards.get("math_rule"), dict) or "worker_cls" not in rewards["math_rule"]:
+        return  # ROLL's fallback domain is the role named math_rule of ROLL's own file
+    if any(isinstance(r, dict) and not r.get("tag_included") for r in rewards.values()):
+        return  # roll's catch-all role (empty tag_included) already takes them
+    raw["default_reward"] = "math_rule"
+    notes.append("rows whose tag no reward role lists are scored by rewards.math_rule, as in ROLL")
+
+
 def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) -> None:
     """ROLL's judge files carry ``model_type: trl`` (a value head) for a generative judge, where it
     means nothing: the judge generates its verdict."""
@@ -201,142 +289,6 @@ def _drop_judge_value_head(reward: dict[str, Any], path: str, notes: list[str]) 
     if isinstance(model_args, dict) and model_args.get("model_type") == "trl":
         del model_args["model_type"]
         notes.append(f"{path}.model_args.model_type: 'trl' dropped; a generative LLM judge has no value head")
-
-
-def _map_role(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    if "worker_cls" in role:
-        cls = _class_name(role.pop("worker_cls"))
-        if cls not in ACTOR_WORKERS:
-            problems.add(f"{path}.worker_cls={cls}", "remove it; roll's roles use one worker class each")
-    for key, mapper in ROLE_MAPPERS.items():
-        if key in role:
-            mapper(role, f"{path}.{key}", problems, notes)
-
-
-def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's devices per inference worker is roll's engine ``tensor_parallel_size``."""
-    value = role.pop("num_gpus_per_worker")
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in ("vllm", "sglang"):
-        if value not in (None, 1):
-            problems.add(f"{path}={value!r}", "only vllm/sglang workers span devices (tensor_parallel_size)")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    tp = config.setdefault("tensor_parallel_size", value)
-    if tp != value:
-        problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
-    else:
-        notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
-
-
-# ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
-REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-
-
-def _map_fsdp2(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
-    ``use_remove_padding`` as sequence packing."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    size = config.pop("fsdp_size", None)
-    if size is not None and size not in (_num_devices(role, path), -1):
-        problems.add(
-            f"{at}.fsdp_size={size!r}", "remove it; roll shards over all the role's devices (no HSDP)"
-        )
-    if "offload_policy" in config:
-        config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
-    param = config.pop("param_dtype", None)
-    dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-    if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
-        problems.add(
-            f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
-        )
-    reduce = config.get("reduce_dtype")
-    if reduce is not None and reduce not in REDUCE_DTYPES:
-        problems.add(
-            f"{at}.reduce_dtype={reduce!r}",
-            f"gradients reduce in one of {', '.join(REDUCE_DTYPES)} (FSDP2 MixedPrecisionPolicy.reduce_dtype)",
-        )
-    elif reduce is not None:
-        config["reduce_dtype"] = REDUCE_DTYPES[reduce]
-    if param is not None or reduce is not None:
-        config.setdefault("mixed_precision", True)
-        notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
-    if "use_remove_padding" in config:
-        _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
-
-
-def _remove_padding_to_packing(
-    value: Any, config: dict[str, Any], at: str, problems: _Problems, notes: list[str]
-) -> None:
-    """ROLL's ``use_remove_padding``: rows packed without padding, roll's ``sequence_packing``."""
-    if config.setdefault("sequence_packing", bool(value)) != bool(value):
-        problems.add(f"{at}.use_remove_padding={value!r}", "conflicts with strategy_config.sequence_packing")
-    else:
-        notes.append(f"{at}.use_remove_padding: {value!r} -> strategy_config.sequence_packing: {bool(value)}")
-
-
-def _map_remove_padding(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """The role-level spelling of ``use_remove_padding``, on the strategies that pack."""
-    value = role.pop("use_remove_padding")
-    role_path = path.rsplit(".", 1)[0]
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in PACKING_STRATEGIES:
-        if value:
-            problems.add(f"{path}={value!r}", f"roll packs rows in {', '.join(PACKING_STRATEGIES)} only")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    _remove_padding_to_packing(value, config, role_path, problems, notes)
-
-
-def _num_devices(role: dict[str, Any], path: str) -> int | None:
-    mapping = role.get("device_mapping")
-    return None if mapping is None else len(parse_device_mapping(mapping, f"{path}.device_mapping"))
-
-
-# megatron-core TransformerConfig kernel switches ROLL passes through; roll's spelling is transformer_config_kwargs.
-MEGATRON_PASSTHROUGH = (
-    "apply_rope_fusion",
-    "bias_activation_fusion",
-    "masked_softmax_fusion",
-    "bias_dropout_fusion",
-)
-
-
-def _map_megatron(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's megatron extras: kernel switches pass through, ``bf16`` is the model dtype, and
-    sequence_parallel without TP is switched off (ROLL's mcore_adapter warns and does the same)."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    for key in MEGATRON_PASSTHROUGH:
-        if key in config:
-            config.setdefault("transformer_config_kwargs", {})[key] = config.pop(key)
-            notes.append(f"{at}.{key} -> {at}.transformer_config_kwargs.{key}")
-    if "bf16" in config:
-        dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-        if bool(config.pop("bf16")) != (dtype == "bf16"):
-            problems.add(f"{at}.bf16", f"remove it; model_args.dtype ({dtype}) sets the precision")
-    if config.get("sequence_parallel") and config.get("tensor_model_parallel_size", 1) == 1:
-        config["sequence_parallel"] = False
-        notes.append(f"{at}.sequence_parallel: true needs TP > 1; set to false as ROLL does")
-
-
-STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
-    "fsdp2_train": _map_fsdp2,
-    "fsdp2_infer": _map_fsdp2,
-    "megatron_train": _map_megatron,
-    "megatron_infer": _map_megatron,
-}
-
-
-def _map_strategy(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    args = role["strategy_args"]
-    if not isinstance(args, dict) or not isinstance(args.get("strategy_config"), dict):
-        return
-    mapper = STRATEGY_MAPPERS.get(str(args.get("strategy_name")))
-    if mapper is not None:
-        mapper(role, path, problems, notes)
 
 
 def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
@@ -352,96 +304,6 @@ def _fill_model_paths(raw: dict[str, Any], notes: list[str]) -> None:
         if model_args.get("model_name_or_path") is None:
             model_args["model_name_or_path"] = raw[source]
             notes.append(f"{role}.model_args.model_name_or_path <- {source}")
-
-
-# ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
-PACKING_STRATEGIES = ("fsdp2_train", "megatron_train", "megatron_infer")
-_BUDGETS = {
-    "train": (
-        "use_dynamic_batching_in_train",
-        "max_tokens_per_microbatch_in_train",
-        "max_tokens_per_microbatch",
-    ),
-    "infer": (
-        "use_dynamic_batching_in_infer",
-        "max_tokens_per_microbatch_in_infer",
-        "infer_max_tokens_per_microbatch",
-    ),
-}
-_PACKING_ARGS = {
-    "max_packed_sequence_length_train": "max_tokens_per_microbatch",
-    "max_packed_sequence_length_forward": "infer_max_tokens_per_microbatch",
-}
-
-
-def _roll_packing_keys(role: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Pop ROLL's packing keys of a role: ({roll strategy_config key: value}, [(key=value, advice)])."""
-    wanted: dict[str, Any] = {}
-    bad: list[tuple[str, str]] = []
-    for switch, budget, key in _BUDGETS.values():
-        on, tokens = role.pop(switch, None), role.pop(budget, None)
-        if on and tokens is None:
-            bad.append((f"{switch}={on!r}", f"set {budget} too (roll: strategy_config.{key})"))
-        elif on:
-            wanted[key] = tokens
-    for side in ("train", "infer"):
-        role.pop(f"sequence_length_round_in_{side}", None)  # roll rounds to 8 (x TP)
-    args = dict(role.pop("sequence_packing_args", None) or {})
-    if role.pop("use_sequence_packing", None):
-        wanted["sequence_packing"] = True
-        args.pop("algorithm", None)  # roll's planner is LPT bin packing
-        for side in ("train", "forward"):  # roll's minimum is 1 (the budget decides the rest)
-            if args.get(f"min_num_micro_batches_{side}") in (None, 1):
-                args.pop(f"min_num_micro_batches_{side}", None)
-        for name, key in _PACKING_ARGS.items():
-            if args.get(name) is not None:
-                wanted.setdefault(key, args.pop(name))
-        bad += [
-            (f"sequence_packing_args.{k}={v!r}", "remove it; roll has no such option")
-            for k, v in args.items()
-        ]
-    return wanted, bad
-
-
-def _map_packing(role: dict[str, Any], path: str, problems: _Problems, notes: list[str]) -> None:
-    """ROLL's dynamic batching and sequence packing onto roll's packing options."""
-    wanted, bad = _roll_packing_keys(role)
-    role_path = path.rsplit(".", 1)[0]
-    for key, advice in bad:
-        problems.add(f"{role_path}.{key}", advice)
-    if not wanted:
-        return
-    args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in PACKING_STRATEGIES:
-        problems.add(f"{role_path} packing keys", f"roll packs in {', '.join(PACKING_STRATEGIES)} only")
-        return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
-    for key, value in wanted.items():
-        if config.setdefault(key, value) != value:
-            problems.add(f"{role_path}: {key}={value!r}", f"conflicts with strategy_config.{key}")
-        else:
-            notes.append(f"{role_path}: ROLL packing keys -> strategy_config.{key}: {value!r}")
-
-
-ROLE_MAPPERS: dict[str, Callable[..., None]] = {
-    "num_gpus_per_worker": _map_num_gpus_per_worker,
-    "strategy_args": _map_strategy,
-    "use_remove_padding": _map_remove_padding,
-    **{
-        key: _map_packing
-        for key in (
-            "use_dynamic_batching_in_train",
-            "use_dynamic_batching_in_infer",
-            "use_sequence_packing",
-            "max_tokens_per_microbatch_in_train",
-            "max_tokens_per_microbatch_in_infer",
-            "sequence_length_round_in_train",
-            "sequence_length_round_in_infer",
-            "sequence_packing_args",
-        )
-    },
-}
 
 
 def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
@@ -473,7 +335,7 @@ POLICY_LOSS_KEYS = (
 )
 
 
-def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+def _map_policy_loss(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
     """ROLL reads ``pg_variant`` and its options from actor_train; roll's keys are top-level
     ``pg_variant`` and ``policy_loss.<option>``. A value given in both places must agree."""
     role = raw.get("actor_train") if isinstance(raw.get("actor_train"), dict) else {}
@@ -496,7 +358,7 @@ def _map_policy_loss(raw: dict[str, Any], problems: _Problems, notes: list[str])
     _map_pg_clip_range(raw, notes)
 
 
-def _map_ratio_type(raw: dict[str, Any], problems: _Problems, notes: list[str]) -> None:
+def _map_ratio_type(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
     """ROLL's ``ratio_type: segment`` (one ratio per response) on the PPO loss is GSPO's ratio."""
     ratio_type = raw.pop("ratio_type", None)
     if ratio_type in (None, "token"):

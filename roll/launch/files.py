@@ -10,6 +10,7 @@ Each failure is one ``ConfigError`` naming the key path.
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,11 +22,11 @@ from roll.distributed.strategy.engine_options import check_engine_ep, check_engi
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
 from roll.pipeline.rlvr.checkpoint import resolve_resume
-from roll.pipeline.rlvr.data.dataset import read_rows, resolve_files
+from roll.pipeline.rlvr.data.dataset import BadRow, read_rows, resolve_files
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
 from roll.pipeline.rlvr.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
-from roll.pipeline.rlvr.run import build_tag_routes
+from roll.pipeline.rlvr.run import build_tag_routes, reward_role_tags
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -52,7 +53,7 @@ def check_files(config: RLVRConfig) -> None:
     check_tag_routes(config, tags, first)
     probs = config.actor_train.data_args.domain_interleave_probs
     if probs:
-        role_tags = {name: reward.tag_included for name, reward in config.rewards.items()}
+        role_tags = reward_role_tags(config, train)
         check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs", role_tags)
     check_reward_options(config)
     if config.resume_from_checkpoint not in (False, None, ""):
@@ -127,31 +128,47 @@ def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None =
     """Rows per tag over the good rows of every prompt file (bad rows are reported at load);
     ``first`` gets the ``file:line`` of each tag's first row (one already there is kept)."""
     tags: Counter[str] = Counter()
+    bad: list[BadRow] = []
     for path in resolve_files(data_args, prefix):
-        for _, _, tag, line in read_rows(path, data_args, []):
+        for _, _, tag, line in read_rows(path, data_args, bad):
             tags[tag] += 1
             if first is not None:
                 first.setdefault(tag, f"{path}:{line}")
     if not tags:
         raise ConfigError(
             f"{prefix}.file_name",
-            f"no usable prompt rows in {data_args.file_name} (every row is empty or bad)",
+            f"no usable prompt rows in {data_args.file_name} (every row is empty or bad"
+            + (f"; first: {bad[0]})" if bad else ")"),
         )
     return tags
 
 
 def check_tag_routes(config: RLVRConfig, tags: Counter[str], first: dict[str, str] | None = None) -> None:
-    """Every reward role's tags occur in the data, and every tag of the data has a reward role
-    (else the error names the ``file:line`` of the tag's first row, from ``first``)."""
+    """A tag of a reward role's ``tag_included`` that matches no row is a warning where the role
+    still scores rows, or where ``domain_interleave_probs`` leaves the role out (alibaba/ROLL's files
+    list tags their data lacks, and leave a judge's file out of the mix); a role that would score
+    nothing otherwise is an error (a misspelt tag). Every tag of the data has a reward role (else the
+    error names the ``file:line`` of the tag's first row, from ``first``)."""
     routes, catch_all = build_tag_routes(config)
+    mixed = config.actor_train.data_args.domain_interleave_probs or {}
     for name, reward in config.rewards.items():
-        for i, tag in enumerate(reward.tag_included):
-            if tag not in tags:
-                raise ConfigError(
-                    f"rewards.{name}.tag_included[{i}]",
-                    f"tag {tag!r} matches no row of the prompt files (their tags: {sorted(tags)}); "
-                    "fix the tag, or the rows' tag field (a row without one takes its file's stem)",
-                )
+        unused = [tag for tag in reward.tag_included if tag not in tags]
+        if not unused:
+            continue
+        scores = "the rows of its other tags" if len(unused) < len(reward.tag_included) else "no rows"
+        if name == catch_all:
+            scores = "the rows of its other tags and of every unlisted tag"
+        elif scores == "no rows" and (not mixed or name in mixed or set(unused) & set(mixed)):
+            raise ConfigError(
+                f"rewards.{name}.tag_included[{reward.tag_included.index(unused[0])}]",
+                f"tag {unused[0]!r} matches no row of the prompt files (their tags: {sorted(tags)}); "
+                "fix the tag, or the rows' tag field (a row without one takes its file's stem)",
+            )
+        print(
+            f"WARNING: rewards.{name}.tag_included: {unused} match no row of the prompt files "
+            f"(their tags: {sorted(tags)}); the role scores {scores}, as in ROLL",
+            file=sys.stderr,
+        )
     if catch_all is None:
         for tag, count in sorted(tags.items()):
             if tag not in routes:

@@ -116,6 +116,8 @@ def setup_logging(run_dir: Path) -> None:
 
 
 def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
+    """(tag -> reward role, the role scoring every other tag or None): a role with an empty
+    ``tag_included``, or ``default_reward``."""
     routes = {tag: name for name, reward in config.rewards.items() for tag in reward.tag_included}
     catch_all = [name for name, reward in config.rewards.items() if not reward.tag_included]
     if len(catch_all) > 1:
@@ -123,7 +125,24 @@ def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
             f"rewards.{catch_all[1]}.tag_included",
             f"only one reward role may leave tag_included empty (also rewards.{catch_all[0]})",
         )
-    return routes, (catch_all[0] if catch_all else None)
+    if catch_all and config.default_reward not in (None, catch_all[0]):
+        raise ConfigError(
+            "default_reward",
+            f"rewards.{catch_all[0]} already scores every unlisted tag (its tag_included is empty); "
+            "give one of the two",
+        )
+    return routes, (catch_all[0] if catch_all else config.default_reward)
+
+
+def reward_role_tags(config: RLVRConfig, tags: Iterable[str]) -> dict[str, list[str]]:
+    """Each reward role's tags for ``domain_interleave_probs`` keyed by role: its ``tag_included``,
+    and for the role scoring unlisted tags (``build_tag_routes``) those of ``tags`` too, so that
+    ``math_rule: 0.4`` mixes them in as alibaba/ROLL's math_rule domain does."""
+    routes, default = build_tag_routes(config)
+    out = {name: list(reward.tag_included) for name, reward in config.rewards.items()}
+    if default is not None:
+        out[default] += sorted({t for t in tags if t not in routes})
+    return out
 
 
 def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
@@ -140,7 +159,7 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
         config.seed,
         config.actor_train.data_args.domain_interleave_probs,
         path="actor_train.data_args.domain_interleave_probs",
-        role_tags={name: reward.tag_included for name, reward in config.rewards.items()},
+        role_tags=reward_role_tags(config, train.domains()),
     )
     val = None
     if config.validation is not None and config.validation.data_args.file_name:

@@ -1,6 +1,7 @@
 """Prompt files: JSONL rows read into tokenized prompts, bad rows reported and skipped.
 
-Each JSONL row holds either a ``messages`` field (a list of ``{"role", "content"}``) or a ``prompt``
+Each JSONL row holds either a ``messages`` field (a list of ``{"role", "content"}``, or that list as
+a JSON string, as in alibaba/ROLL's files) or a ``prompt``
 field (a string, taken as one user message), a ground-truth field and an optional ``tag`` (the
 file's stem when absent). The tag routes the row to the reward role whose ``tag_included`` lists it,
 and is also its domain for ``domain_interleave_probs``. Field names come from ``DataArgs``.
@@ -115,6 +116,13 @@ def parse_row(row: Any, args: DataArgs, default_tag: str) -> tuple[list[dict[str
 def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
     if args.messages in row:
         messages = row[args.messages]
+        if isinstance(messages, str):  # alibaba/ROLL's files hold the list as a JSON string
+            try:
+                messages = json.loads(messages)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"invalid JSON in field {args.messages!r}: {exc.msg} (column {exc.colno})"
+                ) from None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"wrong type: field {args.messages!r} must be a non-empty list of messages")
         for i, m in enumerate(messages):
