@@ -309,9 +309,8 @@ def launch(
         *run.overrides,
     ]
     cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, *overrides]
-    shutil.rmtree(
-        out / run.config, ignore_errors=True
-    )  # a fresh run (older checkouts lack overwrite_output_dir)
+    # A fresh run each time (older checkouts have no overwrite_output_dir).
+    shutil.rmtree(out / run.config, ignore_errors=True)
     log = open(out / f"{run.config}.log", "w")  # noqa: SIM115 - closed when the process is reaped
     proc = subprocess.Popen(cmd, cwd=repo, env=_env(repo, devices), stdout=log, stderr=subprocess.STDOUT)
     return proc, overrides
@@ -380,8 +379,8 @@ def run_all(
             run, proc, start, mine, dry_run = item
             code = proc.poll()
             if code is None and time.time() - start > timeout:
-                proc.kill()
-                code = proc.wait()
+                code = stop(proc)
+                log(f"{run.config}: stopped after --timeout {timeout} s")
             if code is None:
                 continue
             active.remove(item)
@@ -390,6 +389,16 @@ def run_all(
             log(f"{run.config}: exit {code} after {wall:.0f} s")
             results.append(collect(repo, run, out, code, wall, dry_run))
     return results
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
+    """SIGTERM (the launcher stops its workers and Ray, docs/runtime_faults.md), then SIGKILL."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
