@@ -94,6 +94,8 @@ class Measured:
     wall_s: float
     startup: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
+    # Seconds colocated roles spent reloading / offloading in that step (inside the stages above).
+    swaps: dict[str, float] = field(default_factory=dict)
     step_s: float | None = None
     startup_s: float | None = None
     peak_gib: float | None = None
@@ -133,6 +135,9 @@ def measured_from_rows(run: SpeedRun, rows: list[dict], exit_code: int, wall_s: 
             k.removeprefix("time/"): v
             for k, v in last.items()
             if k.startswith("time/") and k not in ("time/step", "time/validation")
+        }
+        out.swaps = {
+            k.removeprefix("swap/").removesuffix("_s"): v for k, v in last.items() if k.startswith("swap/")
         }
         out.tokens = last.get("perf/tokens", 0.0)
         out.response_tokens = last.get("perf/response_tokens", 0.0)
@@ -229,6 +234,8 @@ def run_table(now: Measured, base: dict | None, bounds: dict[str, float]) -> lis
         lines.append(
             f"| {stage} | {_cell(value)} | {_cell(ref)} | {_ratio(value, ref)} | {_cell(bound, 3)} |"
         )
+    for swap, value in now.swaps.items():
+        lines.append(f"| (within the stages) {swap} | {_cell(value)} | | | |")
     ref = base.get("step_s")
     step_bound = sum(bounds.get(s, 0.0) for s in now.stages) or None
     lines.append(

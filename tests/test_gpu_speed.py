@@ -35,6 +35,7 @@ ROWS = [
         "time/generate": 4.0,
         "time/train": 6.0,
         "time/validation": 3.0,
+        "swap/actor_infer/reload_s": 0.25,
         "time/step": 10.0,
         "perf/tokens": 1000.0,
         "perf/response_tokens": 800.0,
@@ -48,6 +49,7 @@ def test_the_last_step_and_the_first_rows_start_up_are_read() -> None:
     assert m.startup == {"workers": 5.0, "initialize": 30.0} and m.startup_s == 50.0
     assert m.stages == {"generate": 4.0, "train": 6.0} and m.step_s == 10.0  # validation left out
     assert m.peak_gib == 42.5 and m.tokens == 1000.0
+    assert m.swaps == {"actor_infer/reload": 0.25}
 
 
 def test_a_stage_slower_than_tolerance_and_floor_is_named() -> None:
@@ -126,3 +128,4 @@ def test_gpu_names_and_tables() -> None:
     table = "\n".join(gpu_speed.run_table(m, {"stages": {"train": 5.0}}, {"train": 0.5}))
     assert "| train | 6.00 | 5.00 | 1.20x | 0.500 |" in table
     assert "**start-up to first step** | 50.00" in table
+    assert "| (within the stages) actor_infer/reload | 0.25 |" in table

@@ -112,3 +112,34 @@ def test_device_monitor_sees_a_peak_that_is_gone():
         assert memory_stats(device, monitor)["device_peak_used"] * GIB < before + (1 << 30)
     finally:
         monitor.stop()
+
+
+class _SwappingCluster:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def reload_states(self):
+        self.log.append("reload")
+
+    def offload_states(self):
+        self.log.append("offload")
+
+
+def test_swaps_of_colocated_roles_are_timed_per_role_and_taken_once_a_step():
+    from roll.pipeline.rlvr import stages
+    from roll.pipeline.rlvr.perf import SwapTimes
+
+    log: list[str] = []
+    run = SimpleNamespace(
+        colocated={"actor_infer"}, swaps=SwapTimes(), model=lambda role: _SwappingCluster(log)
+    )
+    for _ in range(2):
+        with stages.on_devices(run, "actor_infer"):
+            log.append("generate")
+    with stages.on_devices(run, "reference"):  # not colocated: no swap, no metric
+        log.append("score")
+    assert log == ["reload", "generate", "offload"] * 2 + ["score"]
+    taken = run.swaps.take()
+    assert set(taken) == {"swap/actor_infer/reload_s", "swap/actor_infer/offload_s"}
+    assert all(v >= 0 for v in taken.values())
+    assert run.swaps.take() == {}  # the next step starts from zero

@@ -10,7 +10,10 @@ it: colocated roles, caches, CUDA contexts); ``memory/<role>/peak_allocated_gib`
 allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`` is reported.
 
 ``perf/wall_s`` is the driver process's age when the step ends; the first row a run logs also
-carries its start-up phases, ``startup/*_s`` (``startup_metrics``).
+carries its start-up phases, ``startup/*_s`` (``startup_metrics``). ``swap/<role>/reload_s`` and
+``swap/<role>/offload_s`` are the seconds a colocated role spent coming onto and leaving its devices
+during the step (``SwapTimes``; part of the stage that asked for it, e.g. waking vLLM is part of
+``time/generate``).
 """
 
 from __future__ import annotations
@@ -108,3 +111,24 @@ class StageTimer:
 
     def metrics(self) -> dict[str, float]:
         return self.background | self.times | {"time/step": sum(self.times.values())}
+
+
+class SwapTimes:
+    """Seconds colocated roles spent being reloaded onto and offloaded from their devices, summed
+    per role and direction until ``take`` (once a step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, role: str, direction: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"swap/{role}/{direction}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out

@@ -62,7 +62,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
             if config.eval_steps and (step % config.eval_steps == 0 or step == config.max_steps):
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
-            metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run)
+            metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run) | run.swaps.take()
             run.tracker.log(metrics | timer.metrics() | first, step)
             first = {}
             if config.save_steps and step % config.save_steps == 0:

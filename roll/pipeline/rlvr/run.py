@@ -21,6 +21,7 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+from roll.pipeline.rlvr.perf import SwapTimes
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker import Worker
@@ -60,6 +61,8 @@ class RLVRRun:
     # actor_infer drops its weights when it sleeps (vLLM sleep_level 2, colocated): every wake to
     # generate refills them by a model update (stages.engine_awake); see ``startup.refills_on_wake``.
     refill_on_wake: bool = False
+    # Seconds the colocated roles spent reloading and offloading this step (``swap/*`` metrics).
+    swaps: SwapTimes = field(default_factory=SwapTimes)
 
     def model(self, role: str) -> ModelCluster:
         """The cluster of model role ``role`` (actor_train, actor_infer, reference, critic)."""

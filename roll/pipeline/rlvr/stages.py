@@ -43,10 +43,12 @@ def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
     cluster = run.model(role)
     shared = role in run.colocated
     if shared:
-        cluster.reload_states()
+        with run.swaps.timed(role, "reload"):
+            cluster.reload_states()
     yield
     if shared:
-        cluster.offload_states()
+        with run.swaps.timed(role, "offload"):
+            cluster.offload_states()
 
 
 @contextlib.contextmanager
