@@ -17,6 +17,7 @@ from roll.core.sampling import SamplingParams
 from roll.launch.rlvr import main
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.data.dataset import resolve_files
+from roll.pipeline.rlvr.perf import SwapTimes
 from roll.pipeline.rlvr.pipeline import update_inference_weights
 
 # A ROLL-style file on 4 GPUs (colocated), with the keys each test adds below it.
@@ -222,6 +223,7 @@ def fake_run(refill: bool) -> SimpleNamespace:
         colocated={"actor_train", "actor_infer"},
         refill_on_wake=refill,
         weight_version=0,
+        swaps=SwapTimes(),
         model=clusters.__getitem__,
         model_update=SimpleNamespace(sync=lambda version: events.append(f"sync v{version}") or {}),
         tokenizer=SimpleNamespace(batch_decode=lambda rows, **_: ["" for _ in rows]),
