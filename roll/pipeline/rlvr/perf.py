@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 from roll.core.batch import Batch
@@ -92,6 +92,16 @@ def startup_metrics(timer: StageTimer) -> dict[str, float]:
     return out
 
 
+@contextmanager
+def adding_seconds(store: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``store[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        store[key] = store.get(key, 0.0) + time.perf_counter() - start
+
+
 class StageTimer:
     """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
 
@@ -100,14 +110,9 @@ class StageTimer:
         # Stages that ran in the background (asynchronous generation): reported, not in time/step.
         self.background: dict[str, float] = {}
 
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"time/{name}"  # a stage timed more than once in a step (sampling rounds) adds up
-            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+    def __call__(self, name: str) -> AbstractContextManager[None]:
+        # A stage timed more than once in a step (sampling rounds) adds up.
+        return adding_seconds(self.times, f"time/{name}")
 
     def metrics(self) -> dict[str, float]:
         return self.background | self.times | {"time/step": sum(self.times.values())}
@@ -120,14 +125,8 @@ class SwapTimes:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    @contextmanager
-    def timed(self, role: str, direction: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"swap/{role}/{direction}_s"
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+    def timed(self, role: str, direction: str) -> AbstractContextManager[None]:
+        return adding_seconds(self.seconds, f"swap/{role}/{direction}_s")
 
     def take(self) -> dict[str, float]:
         out, self.seconds = self.seconds, {}

@@ -21,12 +21,11 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
-from roll.pipeline.rlvr.perf import SwapTimes
+from roll.pipeline.rlvr.perf import StageTimer, SwapTimes
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker import Worker
     from roll.distributed.scheduler.cluster import Cluster
-    from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.workers.model_worker import ModelCluster
     from roll.pipeline.workers.reward_worker import RewardCluster
 
@@ -202,7 +201,6 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
     """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
     records the start-up phases (``startup/*`` metrics)."""
     from roll.models.tokenizer import load_tokenizer
-    from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.rlvr.startup import offloaded_roles, refills_on_wake, start_clusters
 
     timer = timer or StageTimer()
