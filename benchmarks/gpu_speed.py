@@ -339,6 +339,17 @@ def start_dry_run(repo: Path, run: SpeedRun, overrides: list[str], gpu: str) -> 
     )
 
 
+def dry_run_peak(dry_run: subprocess.Popen, timeout_s: float = 300) -> tuple[float | None, bool]:
+    """(the planner's peak from a started ``--dry_run``, whether it finished within ``timeout_s``;
+    it is killed otherwise)."""
+    try:
+        return predicted_peak(dry_run.communicate(timeout=timeout_s)[0]), True
+    except subprocess.TimeoutExpired:
+        dry_run.kill()
+        dry_run.wait()
+        return None, False
+
+
 def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, dry_run: subprocess.Popen):
     rows = (
         read_metrics(out / run.config / "metrics.jsonl")
@@ -349,10 +360,8 @@ def collect(repo: Path, run: SpeedRun, out: Path, code: int, wall: float, dry_ru
     if code != 0:
         tail = (out / f"{run.config}.log").read_text(errors="replace").strip().splitlines()[-1:]
         measured.error = tail[0] if tail else f"exit {code}"
-    try:
-        measured.predicted_peak_gib = predicted_peak(dry_run.communicate(timeout=300)[0])
-    except subprocess.TimeoutExpired:
-        dry_run.kill()
+    measured.predicted_peak_gib, finished = dry_run_peak(dry_run)
+    if not finished:
         measured.error = measured.error or "--dry_run did not finish in 300 s"
     return measured
 
@@ -520,11 +529,7 @@ def read_runs(repo: Path, runs: list[SpeedRun], out: Path, gpu: str) -> list[Mea
         wall = max((r.get("perf/wall_s", 0.0) for r in rows), default=0.0)
         measured = measured_from_rows(run, rows, 0, wall)
         overrides = [f"output_dir={out / run.config}", *run.overrides]
-        dry_run = start_dry_run(repo, run, overrides, gpu)
-        try:
-            measured.predicted_peak_gib = predicted_peak(dry_run.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            dry_run.kill()
+        measured.predicted_peak_gib, _ = dry_run_peak(start_dry_run(repo, run, overrides, gpu))
         results.append(measured)
     return results
 
