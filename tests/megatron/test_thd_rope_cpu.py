@@ -61,3 +61,19 @@ def test_context_parallel_keeps_megatrons_function(monkeypatch) -> None:
         thd_rope.apply_thd(t, torch.tensor([0, 4]), torch.zeros(4, 1, 1, 8), cp_group=_Group(2)) == "megatron"
     )
     assert len(calls) == 1
+
+
+def test_positions_are_computed_once_per_row(monkeypatch) -> None:
+    calls = []
+    real = thd_rope.packed_positions
+    monkeypatch.setattr(
+        thd_rope, "packed_positions", lambda cu, total: calls.append(total) or real(cu, total)
+    )
+    cu, other = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
+    freqs = torch.randn(5, 1, 1, 8)
+    t = torch.randn(8, 2, 8)
+    first = thd_rope.apply_thd(t, cu, freqs, cp_group=_Group())
+    assert torch.equal(thd_rope.apply_thd(t, cu, freqs, cp_group=_Group()), first)  # the same row again
+    assert calls == [8]
+    thd_rope.apply_thd(t, other, freqs, cp_group=_Group())  # a new row (new tensor) is recomputed
+    assert calls == [8, 8]

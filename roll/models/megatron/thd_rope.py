@@ -32,6 +32,19 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return index - cu[segment]
 
 
+# The last row's positions: every query and key of every layer of a micro-batch passes the same
+# ``cu_seqlens`` tensor, so they are computed once per micro-batch, not twice per layer.
+_LAST: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+
+def _row_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    if _LAST and _LAST[0][0] is cu_seqlens and _LAST[0][1] == total:
+        return _LAST[0][2]
+    positions = packed_positions(cu_seqlens, total)
+    _LAST[:] = [(cu_seqlens, total, positions)]
+    return positions
+
+
 def apply_thd(
     t: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -52,7 +65,7 @@ def apply_thd(
     if freqs.size(0) == total:  # frequencies of every position of the row (megatron's case 1)
         picked = freqs
     else:
-        picked = freqs[packed_positions(cu_seqlens.to(freqs.device), total)]
+        picked = freqs[_row_positions(cu_seqlens.to(freqs.device), total)]
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         picked,
