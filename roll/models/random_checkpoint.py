@@ -23,66 +23,64 @@ from roll.configs.errors import ConfigError
 
 logger = logging.getLogger("roll")
 
+
+def _qwen3(**sizes: Any) -> dict[str, Any]:
+    """What the published Qwen3 config.json files share, with one model's sizes."""
+    return dict(
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        **sizes,
+    )
+
+
+def _qwen3_moe(**sizes: Any) -> dict[str, Any]:
+    """Qwen3-MoE: the Qwen3 values and the routing every released size shares (128 experts, top 8)."""
+    return _qwen3(
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **sizes,
+    )
+
+
 # Values of the published config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen2.5-7B, ...).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": (
         "Qwen3MoeConfig",
-        dict(
+        _qwen3_moe(
             hidden_size=2048,
             intermediate_size=6144,
             moe_intermediate_size=768,
             num_hidden_layers=48,
             num_attention_heads=32,
             num_key_value_heads=4,
-            head_dim=128,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
         ),
     ),
     "qwen3-235b-a22b": (
         "Qwen3MoeConfig",
-        dict(
+        _qwen3_moe(
             hidden_size=4096,
             intermediate_size=12288,
             moe_intermediate_size=1536,
             num_hidden_layers=94,
             num_attention_heads=64,
             num_key_value_heads=4,
-            head_dim=128,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
         ),
     ),
     "qwen3-8b": (
         "Qwen3Config",
-        dict(
+        _qwen3(
             hidden_size=4096,
             intermediate_size=12288,
             num_hidden_layers=36,
             num_attention_heads=32,
             num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
         ),
     ),
     # Hybrid linear/full attention MoE; roll's Megatron strategies do not build it (families.py).
