@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from roll.configs.errors import CheckpointError, ConfigError
+from roll.configs.errors import ConfigError
+from roll.core.errors import CheckpointError
 from roll.pipeline.rlvr import checkpoint
 from roll.pipeline.rlvr.checkpoint import latest_checkpoint, resolve_resume, save_checkpoint
 from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, verify_checkpoint, write_manifest
@@ -268,7 +269,7 @@ def test_a_non_tensor_entry_that_runs_code_is_refused_before_loading(tmp_path, m
 def test_launcher_prints_one_line_with_its_exit_code(monkeypatch, capsys, tmp_path, error, code):
     from launch_files import launch_overrides, make_launch_files
 
-    from roll.configs.errors import RewardError
+    from roll.core.errors import RewardError
     from roll.launch.rlvr import main
     from roll.pipeline.rlvr import pipeline
 

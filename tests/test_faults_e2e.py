@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
-from roll.configs.errors import CheckpointError, ConfigError  # noqa: E402
+from roll.configs.errors import ConfigError  # noqa: E402
+from roll.core.errors import CheckpointError  # noqa: E402
 from roll.pipeline.rlvr.pipeline import run_pipeline  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from roll.configs.errors import StorageError
 from roll.configs.loader import load_config
+from roll.core.errors import StorageError
 from roll.utils import atomic_io
 from roll.utils.tracking import Tracker, read_metrics
 

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from roll.configs.errors import ConfigError, StorageError
+from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
+from roll.core.errors import StorageError
 from roll.pipeline.rlvr.output_dir import LOCK_FILE, OutputDirLock, claim_output_dir
 
 GOOD = Path(__file__).parent / "configs" / "good" / "minimal.yaml"

@@ -1,5 +1,6 @@
-"""Errors reported to the user as one line: ``ConfigError`` (a key path), ``StorageError`` and
-``CheckpointError`` (a file), ``RewardError`` (a reward role). The launcher maps each to an exit code."""
+"""``ConfigError``: a configuration problem reported as one line naming the key path, and the helpers
+that build such lines. Errors of a running job (a file, a checkpoint, a reward role) are in
+``roll.core.errors``."""
 
 from __future__ import annotations
 
@@ -29,21 +30,3 @@ def join_path(prefix: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{prefix}[{key}]"
     return f"{prefix}.{key}" if prefix else str(key)
-
-
-class StorageError(RuntimeError):
-    """A file of the run could not be written or read back, reported as one line naming the file.
-
-    >>> raise StorageError("out/metrics.jsonl: No space left on device (out/metrics.jsonl)")
-    """
-
-
-class CheckpointError(StorageError):
-    """A step checkpoint that cannot be trusted: ``CheckpointError: <checkpoint dir>/<file>: <what>``.
-
-    >>> raise CheckpointError("out/checkpoints/step_4/pipeline_state.json: size 812, manifest says 830")
-    """
-
-
-class RewardError(RuntimeError):
-    """A reward role failed on too many samples: names the role, the function and one example error."""

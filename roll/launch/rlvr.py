@@ -18,8 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from roll.configs.errors import ConfigError, RewardError, StorageError
+from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.errors import RewardError, StorageError
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.ray_shutdown import RAY_SHUTDOWN_GRACE_S, shutdown_ray

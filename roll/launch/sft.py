@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from roll.configs.errors import ConfigError, StorageError
+from roll.configs.errors import ConfigError
+from roll.core.errors import StorageError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.launch.rlvr import config_file, parse_args
 

@@ -17,8 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from roll.configs.errors import StorageError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.errors import StorageError
 from roll.utils.atomic_io import append_line_durably, disk_full_as, write_file_durably
 
 logger = logging.getLogger("roll")

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from roll.core.errors import CheckpointError
 from roll.models.megatron import weight_mapping as wm
 
 logger = logging.getLogger(__name__)
@@ -58,10 +59,6 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """An HF checkpoint that does not match the Megatron model (names the tensor and file)."""
 
 
 # ------------------------------------------------------------------------------------ helpers

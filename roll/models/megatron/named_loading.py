@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from roll.core.errors import CheckpointError
 from roll.models.megatron import hf_io
 from roll.models.megatron import weight_mapping as wm
 
@@ -45,7 +46,7 @@ class _TensorSource:
 
 class NamedTensorLoader:
     """Copy the shards this rank owns of each incoming tensor into its parameters, over several
-    calls (unknown names raise ``hf_io.CheckpointError``): one model update arrives as a stream of buckets,
+    calls (unknown names raise ``CheckpointError``): one model update arrives as a stream of buckets,
     each loaded by its own call, and the parts of a fused parameter (q/k/v, gate/up) may arrive in
     different buckets. Parts still waiting for a sibling at the end of a call are copied (the
     caller reuses the bucket's buffer) and held until the sibling comes; ``finish()`` raises if any
@@ -84,7 +85,7 @@ class NamedTensorLoader:
             if name not in self.known:
                 if self.info.skipped(name):
                     continue  # a layer roll does not build (DeepSeek-V3's multi-token prediction)
-                raise hf_io.CheckpointError(f"{source.where(name)} is not a {self.info.model_type} weight")
+                raise CheckpointError(f"{source.where(name)} is not a {self.info.model_type} weight")
             if name not in self.waiting:
                 continue  # owned by another pipeline stage / expert-parallel rank
             source.files[name] = tensor
@@ -111,7 +112,7 @@ class NamedTensorLoader:
         pending = self.pending()
         self.source.files.clear()
         if pending:
-            raise hf_io.CheckpointError(
+            raise CheckpointError(
                 f"model update ended with {len(pending)} tensor(s) whose fused parameter never got all "
                 f"its parts (first: {pending[0]!r}); that parameter was not written"
             )

@@ -34,6 +34,7 @@ from unittest import mock
 
 import torch
 
+from roll.core.errors import CheckpointError
 from roll.models.megatron import hf_io
 from roll.models.megatron import weight_mapping as wm
 
@@ -109,7 +110,7 @@ def bind_sharded(
     out = []
     for sh in sharded_tensors(sharded):
         if _storage_key(sh.data) not in params:
-            raise hf_io.CheckpointError(
+            raise CheckpointError(
                 f"{where}: no HF tensor makes megatron's {sh.key!r} (offset {sh.global_offset})"
             )
         weight, param = params[_storage_key(sh.data)]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from roll.configs.errors import CheckpointError
+from roll.core.errors import CheckpointError
 from roll.utils.atomic_io import write_file_durably
 from roll.utils.safe_unpickle import UnsafePickleError, check_dcp_dir
 

@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from roll.configs.errors import ConfigError, StorageError
+from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.errors import StorageError
 from roll.pipeline.rlvr.checkpoint import checkpoint_root, step_dirs
 from roll.utils.atomic_io import disk_full_as
 

@@ -16,9 +16,9 @@ import logging
 
 import torch
 
-from roll.configs.errors import RewardError
 from roll.configs.role import RewardConfig
 from roll.core.batch import Batch
+from roll.core.errors import RewardError
 from roll.pipeline.rlvr.rewards.scoring import allowed_failures
 
 logger = logging.getLogger("roll")
