@@ -57,11 +57,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from roll.distributed.model_update.bucket import align, iter_buckets, pack_bucket, unpack_bucket  # noqa: E402
-from roll.distributed.model_update.checksum import bucket_checksums  # noqa: E402
-from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
 from roll.distributed.model_update.receiver import BucketReceiver, receive_links  # noqa: E402
 from roll.distributed.model_update.sender import BucketSender  # noqa: E402
+from roll.distributed.transport.bucket import align, iter_buckets, pack_bucket, unpack_bucket  # noqa: E402
+from roll.distributed.transport.checksum import bucket_checksums  # noqa: E402
+from roll.distributed.transport.link import Link, LinkSpec  # noqa: E402
 from roll.models.weights import copy_into  # noqa: E402
 from roll.utils.ports import free_port  # noqa: E402
 

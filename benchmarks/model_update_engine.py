@@ -41,14 +41,14 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from roll.distributed.model_update.link import Link, LinkSpec  # noqa: E402
-from roll.distributed.model_update.process_group import (  # noqa: E402
+from roll.distributed.model_update.receiver import BucketReceiver  # noqa: E402
+from roll.distributed.model_update.sender import BucketSender  # noqa: E402
+from roll.distributed.transport.link import Link, LinkSpec  # noqa: E402
+from roll.distributed.transport.process_group import (  # noqa: E402
     broadcast_options,
     new_group,
     open_store,
 )
-from roll.distributed.model_update.receiver import BucketReceiver  # noqa: E402
-from roll.distributed.model_update.sender import BucketSender  # noqa: E402
 from roll.utils.ports import free_port  # noqa: E402
 
 TIMEOUT = datetime.timedelta(minutes=10)

@@ -421,8 +421,8 @@ def test_scoring_requests_and_prompt_logprob_extraction():
 
 
 def test_bucket_over_storage_describes_views_without_copying():
-    from roll.distributed.model_update.bucket import pack_bucket, unpack_bucket
     from roll.distributed.strategy.engine_requests import bucket_over_storage
+    from roll.distributed.transport.bucket import pack_bucket, unpack_bucket
 
     named = [
         ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
@@ -445,8 +445,8 @@ def test_bucket_over_storage_describes_views_without_copying():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_shareable_bucket_shares_own_buffer_and_packs_scattered_tensors():
-    from roll.distributed.model_update.bucket import pack_bucket, unpack_bucket
     from roll.distributed.strategy.engine_requests import shareable_bucket
+    from roll.distributed.transport.bucket import pack_bucket, unpack_bucket
 
     named = [("a", torch.randn(5, 3, device="cuda")), ("b", torch.randn(7, device="cuda"))]
     meta, flat = pack_bucket(named, version=1, index=0, last=True)

@@ -21,7 +21,15 @@ from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
 from roll.distributed.executor.dispatch import Dispatch, register
-from roll.distributed.model_update.bucket import (
+from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.model_update.group import ModelUpdateGroup
+from roll.distributed.model_update.probe import build_probe_batch
+from roll.distributed.model_update.receiver import BucketReceiver, receive_links
+from roll.distributed.model_update.sender import BucketSender
+from roll.distributed.scheduler.placement import PlacementPlan, plan_role
+from roll.distributed.scheduler.resource_manager import ResourceManager
+from roll.distributed.strategy.registry import get_strategy_spec
+from roll.distributed.transport.bucket import (
     ALIGN,
     BucketMeta,
     iter_buckets,
@@ -29,16 +37,8 @@ from roll.distributed.model_update.bucket import (
     pack_bucket,
     unpack_bucket,
 )
-from roll.distributed.model_update.checksum import bucket_checksums, first_mismatch, tensor_checksum
-from roll.distributed.model_update.errors import ModelUpdateError
-from roll.distributed.model_update.group import ModelUpdateGroup
-from roll.distributed.model_update.link import Link, LinkSpec
-from roll.distributed.model_update.probe import build_probe_batch
-from roll.distributed.model_update.receiver import BucketReceiver, receive_links
-from roll.distributed.model_update.sender import BucketSender
-from roll.distributed.scheduler.placement import PlacementPlan, plan_role
-from roll.distributed.scheduler.resource_manager import ResourceManager
-from roll.distributed.strategy.registry import get_strategy_spec
+from roll.distributed.transport.checksum import bucket_checksums, first_mismatch, tensor_checksum
+from roll.distributed.transport.link import Link, LinkSpec
 from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
 from roll.utils.ports import free_port
 

@@ -36,9 +36,9 @@ from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
-from roll.distributed.model_update.bucket import pack_bucket
-from roll.distributed.model_update.checksum import bucket_checksums
 from roll.distributed.strategy.registry import load_strategy_class
+from roll.distributed.transport.bucket import pack_bucket
+from roll.distributed.transport.checksum import bucket_checksums
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -541,7 +541,7 @@ def new_weights(model: nn.Module, fill: float) -> list[tuple[str, torch.Tensor]]
 
 
 def shm_bucket(llm, version: int, fill: float = 2.0):
-    from roll.distributed.model_update.ipc import allocate_shared
+    from roll.distributed.transport.ipc import allocate_shared
 
     named = new_weights(llm.workers[0].model_runner.model, fill)
     total = pack_bucket(named, version, 0, True)[0].nbytes
@@ -574,8 +574,8 @@ def test_vllm_shared_bucket_and_load_weights_reach_every_tp_worker(fake_engines,
 def test_vllm_broadcast_bucket_over_gloo(fake_engines, tokenizer_dir):
     """A sender built from roll.distributed.model_update (store + gloo group + BroadcastTransport)
     sends two buckets; both TP workers of the engine receive and load them."""
-    from roll.distributed.model_update.broadcast import BroadcastTransport
-    from roll.distributed.model_update.process_group import new_group, open_store
+    from roll.distributed.transport.broadcast import BroadcastTransport
+    from roll.distributed.transport.process_group import new_group, open_store
     from roll.utils.ports import free_port
 
     strategy, llm = vllm_strategy(tokenizer_dir, tensor_parallel_size=2)

@@ -44,7 +44,6 @@ import torch
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.batch import Batch
 from roll.distributed.model_update.errors import ModelUpdateError
-from roll.distributed.model_update.link import LinkSpec
 from roll.distributed.model_update.probe import (
     ProbeVerdict,
     build_probe_batch,
@@ -61,6 +60,7 @@ from roll.distributed.model_update.worker_mixin import (
     VerifyResult,
 )
 from roll.distributed.scheduler.cluster import get_all
+from roll.distributed.transport.link import LinkSpec
 
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import Cluster

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from roll.distributed.model_update.bucket import BucketMeta, unpack_bucket
-from roll.distributed.model_update.checksum import bucket_checksums
 from roll.distributed.model_update.errors import ModelUpdateError
-from roll.distributed.model_update.ipc import IpcCache
-from roll.distributed.model_update.link import Link
 from roll.distributed.model_update.sender import stream_context
+from roll.distributed.transport.bucket import BucketMeta, unpack_bucket
+from roll.distributed.transport.checksum import bucket_checksums
+from roll.distributed.transport.ipc import IpcCache
+from roll.distributed.transport.link import Link
 
 LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 

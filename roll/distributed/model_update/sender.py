@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from roll.distributed.model_update.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensors
-from roll.distributed.model_update.checksum import bucket_checksums
-from roll.distributed.model_update.ipc import IpcHandle, allocate_shared, release_shared
-from roll.distributed.model_update.link import Link
+from roll.distributed.transport.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensors
+from roll.distributed.transport.checksum import bucket_checksums
+from roll.distributed.transport.ipc import IpcHandle, allocate_shared, release_shared
+from roll.distributed.transport.link import Link
 
 
 @dataclass

@@ -37,7 +37,6 @@ import torch
 from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.model_update.errors import ModelUpdateError
-from roll.distributed.model_update.link import Link, LinkSpec
 from roll.distributed.model_update.receiver import BucketReceiver, ReceiveResult, receive_links
 from roll.distributed.model_update.sender import BucketSender, SendResult
 from roll.distributed.strategy.base import (
@@ -46,6 +45,7 @@ from roll.distributed.strategy.base import (
     HFWeightSource,
     SharedBucketEngine,
 )
+from roll.distributed.transport.link import Link, LinkSpec
 from roll.utils.ports import free_port
 
 

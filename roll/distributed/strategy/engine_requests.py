@@ -496,7 +496,7 @@ def sglang_input_logprobs(output: Mapping[str, Any], req: ScoringRequest) -> lis
 def bucket_over_storage(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, torch.Tensor] | None:
     """``(BucketMeta, flat)`` describing tensors that are contiguous views into one storage (a
     receiver's bucket buffer) without copying them, or None when they are not."""
-    from roll.distributed.model_update.bucket import BucketMeta, TensorMeta
+    from roll.distributed.transport.bucket import BucketMeta, TensorMeta
 
     if not named:
         return None
@@ -523,7 +523,7 @@ def shareable_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, to
     tensors, or a buffer this process itself mapped from another one (torch refuses to share those
     again) -- is packed into a fresh buffer first.
     """
-    from roll.distributed.model_update.bucket import pack_bucket
+    from roll.distributed.transport.bucket import pack_bucket
 
     device = named[0][1].device
     torch.cuda.current_stream(device).synchronize()  # the bytes must be there before another process reads
@@ -541,7 +541,7 @@ def shareable_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, to
 def _cuda_ipc_handle(flat: torch.Tensor) -> Any:
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from roll.distributed.model_update.ipc import IpcHandle
+    from roll.distributed.transport.ipc import IpcHandle
 
     _, args = reduce_tensor(flat)
     return IpcHandle("cuda", ("roll-engine-load", uuid.uuid4().hex), flat.numel(), tuple(args))

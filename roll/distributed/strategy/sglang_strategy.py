@@ -237,7 +237,7 @@ class SGLangStrategy:
         """Hand full HF-named tensors to ``Engine.update_weights_from_tensor`` (CUDA tensors cross
         to the schedulers by IPC; SGLang shards them). The radix cache is flushed once the KV cache
         is back (``finish_model_update`` or the next generation)."""
-        from roll.distributed.model_update.bucket import unpack_bucket
+        from roll.distributed.transport.bucket import unpack_bucket
 
         self._resume(["weights"] if "weights" in self._released else [])
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
@@ -257,9 +257,9 @@ class SGLangStrategy:
         self, meta: Any, handle: Any, verify: bool = False
     ) -> list[tuple[int, int]] | None:
         """Colocated: map the sender's buffer on this worker's device and load the bucket."""
-        from roll.distributed.model_update.bucket import unpack_bucket
-        from roll.distributed.model_update.checksum import bucket_checksums
-        from roll.distributed.model_update.ipc import IpcCache
+        from roll.distributed.transport.bucket import unpack_bucket
+        from roll.distributed.transport.checksum import bucket_checksums
+        from roll.distributed.transport.ipc import IpcCache
 
         self._ipc = self._ipc or IpcCache()
         device = self.ctx.device if handle.kind == "cuda" else torch.device("cpu")

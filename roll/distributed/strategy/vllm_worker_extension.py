@@ -5,7 +5,7 @@ tensor-parallel worker process with the worker's ``self.device``, ``self.rank`` 
 ``self.model_runner`` at hand. ``VLLMStrategy`` reaches them with ``llm.collective_rpc(name, ...)``;
 every worker runs the call and the strategy gets one result per worker.
 
-Buckets are those of ``roll.distributed.model_update.bucket`` (HF names, 256-byte aligned flat
+Buckets are those of ``roll.distributed.transport.bucket`` (HF names, 256-byte aligned flat
 uint8 buffers) and arrive one of two ways, both built from the model-update package's own pieces
 so the two ends of a link are constructed alike:
 
@@ -34,8 +34,8 @@ class RollWorkerExtension:
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
     ) -> int:
         """Join the sender's broadcast group; returns this worker's rank in it."""
-        from roll.distributed.model_update.broadcast import BroadcastTransport
-        from roll.distributed.model_update.process_group import new_group, open_store
+        from roll.distributed.transport.broadcast import BroadcastTransport
+        from roll.distributed.transport.process_group import new_group, open_store
 
         rank = rank_offset + int(self.rank)
         store = open_store(host, port, world_size, is_master=False)
@@ -81,7 +81,7 @@ class RollWorkerExtension:
         ``device_index`` is where the buffer lives in this process's numbering of the visible
         devices (the strategy's own device); None means this worker's device.
         """
-        from roll.distributed.model_update.ipc import IpcCache
+        from roll.distributed.transport.ipc import IpcCache
 
         cache = getattr(self, "_roll_ipc", None)
         if cache is None:
@@ -109,7 +109,7 @@ class RollWorkerExtension:
 
     # ------------------------------------------------------------------------------ helpers
     def _roll_load_flat(self, meta: Any, flat: torch.Tensor, verify: bool) -> list[tuple[int, int]] | None:
-        from roll.distributed.model_update.checksum import bucket_checksums
+        from roll.distributed.transport.checksum import bucket_checksums
 
         sums = [tuple(s) for s in bucket_checksums(meta, flat).tolist()] if verify else None
         self._roll_model().load_weights(weights=_views(meta, flat, self.device))
@@ -125,13 +125,13 @@ class RollWorkerExtension:
 
 
 def _views(meta: Any, flat: torch.Tensor, device: Any) -> list[tuple[str, torch.Tensor]]:
-    from roll.distributed.model_update.bucket import unpack_bucket
+    from roll.distributed.transport.bucket import unpack_bucket
 
     return [(name, t.to(device)) for name, t in unpack_bucket(meta, flat)]
 
 
 def _bucket_sums(meta: Any, flat: torch.Tensor) -> torch.Tensor:
-    from roll.distributed.model_update.checksum import bucket_checksums
+    from roll.distributed.transport.checksum import bucket_checksums
 
     return bucket_checksums(meta, flat)
 

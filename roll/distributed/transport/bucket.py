@@ -11,7 +11,7 @@ receivers unpack into views and hand them to ``strategy.load_weights``::
     engine.load_weights(iter(unpack_bucket(meta, flat)))   # views into flat, no copies
 
 Padding bytes between tensors are zeroed when packing, so two buckets with the same tensors are
-equal byte for byte (the checksums in ``roll.distributed.model_update.checksum`` rely on it).
+equal byte for byte (the checksums in ``roll.distributed.transport.checksum`` rely on it).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from roll.distributed.model_update.bucket import ALIGN, BucketMeta, align, tensor_nbytes
+from roll.distributed.transport.bucket import ALIGN, BucketMeta, align, tensor_nbytes
 
 _WORDS_PER_BLOCK = ALIGN // 8
 

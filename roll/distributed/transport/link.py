@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from roll.distributed.model_update.broadcast import BroadcastTransport
-from roll.distributed.model_update.control import ControlChannel
-from roll.distributed.model_update.process_group import DEFAULT_TIMEOUT, new_group, open_store
+from roll.distributed.transport.broadcast import BroadcastTransport
+from roll.distributed.transport.control import ControlChannel
+from roll.distributed.transport.process_group import DEFAULT_TIMEOUT, new_group, open_store
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from roll.distributed.model_update.process_group import broadcast_options
+from roll.distributed.transport.process_group import broadcast_options
 
 
 class BroadcastTransport:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from roll.distributed.model_update.process_group import broadcast_options
+from roll.distributed.transport.process_group import broadcast_options
 
 # Messages up to this size (length header included) take one broadcast; larger ones take two.
 HEADER_BYTES = 64 << 10
