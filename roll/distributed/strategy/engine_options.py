@@ -8,7 +8,9 @@
   (roll.launch.roles); the worker checks again because only its process is sure to have the
   engine that runs;
 * importing the engine with a ConfigError that names the pip extra when it is missing;
-* small shared helpers (typed config, response width).
+* checks that the model splits evenly over an engine's TP/EP ranks.
+
+Constructing the engine with these options is ``engine_startup.start_engine``.
 
     options = vllm_engine_options(cfg, role_config, "actor_infer", seed=42, extension_cls=EXT)
     options.check(dataclass_field_names(vllm.EngineArgs), "vLLM", "vllm")
@@ -91,6 +93,20 @@ def _build_options(
     return EngineOptions(kwargs, sources)
 
 
+def _model_options(
+    role_config: RoleConfig, role: str, model_key: str, seed_key: str, seed: int
+) -> dict[str, tuple[Any, str]]:
+    """What every engine is told about the model and the seed (under its own names for the model
+    path and the seed), each with the config key it came from."""
+    margs = role_config.model_args
+    return {
+        model_key: (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
+        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
+        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
+        seed_key: (seed, "seed"),
+    }
+
+
 VLLM_OVERRIDABLE = {"worker_extension_cls", "distributed_executor_backend", "logprobs_mode"}
 
 
@@ -101,12 +117,8 @@ def vllm_engine_options(
     (vLLM's own worker processes on the worker's visible GPUs) for TP>1 -- never vLLM's "ray"
     backend, which vLLM would otherwise pick inside a Ray actor."""
     path = f"{role}.strategy_args.strategy_config"
-    margs = role_config.model_args
-    derived: dict[str, tuple[Any, str]] = {
-        "model": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
-        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
-        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
-        "seed": (seed, "seed"),
+    derived = _model_options(role_config, role, "model", "seed", seed)
+    derived |= {
         "worker_extension_cls": (extension_cls, f"{path}.engine_kwargs"),
         "distributed_executor_backend": (
             "uni" if cfg.tensor_parallel_size == 1 else "mp",
@@ -156,13 +168,7 @@ SGLANG_CONFIG_KEYS = {
 def sglang_engine_options(cfg: SGLangConfig, role_config: RoleConfig, role: str, seed: int) -> EngineOptions:
     """Arguments of ``sglang.Engine`` (the names of SGLang's ``ServerArgs``)."""
     path = f"{role}.strategy_args.strategy_config"
-    margs = role_config.model_args
-    derived: dict[str, tuple[Any, str]] = {
-        "model_path": (margs.model_name_or_path, f"{role}.model_args.model_name_or_path"),
-        "dtype": (ENGINE_DTYPES[margs.dtype], f"{role}.model_args.dtype"),
-        "trust_remote_code": (margs.trust_remote_code, f"{role}.model_args.trust_remote_code"),
-        "random_seed": (seed, "seed"),
-    }
+    derived = _model_options(role_config, role, "model_path", "random_seed", seed)
     for engine_key, cfg_key in SGLANG_CONFIG_KEYS.items():
         derived[engine_key] = (getattr(cfg, cfg_key), f"{path}.{cfg_key}")
     return _build_options(derived, cfg.engine_kwargs, path)
