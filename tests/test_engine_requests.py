@@ -30,11 +30,10 @@ from roll.distributed.strategy.engine_requests import (
     scoring_requests,
     sglang_generate_requests,
     sglang_input_logprobs,
-    sglang_sampling_params,
     vllm_generate_requests,
     vllm_prompt_logprobs,
-    vllm_sampling_kwargs,
 )
+from roll.distributed.strategy.engine_sampling import sglang_sampling_params, vllm_sampling_kwargs
 
 torch.set_num_threads(1)
 PAD = 0

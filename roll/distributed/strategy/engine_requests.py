@@ -1,7 +1,6 @@
 """What the ``vllm`` and ``sglang`` strategies share, none of which needs an engine installed.
 
-* sampling parameters: our ``SamplingParams`` -> ``vllm.SamplingParams(**kwargs)`` / SGLang's
-  ``sampling_params`` dict;
+* the requests of one generate call, with their sampling parameters (``engine_sampling``);
 * request bookkeeping: request ids per prompt row (and per sample), a thread-safe registry of
   in-flight requests for ``abort``, and a collector that takes outputs in completion order and
   hands them back in prompt order (row ``i * n + j`` is sample ``j`` of prompt ``i``);
@@ -34,82 +33,10 @@ import torch
 
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
+from roll.distributed.strategy.engine_sampling import sglang_sampling_params, vllm_sampling_kwargs
 from roll.models.logprobs import batch_temperature
 
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-# --------------------------------------------------------------------------- sampling parameters
-
-
-def _check_params(params: SamplingParams) -> None:
-    if params.n < 1:
-        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-
-
-def vllm_sampling_kwargs(
-    params: SamplingParams, n: int | None = None, seed_offset: int = 0
-) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one request of ``n`` samples (default
-    ``params.n``).
-
-    ``logprobs=0`` asks vLLM for the sampled token's log-prob only. ``top_k`` is left out when off,
-    because vLLM changed its "off" value from -1 to 0 (both are accepted by current releases). With
-    a seed, the request gets ``seed + seed_offset`` (vLLM adds the sample index for n > 1), so
-    callers pass ``row * n`` and no two samples of a batch share a seed.
-    """
-    _check_params(params)
-    kwargs: dict[str, Any] = {
-        "n": params.n if n is None else n,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "max_tokens": params.max_new_tokens,
-        "repetition_penalty": params.repetition_penalty,
-        "logprobs": 0 if params.logprobs else None,
-        # Text is only needed to match stop strings; we hand back token ids.
-        "detokenize": bool(params.stop),
-    }
-    if params.top_k > 0:
-        kwargs["top_k"] = params.top_k
-    if params.min_new_tokens > 0:
-        kwargs["min_tokens"] = params.min_new_tokens
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        kwargs["seed"] = params.seed + seed_offset
-    if params.ignore_eos:
-        kwargs["ignore_eos"] = True
-    return kwargs
-
-
-def sglang_sampling_params(params: SamplingParams, seed_offset: int = 0) -> dict[str, Any]:
-    """One request's ``sampling_params`` dict for ``sglang.Engine.generate`` (always ``n=1``: we
-    submit one request per sample). With a seed, the request gets ``seed + seed_offset``; callers
-    pass ``row * n + sample`` so the samples of a batch differ."""
-    _check_params(params)
-    out: dict[str, Any] = {
-        "n": 1,
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "repetition_penalty": params.repetition_penalty,
-    }
-    if params.min_new_tokens > 0:
-        out["min_new_tokens"] = params.min_new_tokens
-    if params.stop:
-        out["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        out["sampling_seed"] = params.seed + seed_offset
-    if params.ignore_eos:
-        out["ignore_eos"] = True
-    return out
 
 
 # --------------------------------------------------------------------------- request bookkeeping
