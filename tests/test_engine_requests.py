@@ -416,47 +416,6 @@ def test_scoring_requests_and_prompt_logprob_extraction():
         rows_to_tensor([[1.0, 2.0]], 1)
 
 
-# ------------------------------------------------------------------------------ weights into engines
-
-
-def test_bucket_over_storage_describes_views_without_copying():
-    from roll.distributed.strategy.engine_requests import bucket_over_storage
-    from roll.distributed.transport.bucket import pack_bucket, unpack_bucket
-
-    named = [
-        ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
-        ("b", torch.tensor([7, 8], dtype=torch.int64)),
-    ]
-    meta, flat = pack_bucket(named, version=1, index=0, last=True)
-    views = unpack_bucket(meta, flat)
-    view_meta, view_flat = bucket_over_storage(views)
-    assert view_flat.data_ptr() == flat.data_ptr() and view_flat.numel() == flat.untyped_storage().nbytes()
-    assert [(t.name, t.offset, t.nbytes, t.shape) for t in view_meta.tensors] == [
-        (t.name, t.offset, t.nbytes, t.shape) for t in meta.tensors
-    ]
-    for (_, got), (_, want) in zip(unpack_bucket(view_meta, view_flat), named):
-        assert torch.equal(got, want)
-    assert bucket_over_storage(named) is None  # two separate storages
-    assert bucket_over_storage([("t", torch.zeros(3, 4).t())]) is None  # not contiguous
-    assert bucket_over_storage([]) is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
-def test_shareable_bucket_shares_own_buffer_and_packs_scattered_tensors():
-    from roll.distributed.strategy.engine_requests import shareable_bucket
-    from roll.distributed.transport.bucket import pack_bucket, unpack_bucket
-
-    named = [("a", torch.randn(5, 3, device="cuda")), ("b", torch.randn(7, device="cuda"))]
-    meta, flat = pack_bucket(named, version=1, index=0, last=True)
-    _, shared, handle = shareable_bucket(unpack_bucket(meta, flat))
-    assert shared.data_ptr() == flat.data_ptr() and handle.kind == "cuda"  # no copy
-    packed_meta, packed, _ = shareable_bucket(named)
-    assert packed.data_ptr() != named[0][1].data_ptr()
-    for (_, got), (_, want) in zip(unpack_bucket(packed_meta, packed), named):
-        assert torch.equal(got, want)
-
-
 def test_sglang_abort_keeps_only_tokens_with_log_probs():
     from roll.distributed.strategy.engine_requests import completion_from_sglang
 

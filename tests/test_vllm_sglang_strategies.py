@@ -527,7 +527,7 @@ def test_vllm_sleep_levels(fake_engines, tokenizer_dir):
         ("reset_prefix_cache",),
         ("wake_up", ["kv_cache"]),
     ]
-    assert strategy.weight_version == 3 and strategy._rpc("roll_weight_version") == [3]
+    assert strategy.weight_version == 3 and strategy.workers.weight_version() == [3]
     strategy.generate(prompt_batch([[5]]), SamplingParams(max_new_tokens=2))
 
     strategy, llm = vllm_strategy(tokenizer_dir, sleep_level=0)

@@ -1,9 +1,9 @@
 """Receiver side of a link: take each bucket, check it, and hand it to the engine.
 
 Per bucket: the metadata (and, for a colocated receiver, the IPC handle) arrives on the control
-channel; a remote receiver then receives the bytes into one of two preallocated buffers (posted
-on a side stream that only waits for the previous use of that buffer, so bucket k+1 arrives while
-bucket k loads); a colocated one maps the sender's buffer. The bucket is unpacked into views, its
+channel; a remote receiver then receives the bytes into one of two buffers
+(``transport.engine_receive.ReceiveBuffers``: bucket k+1 arrives while bucket k loads); a colocated one maps the
+sender's buffer. The bucket is unpacked into views, its
 checksums are computed (on the device, read back once at the end) and ``load`` gets the views.
 
     receiver = BucketReceiver(link, device)
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from roll.distributed.model_update.errors import ModelUpdateError
-from roll.distributed.model_update.sender import stream_context
 from roll.distributed.transport.bucket import BucketMeta, unpack_bucket
 from roll.distributed.transport.checksum import bucket_checksums
+from roll.distributed.transport.engine_receive import ReceiveBuffers
 from roll.distributed.transport.ipc import IpcCache
 from roll.distributed.transport.link import Link
 
@@ -49,12 +49,6 @@ class ReceiveResult:
     version: int = 0
 
 
-class _Buffer:
-    def __init__(self) -> None:
-        self.flat: torch.Tensor | None = None
-        self.free: torch.cuda.Event | None = None
-
-
 class BucketReceiver:
     """Receives one update from one link (this member must be one of the link's receivers)."""
 
@@ -65,10 +59,8 @@ class BucketReceiver:
         self.device = device
         self.engine = engine
         self.cuda = device.type == "cuda"
-        self.buffers = [_Buffer(), _Buffer()]
+        self.buffers = ReceiveBuffers(device)
         self.ipc = IpcCache()
-        self.work_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def receive(
         self,
@@ -99,8 +91,7 @@ class BucketReceiver:
             result.buckets += 1
             if meta.last:
                 break
-        if self.work_stream is not None:
-            self.work_stream.synchronize()
+        self.buffers.synchronize()
         if self.link.is_local:
             self.link.control.finish_acks()
         if self.engine is not None and use_engine and not self.link.is_local:
@@ -112,25 +103,19 @@ class BucketReceiver:
         return result
 
     def _take(self, meta: BucketMeta, handle, load: LoadFn, lock, result: ReceiveResult) -> torch.Tensor:
-        buffer = None
         if self.link.is_local:
-            flat, work = self.ipc.open(handle, self.device)[: meta.nbytes], None
+            flat, work, index = self.ipc.open(handle, self.device)[: meta.nbytes], None, None
         else:
-            buffer = self.buffers[meta.index % 2]
-            flat, work = self._post_recv(buffer, meta.nbytes)
-        with stream_context(self.work_stream):
-            if work is not None:
-                work.wait()
+            flat, work = self.buffers.post_recv(meta.index, meta.nbytes, self.link.data)
+            index = meta.index
+        with self.buffers.reading(index, work):
             bucket_sums = bucket_checksums(meta, flat)
             t0 = time.perf_counter()
             with lock:
                 load(iter(unpack_bucket(meta, flat)))
             result.load_s += time.perf_counter() - t0
-            if buffer is not None and self.cuda:
-                buffer.free.record(self.work_stream)
         if self.link.is_local:
-            if self.work_stream is not None:
-                self.work_stream.synchronize()
+            self.buffers.synchronize()
             self.link.control.ack()
         return bucket_sums
 
@@ -146,19 +131,6 @@ class BucketReceiver:
         if self.link.is_local:
             self.link.control.ack()
         return [tuple(row) for row in sums]
-
-    def _post_recv(self, buffer: _Buffer, nbytes: int):
-        if buffer.flat is None or buffer.flat.numel() < nbytes:
-            if self.work_stream is not None:
-                self.work_stream.synchronize()  # the old buffer may still be read by a load
-            buffer.flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            buffer.free = torch.cuda.Event() if self.cuda else None
-        flat = buffer.flat[:nbytes]
-        if not self.cuda:
-            return flat, self.link.data.recv(flat)
-        with torch.cuda.stream(self.recv_stream):
-            self.recv_stream.wait_event(buffer.free)
-            return flat, self.link.data.recv(flat)
 
     def _check(self, meta: BucketMeta, version: int) -> None:
         if meta.version != version:

@@ -6,9 +6,10 @@
   hands them back in prompt order (row ``i * n + j`` is sample ``j`` of prompt ``i``);
 * output conversion: each engine's output objects -> ``Completion`` -> the Batch layout of
   ``roll.distributed.strategy.base`` (through ``generation.build_generation_batch``);
-* scoring (prompt log-probs) and handing weights to engine processes by CUDA IPC.
+* scoring (prompt log-probs).
 
-Engine start-up options live in ``engine_options``.
+Engine start-up options live in ``engine_options``; handing weights to engine processes lives in
+``roll.distributed.transport.engine_receive``.
 
 Two ways of getting ``n`` samples per prompt are supported: one request that asks the engine for
 ``n`` outputs (vLLM's batch ``generate``) or ``n`` requests of one output each (SGLang, and vLLM's
@@ -24,7 +25,6 @@ per-request API, so each sample can be aborted on its own)::
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -415,60 +415,3 @@ def sglang_input_logprobs(output: Mapping[str, Any], req: ScoringRequest) -> lis
             )
         vals.append(float(entry[0]))
     return vals
-
-
-# --------------------------------------------------------------------------- weights into engine processes
-
-
-def bucket_over_storage(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, torch.Tensor] | None:
-    """``(BucketMeta, flat)`` describing tensors that are contiguous views into one storage (a
-    receiver's bucket buffer) without copying them, or None when they are not."""
-    from roll.distributed.transport.bucket import BucketMeta, TensorMeta
-
-    if not named:
-        return None
-    storage = named[0][1].untyped_storage()
-    metas = []
-    for name, tensor in named:
-        if not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
-        offset = tensor.storage_offset() * tensor.element_size()
-        metas.append(
-            TensorMeta(
-                name, tensor.dtype, tuple(tensor.shape), offset, tensor.numel() * tensor.element_size()
-            )
-        )
-    flat = torch.empty(0, dtype=torch.uint8, device=named[0][1].device)
-    flat.set_(storage, 0, (storage.nbytes(),))
-    return BucketMeta(metas, storage.nbytes(), version=-1, index=0, last=True), flat
-
-
-def shareable_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, torch.Tensor, Any]:
-    """``(meta, flat, handle)``: CUDA tensors as one bucket that engine processes can map by CUDA IPC.
-
-    Views into one buffer this process allocated are shared as they are. Anything else -- scattered
-    tensors, or a buffer this process itself mapped from another one (torch refuses to share those
-    again) -- is packed into a fresh buffer first.
-    """
-    from roll.distributed.transport.bucket import pack_bucket
-
-    device = named[0][1].device
-    torch.cuda.current_stream(device).synchronize()  # the bytes must be there before another process reads
-    view = bucket_over_storage(named)
-    if view is not None:
-        try:
-            return (*view, _cuda_ipc_handle(view[1]))
-        except RuntimeError:  # "Attempted to send CUDA tensor received from another process"
-            pass
-    meta, flat = pack_bucket(list(named), version=-1, index=0, last=True)
-    torch.cuda.current_stream(device).synchronize()
-    return meta, flat, _cuda_ipc_handle(flat)
-
-
-def _cuda_ipc_handle(flat: torch.Tensor) -> Any:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    from roll.distributed.transport.ipc import IpcHandle
-
-    _, args = reduce_tensor(flat)
-    return IpcHandle("cuda", ("roll-engine-load", uuid.uuid4().hex), flat.numel(), tuple(args))

@@ -18,9 +18,10 @@ are serialized; ``abort`` from another thread is posted onto that loop.
     strategy.reload_states()                                # resume_memory_occupation(["weights"])
 
 Model update: the receiver on this worker receives each bucket itself (as for ``hf_infer``) and
-calls ``load_weights`` (or ``load_shared_bucket`` when colocated), which hands the tensors to
+calls ``load_weights`` with views into its buffer (or ``load_shared_bucket`` when colocated, through
+``transport.engine_receive.EngineReceiver`` as vLLM's workers do), which hands the tensors to
 ``Engine.update_weights_from_tensor`` (CUDA IPC into the schedulers); then
-``finish_model_update(version)``. SGLang's own NCCL path is ``init_weights_update_group`` +
+``finish_model_update(version)``. Control calls into the engine are ``SGLangEngineCalls``. SGLang's own NCCL path is ``init_weights_update_group`` +
 ``update_weights_from_distributed(meta)``; it needs a sender that builds SGLang's group and
 broadcasts tensor by tensor (see docs/strategies.md).
 """
@@ -57,9 +58,10 @@ from roll.distributed.strategy.engine_requests import (
     scoring_requests,
     sglang_generate_requests,
     sglang_input_logprobs,
-    shareable_bucket,
 )
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
+from roll.distributed.strategy.sglang_engine_calls import SGLangEngineCalls
+from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
 from roll.models.tokenizer import load_tokenizer
 
 MEMORY_TAGS = ["kv_cache", "weights"]
@@ -82,7 +84,8 @@ class SGLangStrategy:
         self._released: set[str] = set()
         self._weights_stale = False
         self._needs_flush = False  # weights changed since the radix cache was last flushed
-        self._ipc: Any = None
+        self.calls = SGLangEngineCalls(None)  # typed control calls (their engine: initialize)
+        self.receiver = EngineReceiver(ctx.device, self._update_weights, reshare=True)
 
     # ----------------------------------------------------------------------------------- setup
     def initialize(self) -> None:
@@ -95,6 +98,7 @@ class SGLangStrategy:
         # drivers without it: only this process is sure to have the engine that will run.
         options.check(dataclass_field_names(server_args), "SGLang", "sglang")
         self.engine = sglang.Engine(**options.kwargs)
+        self.calls = SGLangEngineCalls(self.engine)
         margs = self.role_config.model_args
         self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
         self._weights_stale = self.config.load_format == "dummy"
@@ -138,9 +142,8 @@ class SGLangStrategy:
         """Abort in-flight requests (all when None; an id also matches ``<id>-...``) by posting
         ``tokenizer_manager.abort_request(rid)`` onto the engine's loop. Returns the ids aborted."""
         ids = self.registry.request_abort(request_ids)
-        manager = self.engine.tokenizer_manager
         for rid in self.registry.take_aborts():
-            self.engine.loop.call_soon_threadsafe(manager.abort_request, rid)
+            self.calls.abort(rid)
         return ids
 
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -199,7 +202,7 @@ class SGLangStrategy:
             )
         self._resume([t for t in MEMORY_TAGS if t in self._released])
         if self._needs_flush:
-            self.engine.flush_cache()
+            self.calls.flush_cache()
             self._needs_flush = False
 
     # --------------------------------------------------------------------------- offload
@@ -209,7 +212,7 @@ class SGLangStrategy:
         tags = self._offload_tags()
         if not tags or self._released:
             return
-        _ok(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
+        self.calls.release_memory(tags)
         self._released = set(tags)
         if "weights" in tags:
             self._weights_stale = True
@@ -229,7 +232,7 @@ class SGLangStrategy:
 
     def _resume(self, tags: list[str]) -> None:
         if tags:
-            _ok(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
+            self.calls.resume_memory(tags)
             self._released -= set(tags)
 
     # ---------------------------------------------------------------------- model update
@@ -237,50 +240,31 @@ class SGLangStrategy:
         """Hand full HF-named tensors to ``Engine.update_weights_from_tensor`` (CUDA tensors cross
         to the schedulers by IPC; SGLang shards them). The radix cache is flushed once the KV cache
         is back (``finish_model_update`` or the next generation)."""
-        from roll.distributed.transport.bucket import unpack_bucket
-
         self._resume(["weights"] if "weights" in self._released else [])
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        flat = None
-        if named and named[0][1].is_cuda:  # SGLang shares them by CUDA IPC: they must lie in a buffer we own
-            meta, flat, _ = shareable_bucket(named)
-            named = unpack_bucket(meta, flat)
-        _ok(
-            self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False),
-            "update_weights_from_tensor",
-        )
-        del flat  # kept alive until the schedulers have loaded from it
+        if named and named[0][1].is_cuda:  # SGLang shares them by CUDA IPC: they must lie in memory we own
+            named = shareable_tensors(named)
+        self._update_weights(named)
+
+    def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Tensors SGLang can take as they are -> ``Engine.update_weights_from_tensor``."""
+        self._resume(["weights"] if "weights" in self._released else [])
+        self.calls.update_weights_from_tensor(named)
         self._weights_stale = False
         self._needs_flush = True
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, verify: bool = False
     ) -> list[tuple[int, int]] | None:
-        """Colocated: map the sender's buffer on this worker's device and load the bucket."""
-        from roll.distributed.transport.bucket import unpack_bucket
-        from roll.distributed.transport.checksum import bucket_checksums
-        from roll.distributed.transport.ipc import IpcCache
-
-        self._ipc = self._ipc or IpcCache()
-        device = self.ctx.device if handle.kind == "cuda" else torch.device("cpu")
-        flat = self._ipc.open(handle, device)[: meta.nbytes]
-        sums = [tuple(s) for s in bucket_checksums(meta, flat).tolist()] if verify else None
-        self.load_weights(iter(unpack_bucket(meta, flat)))
-        return sums
+        """Colocated: map the sender's buffer on this worker's device and load the bucket (a CUDA
+        bucket is copied into a buffer of ours first: SGLang shares it on by CUDA IPC)."""
+        return self.receiver.load_shared(meta, handle, verify=verify)
 
     def init_weights_update_group(
         self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str = "nccl"
     ) -> None:
         """SGLang's own NCCL group: its TP schedulers join as ``rank_offset + tp rank``."""
-        result = self.engine.init_weights_update_group(
-            master_address=host,
-            master_port=port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-        _ok(result, "init_weights_update_group")
+        self.calls.init_weights_update_group(host, port, rank_offset, world_size, group_name, backend)
         self.group_name = group_name
 
     def update_weights_from_distributed(self, meta: Any) -> None:
@@ -288,14 +272,7 @@ class SGLangStrategy:
         if self.group_name is None:
             raise RuntimeError("update_weights_from_distributed before init_weights_update_group")
         self._resume(["weights"] if "weights" in self._released else [])
-        result = self.engine.update_weights_from_distributed(
-            names=[t.name for t in meta.tensors],
-            dtypes=[str(t.dtype).removeprefix("torch.") for t in meta.tensors],
-            shapes=[list(t.shape) for t in meta.tensors],
-            group_name=self.group_name,
-            flush_cache=False,
-        )
-        _ok(result, "update_weights_from_distributed")
+        self.calls.update_weights_from_distributed(meta, self.group_name)
         self._weights_stale = False
         self._needs_flush = True
 
@@ -303,15 +280,7 @@ class SGLangStrategy:
         """After the last bucket: bring back the KV cache, flush the radix cache (its KV came from
         the old weights) and record the version."""
         self._resume(sorted(self._released))
-        self.engine.flush_cache()
+        self.calls.flush_cache()
         self._needs_flush = False
         self._weights_stale = False
         self.weight_version = version
-
-
-def _ok(result: Any, call: str) -> None:
-    """SGLang answers control calls with ``(success, message)`` (or an object with ``success``)."""
-    if isinstance(result, tuple) and result and result[0] is False:
-        raise RuntimeError(f"SGLang {call} failed: {result[1] if len(result) > 1 else ''}")
-    if getattr(result, "success", True) is False:
-        raise RuntimeError(f"SGLang {call} failed: {getattr(result, 'message', '')}")

@@ -21,7 +21,7 @@ serves batch ``generate``, per-request ``generate_one`` and ``abort`` from anoth
     strategy.reload_states()                                # llm.wake_up(...)
 
 Model update (the receiver on this worker calls these; each is one ``collective_rpc`` into
-``RollWorkerExtension`` in every TP worker)::
+``RollWorkerExtension`` in every TP worker, made by ``VLLMWorkerCalls``)::
 
     strategy.join_model_update_group(host, port, prefix, rank_offset, world_size)
     strategy.receive_bucket(meta)                 # broadcast link: every TP worker receives + loads
@@ -61,7 +61,6 @@ from roll.distributed.strategy.engine_requests import (
     require_unit_temperature,
     rows_to_tensor,
     scoring_requests,
-    shareable_bucket,
     vllm_generate_requests,
     vllm_prompt_logprobs,
 )
@@ -70,6 +69,8 @@ from roll.distributed.strategy.generation import (
     prompt_token_lists,
     response_width,
 )
+from roll.distributed.strategy.vllm_worker_extension import VLLMWorkerCalls
+from roll.distributed.transport.engine_receive import shareable_bucket
 from roll.models.tokenizer import load_tokenizer
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
@@ -84,6 +85,7 @@ class VLLMStrategy:
         self.ctx = ctx
         self.config: VLLMConfig = typed_strategy_config(role_config, VLLMConfig)
         self.llm: Any = None
+        self.workers = VLLMWorkerCalls(None)  # calls into the TP workers (their engine: initialize)
         self.pad_token_id: int | None = None
         self.weight_version: int | None = None
         self.registry = RequestRegistry()
@@ -110,6 +112,7 @@ class VLLMStrategy:
         # drivers without it: only this process is sure to have the engine that will run.
         options.check(dataclass_field_names(self._vllm.EngineArgs), "vLLM", "vllm")
         self.llm = self._vllm.LLM(**options.kwargs)
+        self.workers = VLLMWorkerCalls(self.llm)
         margs = self.role_config.model_args
         self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
         self._weights_stale = self.config.load_format == "dummy"
@@ -278,20 +281,20 @@ class VLLMStrategy:
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
     ) -> list[int]:
         """Every TP worker joins the sender's group (store at host:port) as ``rank_offset + tp rank``."""
-        return self._rpc("roll_init_update_group", host, port, prefix, rank_offset, world_size, backend)
+        return self.workers.init_update_group(host, port, prefix, rank_offset, world_size, backend)
 
     def leave_model_update_group(self) -> None:
-        self._rpc("roll_destroy_update_group")
+        self.workers.destroy_update_group()
 
     def receive_bucket(self, meta: Any, verify: bool = False) -> None:
         """Every TP worker receives the sender's next broadcast into its buffer and loads it,
         queued on its device without waiting; the checksums come from ``take_checksums``."""
         self._wake_weights()
-        self._rpc("roll_receive_bucket", meta, verify)
+        self.workers.receive_bucket(meta, verify)
 
     def take_checksums(self) -> list[tuple[int, int]]:
         """Wait for the received buckets to load; their per-tensor checksums, in order."""
-        return _agreed(self._rpc("roll_take_checksums"))
+        return _agreed(self.workers.take_checksums())
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, verify: bool = False
@@ -299,12 +302,12 @@ class VLLMStrategy:
         """Colocated: every TP worker maps the sender's buffer (on this worker's device) and loads it."""
         self._wake_weights()
         device_index = self.ctx.device.index if self.ctx.is_cuda else None
-        return _agreed(self._rpc("roll_load_shared_bucket", meta, handle, device_index, verify))
+        return _agreed(self.workers.load_shared_bucket(meta, handle, device_index, verify))
 
     def finish_model_update(self, version: int) -> None:
         """After the last bucket: forget cached prefixes (their KV came from the old weights), wake
         the KV cache if it still sleeps, and record the version in every TP worker."""
-        self._rpc("roll_finish_update", version)
+        self.workers.finish_update(version)
         self.llm.reset_prefix_cache()
         self._weights_stale = False
         self.weight_version = version
@@ -319,12 +322,12 @@ class VLLMStrategy:
         self._wake_weights()
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if self.config.tensor_parallel_size == 1:  # the model lives in this process: no copy, no IPC
-            self._rpc("roll_load_tensors", named)
+            self.workers.load_tensors(named)
         elif named and named[0][1].is_cuda:
             meta, flat, handle = shareable_bucket(named)
-            self._rpc("roll_load_shared_bucket", meta, handle, flat.device.index, False)
+            self.workers.load_shared_bucket(meta, handle, flat.device.index, False)
         else:
-            self._rpc("roll_load_tensors", [(name, tensor.cpu()) for name, tensor in named])
+            self.workers.load_tensors([(name, tensor.cpu()) for name, tensor in named])
         self.llm.reset_prefix_cache()
         self._weights_stale = False
 
@@ -332,9 +335,6 @@ class VLLMStrategy:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self.llm.collective_rpc(method, args=args)
 
 
 def _agreed(results: list[Any]) -> Any:

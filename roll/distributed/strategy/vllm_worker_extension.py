@@ -2,29 +2,30 @@
 
 vLLM builds its worker class with this class as an extra base, so the methods run inside every
 tensor-parallel worker process with the worker's ``self.device``, ``self.rank`` and
-``self.model_runner`` at hand. ``VLLMStrategy`` reaches them with ``llm.collective_rpc(name, ...)``;
-every worker runs the call and the strategy gets one result per worker.
+``self.model_runner`` at hand. ``VLLMStrategy`` reaches them through ``VLLMWorkerCalls`` (below),
+one ``llm.collective_rpc`` each; every worker runs the call and the strategy gets one result per
+worker. vLLM finds a worker method only by name, so each ``VLLMWorkerCalls`` method names its target
+by reference to the ``RollWorkerExtension`` method it runs (a reader and a type checker follow the
+call into the worker), and ``_rpc`` takes the name vLLM needs from that reference::
 
-Buckets are those of ``roll.distributed.transport.bucket`` (HF names, 256-byte aligned flat
-uint8 buffers) and arrive one of two ways, both built from the model-update package's own pieces
-so the two ends of a link are constructed alike:
+    calls = VLLMWorkerCalls(llm)
+    calls.load_shared_bucket(meta, handle, device_index=0, verify=True)   # one result per TP worker
 
-* broadcast: each worker joins the sender's group (``open_store`` + ``new_group``, rank
-  ``rank_offset + worker rank``) and receives every bucket into one of two buffers it keeps
-  between buckets. Nothing waits on the host: the receive is posted on a side stream (behind the
-  last load that read that buffer), the checksums and the load are queued behind the receive, so
-  bucket k+1 arrives while bucket k loads; ``roll_take_checksums`` waits once at the end;
-* shared memory (colocated): each worker maps the sender's buffer from its handle (``IpcCache``).
-
-Either way the tensors are views into the flat buffer, loaded with the model's own
-``load_weights`` (which shards them for tensor parallelism), and optionally checksummed.
+Receiving is ``roll.distributed.transport.engine_receive.EngineReceiver``'s, the same as SGLang's:
+a broadcast bucket lands in its double buffer (bucket k+1 arrives while k loads, nothing waits on
+the host until ``roll_take_checksums``), a colocated one is mapped from the sender's buffer. Either
+way the tensors are views into the flat buffer, loaded with the model's own ``load_weights``
+(which shards them for tensor parallelism), and optionally checksummed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from roll.distributed.transport.engine_receive import EngineReceiver
 
 
 class RollWorkerExtension:
@@ -34,44 +35,21 @@ class RollWorkerExtension:
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
     ) -> int:
         """Join the sender's broadcast group; returns this worker's rank in it."""
-        from roll.distributed.transport.broadcast import BroadcastTransport
-        from roll.distributed.transport.process_group import new_group, open_store
-
         rank = rank_offset + int(self.rank)
-        store = open_store(host, port, world_size, is_master=False)
-        group = new_group(backend, store, prefix, rank, world_size)
-        self._roll_transport = BroadcastTransport(group, rank)
-        self._roll_group = group
-        self._roll_pipe = _ReceivePipeline(torch.device(self.device))
+        self._roll_receiver().join(host, port, prefix, rank, world_size, backend)
         return rank
 
     def roll_destroy_update_group(self) -> None:
-        self._roll_transport = None
-        self._roll_group = None
-        self._roll_pipe = None
+        self._roll_receiver().leave()
 
     def roll_receive_bucket(self, meta: Any, verify: bool = False) -> None:
         """Receive one broadcast bucket and load it, queued on the device without waiting; its
         per-tensor checksums (when ``verify``) come back from ``roll_take_checksums``."""
-        transport = getattr(self, "_roll_transport", None)
-        if transport is None:
-            raise RuntimeError("roll_receive_bucket before roll_init_update_group")
-        pipe = self._roll_pipe
-        flat, work = pipe.post_recv(meta.index, meta.nbytes, transport)
-        with pipe.work():
-            work.wait()
-            if verify:
-                pipe.sums.append(_bucket_sums(meta, flat))
-            self._roll_model().load_weights(weights=_views(meta, flat, self.device))
-            pipe.release(meta.index)
+        self._roll_receiver().receive(meta, verify)
 
     def roll_take_checksums(self) -> list[tuple[int, int]]:
         """Wait for every queued bucket; their checksums in order (then forgotten)."""
-        pipe = getattr(self, "_roll_pipe", None)
-        if pipe is None:
-            return []
-        self._roll_sync()
-        return pipe.take_sums()
+        return self._roll_receiver().take_checksums()
 
     def roll_load_shared_bucket(
         self, meta: Any, handle: Any, device_index: int | None = None, verify: bool = False
@@ -81,22 +59,14 @@ class RollWorkerExtension:
         ``device_index`` is where the buffer lives in this process's numbering of the visible
         devices (the strategy's own device); None means this worker's device.
         """
-        from roll.distributed.transport.ipc import IpcCache
-
-        cache = getattr(self, "_roll_ipc", None)
-        if cache is None:
-            cache = self._roll_ipc = IpcCache()
-        if handle.kind == "cuda":
-            device = self.device if device_index is None else torch.device("cuda", device_index)
-        else:
-            device = torch.device("cpu")
-        flat = cache.open(handle, device)[: meta.nbytes]
-        return self._roll_load_flat(meta, flat, verify)
+        device = None if device_index is None else torch.device("cuda", device_index)
+        return self._roll_receiver().load_shared(meta, handle, device, verify)
 
     def roll_load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load full HF-named tensors given by value (the slow, general path); returns the count."""
-        self._roll_model().load_weights(weights=[(name, t.to(self.device)) for name, t in named_tensors])
-        self._roll_sync()
+        receiver = self._roll_receiver()
+        receiver.load(named_tensors)
+        receiver.synchronize()
         return len(named_tensors)
 
     def roll_finish_update(self, version: int) -> int:
@@ -108,75 +78,53 @@ class RollWorkerExtension:
         return getattr(self, "_roll_version", None)
 
     # ------------------------------------------------------------------------------ helpers
-    def _roll_load_flat(self, meta: Any, flat: torch.Tensor, verify: bool) -> list[tuple[int, int]] | None:
-        from roll.distributed.transport.checksum import bucket_checksums
+    def _roll_receiver(self) -> EngineReceiver:
+        """This worker's receiver (made on first use), loading into the model on its device."""
+        receiver = getattr(self, "_roll_engine_receiver", None)
+        if receiver is None:
+            receiver = self._roll_engine_receiver = EngineReceiver(torch.device(self.device), self._roll_load)
+        return receiver
 
-        sums = [tuple(s) for s in bucket_checksums(meta, flat).tolist()] if verify else None
-        self._roll_model().load_weights(weights=_views(meta, flat, self.device))
-        self._roll_sync()
-        return sums
-
-    def _roll_model(self) -> torch.nn.Module:
-        return self.model_runner.model
-
-    def _roll_sync(self) -> None:
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)  # every stream, the pipeline's included
+    def _roll_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.model.load_weights(weights=[(name, t.to(self.device)) for name, t in named])
 
 
-def _views(meta: Any, flat: torch.Tensor, device: Any) -> list[tuple[str, torch.Tensor]]:
-    from roll.distributed.transport.bucket import unpack_bucket
+class VLLMWorkerCalls:
+    """Every TP worker of ``llm`` runs the call; each method returns their results in rank order."""
 
-    return [(name, t.to(device)) for name, t in unpack_bucket(meta, flat)]
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
 
+    def init_update_group(
+        self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str
+    ) -> list[int]:
+        return self._rpc(
+            RollWorkerExtension.roll_init_update_group, host, port, prefix, rank_offset, world_size, backend
+        )
 
-def _bucket_sums(meta: Any, flat: torch.Tensor) -> torch.Tensor:
-    from roll.distributed.transport.checksum import bucket_checksums
+    def destroy_update_group(self) -> list[None]:
+        return self._rpc(RollWorkerExtension.roll_destroy_update_group)
 
-    return bucket_checksums(meta, flat)
+    def receive_bucket(self, meta: Any, verify: bool) -> list[None]:
+        return self._rpc(RollWorkerExtension.roll_receive_bucket, meta, verify)
 
+    def take_checksums(self) -> list[list[tuple[int, int]]]:
+        return self._rpc(RollWorkerExtension.roll_take_checksums)
 
-class _ReceivePipeline:
-    """Two receive buffers on ``device`` and the streams that let bucket k+1 arrive while k loads.
+    def load_shared_bucket(
+        self, meta: Any, handle: Any, device_index: int | None, verify: bool
+    ) -> list[list[tuple[int, int]] | None]:
+        return self._rpc(RollWorkerExtension.roll_load_shared_bucket, meta, handle, device_index, verify)
 
-    A buffer is reused only after the load that read it (its ``free`` event); on CPU everything
-    runs in order on the calling thread.
-    """
+    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
+        return self._rpc(RollWorkerExtension.roll_load_tensors, named_tensors)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.flats: list[torch.Tensor | None] = [None, None]
-        self.free = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
-        self.recv_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.work_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.sums: list[torch.Tensor] = []
+    def finish_update(self, version: int) -> list[int]:
+        return self._rpc(RollWorkerExtension.roll_finish_update, version)
 
-    def post_recv(self, index: int, nbytes: int, transport: Any) -> tuple[torch.Tensor, Any]:
-        slot = index % 2
-        flat = self.flats[slot]
-        if flat is None or flat.numel() < nbytes:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)  # the old buffer may still be read by a load
-            flat = self.flats[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if not self.cuda:
-            return flat[:nbytes], transport.recv(flat[:nbytes])
-        with torch.cuda.stream(self.recv_stream):
-            self.recv_stream.wait_event(self.free[slot])
-            return flat[:nbytes], transport.recv(flat[:nbytes])
+    def weight_version(self) -> list[int | None]:
+        return self._rpc(RollWorkerExtension.roll_weight_version)
 
-    def work(self):
-        import contextlib
-
-        return torch.cuda.stream(self.work_stream) if self.cuda else contextlib.nullcontext()
-
-    def release(self, index: int) -> None:
-        if self.cuda:
-            self.free[index % 2].record(self.work_stream)
-
-    def take_sums(self) -> list[tuple[int, int]]:
-        if not self.sums:
-            return []
-        rows = [tuple(row) for row in torch.cat(self.sums).cpu().tolist()]
-        self.sums = []
-        return rows
+    def _rpc(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """The one place a worker method becomes the name vLLM looks it up by."""
+        return self.llm.collective_rpc(method.__name__, args=args)
