@@ -28,7 +28,6 @@ broadcasts tensor by tensor (see docs/strategies.md).
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import threading
 from collections.abc import Iterator
@@ -41,11 +40,7 @@ from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
-from roll.distributed.strategy.engine_options import (
-    dataclass_field_names,
-    import_engine,
-    sglang_engine_options,
-)
+from roll.distributed.strategy.engine_options import EngineOptions, sglang_engine_options
 from roll.distributed.strategy.engine_requests import (
     Completion,
     CompletionCollector,
@@ -59,10 +54,10 @@ from roll.distributed.strategy.engine_requests import (
     sglang_generate_requests,
     sglang_input_logprobs,
 )
+from roll.distributed.strategy.engine_startup import ENGINES, start_engine
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
 from roll.distributed.strategy.sglang_engine_calls import SGLangEngineCalls
 from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
-from roll.models.tokenizer import load_tokenizer
 
 MEMORY_TAGS = ["kv_cache", "weights"]
 
@@ -90,17 +85,13 @@ class SGLangStrategy:
     # ----------------------------------------------------------------------------------- setup
     def initialize(self) -> None:
         """Start ``sglang.Engine`` after checking every option against the installed ``ServerArgs``."""
-        role = self.ctx.role
-        sglang = import_engine("sglang", role, "sglang")
-        server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
-        options = sglang_engine_options(self.config, self.role_config, role, self.ctx.seed + self.ctx.rank)
-        # Also checked before launch where the driver imports SGLang (roll.launch.roles); here for
-        # drivers without it: only this process is sure to have the engine that will run.
-        options.check(dataclass_field_names(server_args), "SGLang", "sglang")
-        self.engine = sglang.Engine(**options.kwargs)
+
+        def options(seed: int) -> EngineOptions:
+            return sglang_engine_options(self.config, self.role_config, self.ctx.role, seed)
+
+        started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
+        self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.calls = SGLangEngineCalls(self.engine)
-        margs = self.role_config.model_args
-        self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:

@@ -45,11 +45,7 @@ from roll.configs.strategy_configs import VLLMConfig, typed_strategy_config
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
-from roll.distributed.strategy.engine_options import (
-    dataclass_field_names,
-    import_engine,
-    vllm_engine_options,
-)
+from roll.distributed.strategy.engine_options import EngineOptions, vllm_engine_options
 from roll.distributed.strategy.engine_requests import (
     Completion,
     CompletionCollector,
@@ -64,6 +60,7 @@ from roll.distributed.strategy.engine_requests import (
     vllm_generate_requests,
     vllm_prompt_logprobs,
 )
+from roll.distributed.strategy.engine_startup import ENGINES, start_engine
 from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
@@ -71,7 +68,6 @@ from roll.distributed.strategy.generation import (
 )
 from roll.distributed.strategy.vllm_worker_extension import VLLMWorkerCalls
 from roll.distributed.transport.engine_receive import shareable_bucket
-from roll.models.tokenizer import load_tokenizer
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
 _ABORTED = object()
@@ -99,22 +95,17 @@ class VLLMStrategy:
     # ----------------------------------------------------------------------------------- setup
     def initialize(self) -> None:
         """Start ``vllm.LLM`` after checking every option against the installed ``vllm.EngineArgs``."""
-        role = self.ctx.role
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
         # TP>1 worker processes must not be forked from a process that has touched CUDA (a TP=2 test
         # on 2 x H200 failed so: "WorkerProc initialization failed").
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        self._vllm = import_engine("vllm", role, "vllm")
-        options = vllm_engine_options(
-            self.config, self.role_config, role, self.ctx.seed + self.ctx.rank, EXTENSION
-        )
-        # Also checked before launch where the driver imports vLLM (roll.launch.roles); here for
-        # drivers without it: only this process is sure to have the engine that will run.
-        options.check(dataclass_field_names(self._vllm.EngineArgs), "vLLM", "vllm")
-        self.llm = self._vllm.LLM(**options.kwargs)
+
+        def options(seed: int) -> EngineOptions:
+            return vllm_engine_options(self.config, self.role_config, self.ctx.role, seed, EXTENSION)
+
+        started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
+        self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
         self.workers = VLLMWorkerCalls(self.llm)
-        margs = self.role_config.model_args
-        self.pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
         self._weights_stale = self.config.load_format == "dummy"
 
     def dp_layout(self) -> tuple[int, int, bool]:

@@ -1,0 +1,63 @@
+"""Starting an inference engine inside a worker, the same way for ``vllm`` and ``sglang``.
+
+Both strategies import their engine (a ConfigError naming the pip extra when it is missing), build
+its options with the worker's seed (``ctx.seed + ctx.rank``), check every option against the
+installed engine's argument class, construct the engine and read the pad token id. What differs
+is a row of ``ENGINES``::
+
+    started = start_engine(ENGINES["vllm"], lambda seed: vllm_engine_options(..., seed, EXT), role_config, ctx)
+    llm, vllm = started.engine, started.module
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from roll.distributed.strategy.engine_options import EngineOptions, dataclass_field_names, import_engine
+from roll.models.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from roll.configs.role import RoleConfig
+    from roll.core.worker_context import WorkerContext
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    package: str  # the Python package, which is also the strategy's name and its pip extra
+    display: str  # how errors name the engine
+    args_class: str  # "module:Class" of the option dataclass the options are checked against
+    constructor: str  # the engine class in ``package``
+
+
+ENGINES = {
+    "vllm": EngineKind("vllm", "vLLM", "vllm:EngineArgs", "LLM"),
+    "sglang": EngineKind("sglang", "SGLang", "sglang.srt.server_args:ServerArgs", "Engine"),
+}
+
+
+@dataclass(frozen=True)
+class StartedEngine:
+    module: ModuleType  # the engine's package (vLLM's strategy builds SamplingParams from it)
+    engine: Any  # ``vllm.LLM`` / ``sglang.Engine``
+    pad_token_id: int | None
+
+
+def start_engine(
+    kind: EngineKind, options: Callable[[int], EngineOptions], role_config: RoleConfig, ctx: WorkerContext
+) -> StartedEngine:
+    """Import, check and construct the engine ``kind`` with ``options(seed)``. The options are
+    also checked before launch where the driver imports the engine (roll.launch.roles); here for
+    drivers without it: only this process is sure to have the engine that will run."""
+    module = import_engine(kind.package, ctx.role, kind.package)
+    built = options(ctx.seed + ctx.rank)
+    args_module, args_class = kind.args_class.split(":")
+    accepted = dataclass_field_names(getattr(importlib.import_module(args_module), args_class))
+    built.check(accepted, kind.display, kind.package)
+    engine = getattr(module, kind.constructor)(**built.kwargs)
+    margs = role_config.model_args
+    pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
+    return StartedEngine(module, engine, pad_token_id)
