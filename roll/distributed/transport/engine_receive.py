@@ -157,12 +157,6 @@ class EngineReceiver:
         ``device`` is where a CUDA buffer lives in this process's numbering (default: ours)."""
         where = (device or self.device) if handle.kind == "cuda" else torch.device("cpu")
         flat = self.ipc.open(handle, where)[: meta.nbytes]
-        return self.load_flat(meta, flat, verify)
-
-    def load_flat(
-        self, meta: BucketMeta, flat: torch.Tensor, verify: bool = False
-    ) -> list[tuple[int, int]] | None:
-        """Load a bucket that is already here; its per-tensor checksums when ``verify``."""
         sums = [tuple(s) for s in bucket_checksums(meta, flat).tolist()] if verify else None
         if self.reshare and flat.is_cuda:
             flat = flat.clone()  # a mapped buffer cannot be shared again; our own copy can
