@@ -80,7 +80,8 @@ class SGLangStrategy:
         self._weights_stale = False
         self._needs_flush = False  # weights changed since the radix cache was last flushed
         self.calls = SGLangEngineCalls(None)  # typed control calls (their engine: initialize)
-        self.receiver = EngineReceiver(ctx.device, self._update_weights, reshare=True)
+        # A colocated bucket's views go straight to Engine.update_weights_from_tensor.
+        self.receiver = EngineReceiver(ctx.device, self.calls.update_weights_from_tensor, reshare=True)
 
     # ----------------------------------------------------------------------------------- setup
     def initialize(self) -> None:
@@ -91,7 +92,7 @@ class SGLangStrategy:
 
         started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
-        self.calls = SGLangEngineCalls(self.engine)
+        self.calls.engine = self.engine
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:
@@ -235,11 +236,6 @@ class SGLangStrategy:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if named and named[0][1].is_cuda:  # SGLang shares them by CUDA IPC: they must lie in memory we own
             named = shareable_tensors(named)
-        self._update_weights(named)
-
-    def _update_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Tensors SGLang can take as they are -> ``Engine.update_weights_from_tensor``."""
-        self._resume(["weights"] if "weights" in self._released else [])
         self.calls.update_weights_from_tensor(named)
         self._weights_stale = False
         self._needs_flush = True
@@ -249,7 +245,11 @@ class SGLangStrategy:
     ) -> list[tuple[int, int]] | None:
         """Colocated: map the sender's buffer on this worker's device and load the bucket (a CUDA
         bucket is copied into a buffer of ours first: SGLang shares it on by CUDA IPC)."""
-        return self.receiver.load_shared(meta, handle, verify=verify)
+        self._resume(["weights"] if "weights" in self._released else [])
+        sums = self.receiver.load_shared(meta, handle, verify=verify)
+        self._weights_stale = False
+        self._needs_flush = True
+        return sums
 
     def init_weights_update_group(
         self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str = "nccl"
