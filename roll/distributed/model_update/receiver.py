@@ -2,9 +2,9 @@
 
 Per bucket: the metadata (and, for a colocated receiver, the IPC handle) arrives on the control
 channel; a remote receiver then receives the bytes into one of two buffers
-(``transport.engine_receive.ReceiveBuffers``: bucket k+1 arrives while bucket k loads); a colocated one maps the
-sender's buffer. The bucket is unpacked into views, its
-checksums are computed (on the device, read back once at the end) and ``load`` gets the views.
+(``transport.engine_receive.ReceiveBuffers``: bucket k+1 arrives while bucket k loads); a
+colocated one maps the sender's buffer. The bucket is unpacked into views, its checksums are
+computed (on the device, read back once at the end) and ``load`` gets the views.
 
     receiver = BucketReceiver(link, device)
     result = receiver.receive(strategy.load_weights, version=step, lock=threading.Lock())
