@@ -79,9 +79,9 @@ class SGLangStrategy:
         self._released: set[str] = set()
         self._weights_stale = False
         self._needs_flush = False  # weights changed since the radix cache was last flushed
-        self.calls = SGLangEngineCalls(None)  # typed control calls (their engine: initialize)
+        self.engine_calls = SGLangEngineCalls(None)  # typed control calls (their engine: initialize)
         # A colocated bucket's views go straight to Engine.update_weights_from_tensor.
-        self.receiver = EngineReceiver(ctx.device, self.calls.update_weights_from_tensor, reshare=True)
+        self.receiver = EngineReceiver(ctx.device, self.engine_calls.update_weights_from_tensor, reshare=True)
 
     # ----------------------------------------------------------------------------------- setup
     def initialize(self) -> None:
@@ -92,7 +92,7 @@ class SGLangStrategy:
 
         started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
-        self.calls.engine = self.engine
+        self.engine_calls.engine = self.engine
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:
@@ -135,7 +135,7 @@ class SGLangStrategy:
         ``tokenizer_manager.abort_request(rid)`` onto the engine's loop. Returns the ids aborted."""
         ids = self.registry.request_abort(request_ids)
         for rid in self.registry.take_aborts():
-            self.calls.abort(rid)
+            self.engine_calls.abort(rid)
         return ids
 
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -194,7 +194,7 @@ class SGLangStrategy:
             )
         self._resume([t for t in MEMORY_TAGS if t in self._released])
         if self._needs_flush:
-            self.calls.flush_cache()
+            self.engine_calls.flush_cache()
             self._needs_flush = False
 
     # --------------------------------------------------------------------------- offload
@@ -204,7 +204,7 @@ class SGLangStrategy:
         tags = self._offload_tags()
         if not tags or self._released:
             return
-        self.calls.release_memory(tags)
+        self.engine_calls.release_memory(tags)
         self._released = set(tags)
         if "weights" in tags:
             self._weights_stale = True
@@ -224,7 +224,7 @@ class SGLangStrategy:
 
     def _resume(self, tags: list[str]) -> None:
         if tags:
-            self.calls.resume_memory(tags)
+            self.engine_calls.resume_memory(tags)
             self._released -= set(tags)
 
     # ---------------------------------------------------------------------- model update
@@ -236,7 +236,7 @@ class SGLangStrategy:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if named and named[0][1].is_cuda:  # SGLang shares them by CUDA IPC: they must lie in memory we own
             named = shareable_tensors(named)
-        self.calls.update_weights_from_tensor(named)
+        self.engine_calls.update_weights_from_tensor(named)
         self._weights_stale = False
         self._needs_flush = True
 
@@ -255,7 +255,7 @@ class SGLangStrategy:
         self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str = "nccl"
     ) -> None:
         """SGLang's own NCCL group: its TP schedulers join as ``rank_offset + tp rank``."""
-        self.calls.init_weights_update_group(host, port, rank_offset, world_size, group_name, backend)
+        self.engine_calls.init_weights_update_group(host, port, rank_offset, world_size, group_name, backend)
         self.group_name = group_name
 
     def update_weights_from_distributed(self, meta: Any) -> None:
@@ -263,7 +263,7 @@ class SGLangStrategy:
         if self.group_name is None:
             raise RuntimeError("update_weights_from_distributed before init_weights_update_group")
         self._resume(["weights"] if "weights" in self._released else [])
-        self.calls.update_weights_from_distributed(meta, self.group_name)
+        self.engine_calls.update_weights_from_distributed(meta, self.group_name)
         self._weights_stale = False
         self._needs_flush = True
 
@@ -271,7 +271,7 @@ class SGLangStrategy:
         """After the last bucket: bring back the KV cache, flush the radix cache (its KV came from
         the old weights) and record the version."""
         self._resume(sorted(self._released))
-        self.calls.flush_cache()
+        self.engine_calls.flush_cache()
         self._needs_flush = False
         self._weights_stale = False
         self.weight_version = version
