@@ -41,7 +41,7 @@ def _strategies_with(option: str) -> tuple[str, ...]:
 # Strategies whose worker spans ``tensor_parallel_size`` devices, and those that take engine arguments.
 TP_STRATEGIES = _strategies_with("tensor_parallel_size")
 ENGINE_STRATEGIES = _strategies_with("engine_kwargs")
-# ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
+# Strategies that pack rows (their options are PackingOptions).
 PACKING_STRATEGIES = tuple(
     name for name, spec in STRATEGIES.items() if issubclass(spec.options, PackingOptions)
 )
@@ -142,6 +142,7 @@ def map_strategy(role: dict[str, Any], path: str, problems: Problems, notes: lis
         spec.roll_compat(role, path, problems, notes)
 
 
+# ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
 _BUDGETS = {
     "train": (
         "use_dynamic_batching_in_train",

@@ -1,8 +1,8 @@
-"""Every strategy in one table: one row per ``strategy_name`` that every reader uses.
+"""Every strategy in one table: one row per ``strategy_name`` that every reader uses::
 
->>> spec = get_strategy_spec("vllm")
->>> spec.options          # the class ``strategy_args.strategy_config`` is built as (VLLMConfig)
->>> spec.target           # "roll.distributed.strategy.vllm_strategy:VLLMStrategy", imported when used
+    spec = get_strategy_spec("vllm")
+    spec.options        # VLLMConfig: the class ``strategy_args.strategy_config`` is built as
+    spec.target         # "roll.distributed.strategy.vllm_strategy:VLLMStrategy", imported when used
 
 A row says what a strategy is for each part of roll, so no part keeps a table of strategy names
 of its own:
