@@ -210,10 +210,9 @@ ENGINE_OPTIONS = {
 def start_engine(engine: str, config_dir: str, device: torch.device, rank: int):
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
     from roll.core.worker_context import WorkerContext
-    from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
+    from roll.distributed.strategy.registry import load_strategy_class
 
-    args = StrategyArgs(engine)
-    args.config = get_strategy_spec(engine).config_cls(**ENGINE_OPTIONS[engine])
+    args = StrategyArgs(engine, ENGINE_OPTIONS[engine])
     role = RoleConfig(model_args=ModelArgs(model_name_or_path=config_dir, dtype="bf16"), strategy_args=args)
     ctx = WorkerContext("actor_infer", rank - 1, 2, 0, device, seed=0)
     strategy = load_strategy_class(engine)(role, ctx)
@@ -251,11 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def cannot_run(engine: str, gpus: int) -> str | None:
     """Why the benchmark cannot run here (one line), before any process starts; None if it can."""
     from roll.configs.errors import ConfigError
-    from roll.distributed.strategy.registry import (
-        check_engine_version,
-        get_strategy_spec,
-        load_strategy_class,
-    )
+    from roll.configs.strategies import check_engine_version, get_strategy_spec
+    from roll.distributed.strategy.registry import load_strategy_class
 
     if gpus < 2:
         return (

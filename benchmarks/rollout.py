@@ -80,10 +80,8 @@ def prompt_ids(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 def role_config(args: argparse.Namespace, strategy: str, **strategy_config):
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
-    from roll.distributed.strategy.registry import get_strategy_spec
 
     sargs = StrategyArgs(strategy, strategy_config=strategy_config)
-    sargs.config = get_strategy_spec(strategy).config_cls(**strategy_config)
     return RoleConfig(
         model_args=ModelArgs(model_name_or_path=args.model, dtype="bf16"),
         strategy_args=sargs,

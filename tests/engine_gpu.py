@@ -20,7 +20,7 @@ from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
-from roll.distributed.strategy.registry import get_strategy_spec, load_strategy_class
+from roll.distributed.strategy.registry import load_strategy_class
 
 MEAN_TOL, MAX_TOL = 0.02, 0.25
 PROMPTS = [
@@ -94,8 +94,7 @@ def prompt_batch(tokenizer_dir: Path, texts: list[str] = PROMPTS, width: int = 1
 
 def make_strategy(name: str, model_dir: Path, rank: int = 0, **cfg):
     """An initialised ``name`` strategy (``vllm`` or ``sglang``) as actor_infer DP rank ``rank`` of 2."""
-    args = StrategyArgs(strategy_name=name)
-    args.config = get_strategy_spec(name).config_cls(**cfg)
+    args = StrategyArgs(name, cfg)
     role = RoleConfig(
         model_args=ModelArgs(model_name_or_path=str(model_dir), dtype="bf16"), strategy_args=args
     )

@@ -146,7 +146,7 @@ def test_good_file_loads_with_interpolation_and_types():
     assert cfg.actor_infer.generating_args.max_new_tokens == 16  # ${response_length} keeps int type
     assert cfg.actor_train.training_args.learning_rate == pytest.approx(1e-5)  # "1e-5" read as float
     assert cfg.actor_infer.device_mapping == [0, 1]
-    assert type(cfg.actor_train.strategy_args.config).__name__ == "FSDP2Config"
+    assert type(cfg.actor_train.strategy_args.strategy_config).__name__ == "FSDP2Config"
 
 
 def test_overrides_apply_before_interpolation_and_validation():

@@ -158,8 +158,7 @@ def test_sampling_params_rejected(bad):
 
 
 def role(strategy_name: str, config, **model) -> RoleConfig:
-    args = StrategyArgs(strategy_name=strategy_name)
-    args.config = config
+    args = StrategyArgs(strategy_name, config)
     return RoleConfig(model_args=ModelArgs(model_name_or_path="/m", **model), strategy_args=args)
 
 

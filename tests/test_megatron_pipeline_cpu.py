@@ -85,7 +85,6 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
     from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.megatron_infer_strategy import MegatronInferStrategy
-    from roll.distributed.strategy.registry import get_strategy_spec
     from roll.models.megatron.hf_io import CheckpointError, export_hf_weights
 
     torch.set_num_threads(1)
@@ -93,7 +92,6 @@ def _split_update_worker(rank: int, port: int, example: str) -> None:
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     compat.apply()
     args = StrategyArgs("megatron_infer", strategy_config={"tensor_model_parallel_size": 1})
-    args.config = get_strategy_spec("megatron_infer").config_cls(tensor_model_parallel_size=1)
     role = RoleConfig(
         model_args=ModelArgs(model_name_or_path=str(Path(example) / "sft_model"), dtype="fp32"),
         strategy_args=args,

@@ -28,7 +28,6 @@ from roll.distributed.model_update.receiver import BucketReceiver, receive_links
 from roll.distributed.model_update.sender import BucketSender
 from roll.distributed.scheduler.placement import PlacementPlan, plan_role
 from roll.distributed.scheduler.resource_manager import ResourceManager
-from roll.distributed.strategy.registry import get_strategy_spec
 from roll.distributed.transport.bucket import (
     ALIGN,
     BucketMeta,
@@ -480,7 +479,6 @@ def _policy_loss(outputs, micro):
 def _e2e_config(model_dir) -> RLVRConfig:
     def role(strategy: str, devices: list[int], **strategy_config) -> RoleConfig:
         args = StrategyArgs(strategy, strategy_config=strategy_config)
-        args.config = get_strategy_spec(strategy).config_cls(**strategy_config)
         return RoleConfig(
             model_args=ModelArgs(model_name_or_path=str(model_dir), dtype="fp32"),
             training_args=TrainingArgs(learning_rate=0.05),

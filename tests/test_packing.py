@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from roll.configs.build import build_dataclass
 from roll.configs.errors import ConfigError
-from roll.configs.loader import build_dataclass
 from roll.configs.rl_options import OffPolicyCorrectionConfig, PolicyLossConfig
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig
 from roll.core.batch import Batch

@@ -15,8 +15,7 @@ from roll.distributed.scheduler.placement import format_plan, plan_placement, pl
 def role(mapping: str | list[int] | None, strategy: str | None = None, typed=None, **kwargs) -> RoleConfig:
     args = None
     if strategy is not None:
-        args = StrategyArgs(strategy)
-        args.config = typed
+        args = StrategyArgs(strategy, typed)
     return RoleConfig(strategy_args=args, device_mapping=parse_device_mapping(mapping), **kwargs)
 
 

@@ -217,13 +217,6 @@ def test_refused_kl_full_is_not_an_estimator():
         kl.get_kl_estimator("full")
 
 
-def test_every_configurable_strategy_has_an_implementation():
-    from roll.configs.strategy_configs import STRATEGY_CONFIGS
-    from roll.distributed.strategy.registry import STRATEGIES
-
-    assert set(STRATEGY_CONFIGS) == set(STRATEGIES)
-
-
 # ------------------------------------------------------------------ files, tags, reward options
 
 

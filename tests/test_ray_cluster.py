@@ -137,8 +137,7 @@ class BrokenInitWorker(Worker):
 
 
 def make_config() -> RLVRConfig:
-    vllm = StrategyArgs("vllm")
-    vllm.config = VLLMConfig(tensor_parallel_size=2)
+    vllm = StrategyArgs("vllm", VLLMConfig(tensor_parallel_size=2))
     return RLVRConfig(
         actor_train=RoleConfig(device_mapping=[0, 1, 2, 3], system_envs={"FROM_ROLE": "train"}),
         actor_infer=RoleConfig(strategy_args=vllm, device_mapping=[0, 1, 2, 3]),

@@ -63,8 +63,7 @@ class GpuProbeWorker(Worker):
 def test_gpu_workers_see_their_own_gpus_and_talk_over_nccl():
     if ray.is_initialized():
         ray.shutdown()
-    engine = StrategyArgs("vllm")
-    engine.config = VLLMConfig(tensor_parallel_size=2)
+    engine = StrategyArgs("vllm", VLLMConfig(tensor_parallel_size=2))
     config = RLVRConfig(
         actor_train=RoleConfig(device_mapping=[0, 1]),
         actor_infer=RoleConfig(strategy_args=engine, device_mapping=[0, 1]),

@@ -26,9 +26,9 @@ def test_roll_format_file_loads_with_roll_meanings():
     assert cfg.rewards["code_sandbox"].reward_kwargs == {"reward_type": "hard"}
     assert cfg.rewards["crossthinkqa"].reward_fn == "multiple_choice"
     assert cfg.rewards["ifeval"].reward_kwargs == {"reward_type": "soft"}
-    assert cfg.actor_infer.strategy_args.config.tensor_parallel_size == 2  # num_gpus_per_worker
+    assert cfg.actor_infer.strategy_args.strategy_config.tensor_parallel_size == 2  # num_gpus_per_worker
     assert cfg.actor_train.data_args.template == "qwen2_5"  # global_template
-    megatron = cfg.actor_train.strategy_args.config
+    megatron = cfg.actor_train.strategy_args.strategy_config
     assert (megatron.recompute_method, megatron.recompute_num_layers) == ("uniform", 1)  # ROLL's default
     assert megatron.sequence_parallel is False  # TP=1, as ROLL's mcore_adapter does
     assert megatron.transformer_config_kwargs == {"bias_activation_fusion": True}
@@ -197,7 +197,7 @@ def test_roll_keys_roll_cannot_honour_are_refused(raw, words):
 
 
 def test_roll_only_keys_are_unknown_to_roll_own_sections():
-    from roll.configs.loader import build_dataclass
+    from roll.configs.build import build_dataclass
     from roll.configs.pipeline_config import CheckpointConfig
 
     with pytest.raises(ConfigError, match="type: unknown key; valid keys: output_dir, max_to_keep"):

@@ -162,7 +162,7 @@ def test_gap5_device_mapping_literal_list_inside_list(tmp_path, capsys):
 
 def test_gap6_fsdp2_reduce_dtype_bf16(tmp_path, capsys):
     path = roll_file(tmp_path, reduce_dtype="bf16")
-    config = load_config(path).actor_train.strategy_args.config
+    config = load_config(path).actor_train.strategy_args.strategy_config
     assert (config.mixed_precision, config.reduce_dtype) == (True, "bf16")
     assert dry_run(path) == 0, capsys.readouterr().err
     path.write_text(path.read_text().replace("reduce_dtype: bf16", "reduce_dtype: fp16"))
@@ -177,7 +177,7 @@ def test_gap7_use_remove_padding_is_sequence_packing(tmp_path, capsys):
             "  worker_cls: roll.pipeline.base_worker.ActorWorker", "  use_remove_padding: true"
         )
     )
-    assert load_config(path).actor_train.strategy_args.config.sequence_packing is True
+    assert load_config(path).actor_train.strategy_args.strategy_config.sequence_packing is True
     assert dry_run(path) == 0, capsys.readouterr().err
 
 

@@ -14,7 +14,6 @@ from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
 from roll.configs.role import DataArgs
 from roll.configs.roll_compat import translate_roll_keys
-from roll.configs.strategy_configs import strategy_config_of
 from roll.pipeline.rlvr.data.dataset import parse_row
 from roll.pipeline.rlvr.run import build_tag_routes, reward_role_tags
 
@@ -124,7 +123,7 @@ def test_engine_arguments_pass_to_the_engine_as_roll_does(tmp_path):
         path.read_text().replace("load_format: dummy}", "load_format: dummy, disable_log_stats: false}")
     )
     cfg = load_config(path)
-    assert strategy_config_of(cfg.actor_infer).engine_kwargs == {"disable_log_stats": False}
+    assert cfg.actor_infer.strategy_args.strategy_config.engine_kwargs == {"disable_log_stats": False}
 
 
 MEGATRON = """\

@@ -215,4 +215,4 @@ def test_recipe_configs_plan_and_fit_their_model(name, capsys):
     assert "megatron_train" in capsys.readouterr().out
     config = load_sft_config(Path("examples/config") / f"{name}.yaml")
     cls, shape = RECIPES[name]
-    check_model_fits(getattr(transformers, cls)(**shape), config.actor_train.strategy_args.config)
+    check_model_fits(getattr(transformers, cls)(**shape), config.actor_train.strategy_args.strategy_config)

@@ -20,8 +20,7 @@ from roll.pipeline.rlvr.startup import init_waves, offloaded_roles
 
 
 def role(mapping: str, strategy: str, typed) -> RoleConfig:
-    args = StrategyArgs(strategy)
-    args.config = typed
+    args = StrategyArgs(strategy, typed)
     return RoleConfig(strategy_args=args, device_mapping=parse_device_mapping(mapping))
 
 

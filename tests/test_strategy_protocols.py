@@ -11,6 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from roll.configs import strategies
+from roll.configs.strategies import STRATEGIES, StrategySpec
+from roll.configs.strategy_configs import HFInferConfig
 from roll.distributed.strategy import registry
 from roll.distributed.strategy.base import (
     OPTIONAL_PROTOCOLS,
@@ -20,7 +23,7 @@ from roll.distributed.strategy.base import (
     TrainStrategy,
     check_protocol,
 )
-from roll.distributed.strategy.registry import STRATEGIES, StrategySpec, check_strategy_class
+from roll.distributed.strategy.registry import check_strategy_class, required_protocols
 from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
 
 
@@ -28,9 +31,9 @@ from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
 def test_every_strategy_row_implements_its_protocols(name):
     spec = STRATEGIES[name]
     cls = check_strategy_class(name)
-    for protocol in spec.required_protocols:
+    for protocol in required_protocols(spec):
         assert check_protocol(cls, protocol) == [], protocol.__name__
-    assert spec.required_protocols[0] is (TrainStrategy if spec.side == "train" else InferenceStrategy)
+    assert required_protocols(spec)[0] is (TrainStrategy if spec.side == "train" else InferenceStrategy)
 
 
 def test_every_strategy_has_the_methods_every_worker_calls():
@@ -52,9 +55,8 @@ class _Incomplete:
 
 
 def test_a_row_whose_class_does_not_conform_is_refused(monkeypatch):
-    monkeypatch.setattr(
-        registry, "STRATEGIES", {"bad": StrategySpec("bad", f"{__name__}:_Incomplete", "infer")}
-    )
+    bad = StrategySpec("bad", HFInferConfig, f"{__name__}:_Incomplete", "infer", "hf_inference")
+    monkeypatch.setattr(strategies, "STRATEGIES", {"bad": bad})
     registry.check_strategy_class.cache_clear()
     try:
         with pytest.raises(TypeError) as info:

@@ -54,7 +54,6 @@ from engine_gpu import make_strategy as make_engine_strategy  # noqa: E402
 from roll.configs.pipeline_config import RLVRConfig  # noqa: E402
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
-from roll.distributed.strategy.registry import get_strategy_spec  # noqa: E402
 
 # Ray workers cannot import this test module by name; ship its functions (the loss) by value.
 pytest.importorskip("ray.cloudpickle").register_pickle_by_value(sys.modules[__name__])
@@ -161,7 +160,6 @@ def _update_config(model_dir: Path, infer_devices: list[int]) -> RLVRConfig:
 
     def role(strategy: str, devices: list[int], **strategy_config) -> RoleConfig:
         args = StrategyArgs(strategy, strategy_config=strategy_config)
-        args.config = get_strategy_spec(strategy).config_cls(**strategy_config)
         return RoleConfig(
             model_args=ModelArgs(model_name_or_path=str(model_dir), dtype="bf16"),
             training_args=TrainingArgs(learning_rate=0.05),

@@ -349,8 +349,7 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 
 def make_role(name: str, cfg, path: str) -> RoleConfig:
-    args = StrategyArgs(strategy_name=name)
-    args.config = cfg
+    args = StrategyArgs(name, cfg)
     return RoleConfig(model_args=ModelArgs(model_name_or_path=path, dtype="bf16"), strategy_args=args)
 
 
@@ -891,7 +890,7 @@ def test_example_vllm_config_dry_runs_in_a_subprocess(tmp_path):
 def test_wrong_vllm_version_is_a_config_error_before_launch(monkeypatch, installed, ok):
     import importlib.metadata
 
-    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+    from roll.configs.strategies import check_engine_version, get_strategy_spec
 
     real = importlib.metadata.version
     monkeypatch.setattr(
@@ -910,7 +909,7 @@ def test_wrong_vllm_version_is_a_config_error_before_launch(monkeypatch, install
 def test_engine_not_installed_where_launched_is_left_to_the_workers(monkeypatch):
     import importlib.metadata
 
-    from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+    from roll.configs.strategies import check_engine_version, get_strategy_spec
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -35,8 +35,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def role(mapping: str, strategy: str, typed, **kwargs) -> RoleConfig:
-    args = StrategyArgs(strategy)
-    args.config = typed
+    args = StrategyArgs(strategy, typed)
     return RoleConfig(strategy_args=args, device_mapping=parse_device_mapping(mapping), **kwargs)
 
 

@@ -1,8 +1,8 @@
 """Per-role configuration: what every role (actor_train, actor_infer, reference, critic, rewards) declares.
 
 Key names follow alibaba/ROLL and the Megatron configuration guide, so their YAML files load with
-small edits. Strategy-specific options live in ``strategy_args.strategy_config`` and are checked
-against the strategy's own dataclass (see ``roll.configs.strategy_configs``).
+small edits. Strategy-specific options live in ``strategy_args.strategy_config`` and are built as
+the options class of the strategy's row (see ``roll.configs.strategies``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.configs.ranges import bounded, one_of
+from roll.configs.strategies import get_strategy_spec
 from roll.core.sampling import SamplingParams
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
@@ -103,12 +104,26 @@ class DataArgs:
 
 @dataclass
 class StrategyArgs:
+    """Which strategy runs the role, and its options.
+
+    ``strategy_config`` may be given as a mapping (YAML, or a role built in code) or None; it is
+    built strictly here into the options class of the strategy's row (``roll.configs.strategies``),
+    so once constructed it is always that object, e.g. a ``MegatronConfig``:
+
+    >>> StrategyArgs("fsdp2_train", {"sharding": "no_shard"}).strategy_config.sharding
+    'no_shard'
+
+    An unknown name or key is a ConfigError naming ``strategy_name`` or ``strategy_config.<key>``
+    (the loader puts the role's path in front).
+    """
+
     strategy_name: str
-    # Parsed by the loader into the strategy's own dataclass (roll.configs.strategy_configs
-    # STRATEGY_CONFIGS), kept in ``config`` (e.g. a MegatronConfig); roles built in code may set
-    # ``config`` themselves.
-    strategy_config: dict[str, Any] | None = None
-    config: Any = field(default=None, init=False, repr=False, compare=False)
+    # Annotated Any so the loader hands the mapping through; the options object after __post_init__.
+    strategy_config: Any = None
+
+    def __post_init__(self) -> None:
+        spec = get_strategy_spec(self.strategy_name, "strategy_name")
+        self.strategy_config = spec.build_options(self.strategy_config)
 
 
 @dataclass

@@ -19,14 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.roll_compat_roles import (
-    Problems,
-    class_name,
-    drop_offload_nccl,
-    map_engine,
-    map_role,
-    map_strategy,
-)
+from roll.configs.roll_compat_options import Problems
+from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
 from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")

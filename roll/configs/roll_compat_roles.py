@@ -1,7 +1,7 @@
-"""alibaba/ROLL's role-level keys onto roll's: devices per worker, each strategy's options (FSDP2,
-Megatron, vLLM/SGLang engine arguments), sequence packing and dynamic batching. Part of
-``roll.configs.roll_compat``'s translation, which calls ``map_role`` for every role and
-``map_strategy`` for reward roles:
+"""alibaba/ROLL's role-level keys onto roll's: devices per worker, each strategy's options (its
+row's mapper in ``roll.configs.strategies``; vLLM/SGLang engine arguments), sequence packing and
+dynamic batching. Part of ``roll.configs.roll_compat``'s translation, which calls ``map_role`` for
+every role and ``map_strategy`` for reward roles:
 
 >>> problems, notes = Problems(), []
 >>> role = {"num_gpus_per_worker": 2, "strategy_args": {"strategy_name": "vllm", "strategy_config": {}}}
@@ -16,8 +16,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from roll.configs.device_mapping import parse_device_mapping
-from roll.configs.strategy_configs import STRATEGY_CONFIGS
+from roll.configs.roll_compat_options import Problems, remove_padding_to_packing
+from roll.configs.strategies import STRATEGIES
+from roll.configs.strategy_configs import PackingOptions
 
 # ActorPGWorker is ROLL's worker for pg_variant; roll's one actor worker computes every variant.
 ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
@@ -28,19 +29,22 @@ def class_name(dotted: Any) -> str:
     return str(dotted).rsplit(".", 1)[-1]
 
 
-class Problems:
-    """Collects the refused keys of one file so they are reported together; keys with the same
-    advice share it (``lora_target=..., lora_rank=64 (ROLL trains LoRA adapters ...)``)."""
+def _strategies_with(option: str) -> tuple[str, ...]:
+    """The strategy names whose options class has the field ``option``."""
+    return tuple(
+        name
+        for name, spec in STRATEGIES.items()
+        if option in {f.name for f in dataclasses.fields(spec.options)}
+    )
 
-    def __init__(self) -> None:
-        self.by_advice: dict[str, list[str]] = {}
 
-    def add(self, path: str, advice: str) -> None:
-        self.by_advice.setdefault(advice, []).append(path)
-
-    @property
-    def items(self) -> list[str]:
-        return [f"{', '.join(paths)} ({advice})" for advice, paths in self.by_advice.items()]
+# Strategies whose worker spans ``tensor_parallel_size`` devices, and those that take engine arguments.
+TP_STRATEGIES = _strategies_with("tensor_parallel_size")
+ENGINE_STRATEGIES = _strategies_with("engine_kwargs")
+# Strategies that pack rows (their options are PackingOptions).
+PACKING_STRATEGIES = tuple(
+    name for name, spec in STRATEGIES.items() if issubclass(spec.options, PackingOptions)
+)
 
 
 def drop_offload_nccl(node: dict[str, Any], path: str, notes: list[str]) -> None:
@@ -69,9 +73,12 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems
     """ROLL's devices per inference worker is roll's engine ``tensor_parallel_size``."""
     value = role.pop("num_gpus_per_worker")
     args = role.get("strategy_args") or {}
-    if args.get("strategy_name") not in ("vllm", "sglang"):
+    if args.get("strategy_name") not in TP_STRATEGIES:
         if value not in (None, 1):
-            problems.add(f"{path}={value!r}", "only vllm/sglang workers span devices (tensor_parallel_size)")
+            problems.add(
+                f"{path}={value!r}",
+                f"only {'/'.join(TP_STRATEGIES)} workers span devices (tensor_parallel_size)",
+            )
         return
     config = args.setdefault("strategy_config", {}) or {}
     args["strategy_config"] = config
@@ -80,76 +87,6 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems
         problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
     else:
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
-
-
-# ROLL's reduce_dtype spellings -> roll's FSDP2Config.reduce_dtype.
-REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
-
-
-# ROLL's FSDP2 expert-parallel layout: refused (roll's fsdp2 shards whole layers over all devices).
-_EP = "use megatron_train with expert_model_parallel_size"
-FSDP2_LAYOUT_KEYS = {
-    "ep_size": f"ROLL shards MoE experts over ep_size devices in fsdp2; roll's fsdp2 has no expert parallelism: {_EP}",
-    "efsdp_size": f"ROLL's FSDP group size of the expert-parallel layout; roll's fsdp2 has none: {_EP}",
-}
-# ROLL's FSDP2 memory and kernel options roll does not have: the same model and loss, other memory use.
-FSDP2_DROPPED = {
-    "apply_tiled_mlp": "ROLL runs the MLP in tiles to cut activation memory; roll runs it whole",
-    "tiled_num_shards": "the tile count of apply_tiled_mlp; roll runs the MLP whole",
-    "apply_expert_patch": "ROLL's MoE expert patch for FSDP2 (Ascend examples); roll uses transformers' MoE blocks",
-    "moe_use_grouped_mm": "roll uses transformers' MoE blocks as they are",
-    "wrap_policy": "roll shards each decoder layer and the whole model (embeddings and lm_head with the root)",
-}
-
-
-def _map_fsdp2(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
-    """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
-    ``use_remove_padding`` as sequence packing."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    size = config.pop("fsdp_size", None)
-    if size is not None and size not in (_num_devices(role, path), -1):
-        problems.add(
-            f"{at}.fsdp_size={size!r}", "remove it; roll shards over all the role's devices (no HSDP)"
-        )
-    if "offload_policy" in config:
-        config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
-    param = config.pop("param_dtype", None)
-    dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-    if param is not None and param not in (dtype, "bfloat16" if dtype == "bf16" else dtype):
-        problems.add(
-            f"{at}.param_dtype={param!r}", f"remove it; parameters compute in model_args.dtype ({dtype})"
-        )
-    reduce = config.get("reduce_dtype")
-    if reduce is not None and reduce not in REDUCE_DTYPES:
-        problems.add(
-            f"{at}.reduce_dtype={reduce!r}",
-            f"gradients reduce in one of {', '.join(REDUCE_DTYPES)} (FSDP2 MixedPrecisionPolicy.reduce_dtype)",
-        )
-    elif reduce is not None:
-        config["reduce_dtype"] = REDUCE_DTYPES[reduce]
-    if param is not None or reduce is not None:
-        config.setdefault("mixed_precision", True)
-        notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
-    if "use_remove_padding" in config:
-        _remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
-    for key, what in FSDP2_LAYOUT_KEYS.items():
-        if config.get(key) not in (None, 1, -1):
-            problems.add(f"{at}.{key}={config[key]!r}", what)
-        config.pop(key, None)
-    for key, what in FSDP2_DROPPED.items():
-        if key in config:
-            notes.append(f"WARNING: {at}.{key}: {config.pop(key)!r} dropped; {what}")
-
-
-def _remove_padding_to_packing(
-    value: Any, config: dict[str, Any], at: str, problems: Problems, notes: list[str]
-) -> None:
-    """ROLL's ``use_remove_padding``: rows packed without padding, roll's ``sequence_packing``."""
-    if config.setdefault("sequence_packing", bool(value)) != bool(value):
-        problems.add(f"{at}.use_remove_padding={value!r}", "conflicts with strategy_config.sequence_packing")
-    else:
-        notes.append(f"{at}.use_remove_padding: {value!r} -> strategy_config.sequence_packing: {bool(value)}")
 
 
 def _map_remove_padding(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
@@ -163,48 +100,7 @@ def _map_remove_padding(role: dict[str, Any], path: str, problems: Problems, not
         return
     config = args.setdefault("strategy_config", {}) or {}
     args["strategy_config"] = config
-    _remove_padding_to_packing(value, config, role_path, problems, notes)
-
-
-def _num_devices(role: dict[str, Any], path: str) -> int | None:
-    mapping = role.get("device_mapping")
-    return None if mapping is None else len(parse_device_mapping(mapping, f"{path}.device_mapping"))
-
-
-# megatron-core TransformerConfig kernel switches ROLL passes through; roll's spelling is transformer_config_kwargs.
-MEGATRON_PASSTHROUGH = (
-    "apply_rope_fusion",
-    "bias_activation_fusion",
-    "masked_softmax_fusion",
-    "bias_dropout_fusion",
-    "moe_shared_expert_overlap",
-)
-
-
-def _map_megatron(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
-    """ROLL's megatron extras: kernel switches pass through, ``bf16`` is the model dtype, and
-    sequence_parallel without TP is switched off (ROLL's mcore_adapter warns and does the same)."""
-    config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    for key in MEGATRON_PASSTHROUGH:
-        if key in config:
-            config.setdefault("transformer_config_kwargs", {})[key] = config.pop(key)
-            notes.append(f"{at}.{key} -> {at}.transformer_config_kwargs.{key}")
-    for key, value in (config.pop("additional_configs", None) or {}).items():  # ROLL: more mcore fields
-        config.setdefault("transformer_config_kwargs", {})[key] = value
-        notes.append(f"{at}.additional_configs.{key} -> {at}.transformer_config_kwargs.{key}")
-    if "recompute_modules" in config:
-        modules = config.pop("recompute_modules")
-        if isinstance(modules, str):  # ROLL's comma-separated spelling of mcore's list
-            modules = [m.strip() for m in modules.split(",") if m.strip()]
-        config.setdefault("transformer_config_kwargs", {})["recompute_modules"] = modules
-        notes.append(f"{at}.recompute_modules -> {at}.transformer_config_kwargs.recompute_modules: {modules}")
-    if "bf16" in config:
-        dtype = (role.get("model_args") or {}).get("dtype", "bf16")
-        if bool(config.pop("bf16")) != (dtype == "bf16"):
-            problems.add(f"{at}.bf16", f"remove it; model_args.dtype ({dtype}) sets the precision")
-    if config.get("sequence_parallel") and config.get("tensor_model_parallel_size", 1) == 1:
-        config["sequence_parallel"] = False
-        notes.append(f"{at}.sequence_parallel: true needs TP > 1; set to false as ROLL does")
+    remove_padding_to_packing(value, config, role_path, problems, notes)
 
 
 def map_engine(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
@@ -212,12 +108,12 @@ def map_engine(role: dict[str, Any], path: str, problems: Problems, notes: list[
     fields, and in a ROLL file any other key goes in ``engine_kwargs`` (checked by the installed
     engine when it starts; in roll's own files an unknown key stays an error)."""
     args = role.get("strategy_args")
-    if not isinstance(args, dict) or args.get("strategy_name") not in ("vllm", "sglang"):
+    if not isinstance(args, dict) or args.get("strategy_name") not in ENGINE_STRATEGIES:
         return
     if not isinstance(args.get("strategy_config"), dict):
         return
     config, at = args["strategy_config"], f"{path}.strategy_config"
-    known = {f.name for f in dataclasses.fields(STRATEGY_CONFIGS[args["strategy_name"]])}
+    known = {f.name for f in dataclasses.fields(STRATEGIES[args["strategy_name"]].options)}
     extra = [key for key in config if key not in known]
     if not extra:
         return
@@ -229,15 +125,9 @@ def map_engine(role: dict[str, Any], path: str, problems: Problems, notes: list[
     notes.append(f"{at}: {', '.join(extra)} -> engine_kwargs (engine arguments, as ROLL passes them)")
 
 
-STRATEGY_MAPPERS: dict[str, Callable[..., None]] = {
-    "fsdp2_train": _map_fsdp2,
-    "fsdp2_infer": _map_fsdp2,
-    "megatron_train": _map_megatron,
-    "megatron_infer": _map_megatron,
-}
-
-
 def map_strategy(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
+    """ROLL's ``fsdp2_infer`` as roll's ``fsdp2_train``, then the ``strategy_config`` keys by the
+    mapper of the strategy's row (``StrategySpec.roll_compat``)."""
     args = role["strategy_args"]
     if isinstance(args, dict) and args.get("strategy_name") == "fsdp2_infer":
         args["strategy_name"] = "fsdp2_train"  # mapped below like fsdp2_train
@@ -247,13 +137,12 @@ def map_strategy(role: dict[str, Any], path: str, problems: Problems, notes: lis
         )
     if not isinstance(args, dict) or not isinstance(args.get("strategy_config"), dict):
         return
-    mapper = STRATEGY_MAPPERS.get(str(args.get("strategy_name")))
-    if mapper is not None:
-        mapper(role, path, problems, notes)
+    spec = STRATEGIES.get(str(args.get("strategy_name")))
+    if spec is not None and spec.roll_compat is not None:
+        spec.roll_compat(role, path, problems, notes)
 
 
 # ROLL's packing / dynamic-batching role keys -> roll's strategy_config keys (docs/packing.md).
-PACKING_STRATEGIES = ("fsdp2_train", "megatron_train", "megatron_infer")
 _BUDGETS = {
     "train": (
         "use_dynamic_batching_in_train",

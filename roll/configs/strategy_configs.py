@@ -1,4 +1,5 @@
-"""Typed ``strategy_config`` for each strategy, loaded strictly like the rest of the config.
+"""The options classes of ``strategy_config``, one per strategy (its row in ``roll.configs.strategies``
+names it), loaded strictly like the rest of the config.
 
 These classes import nothing heavy, so configs load (and ``--dry_run`` plans) on machines
 where megatron-core, vLLM or SGLang are not installed.
@@ -7,37 +8,10 @@ where megatron-core, vLLM or SGLang are not installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.ranges import bounded, one_of
-
-if TYPE_CHECKING:
-    from roll.configs.role import RoleConfig
-
-C = TypeVar("C")
-
-
-def typed_strategy_config(role_config: RoleConfig, config_cls: type[C]) -> C:
-    """The role's typed ``strategy_config``: the one the loader parsed (or a caller set), else built
-    strictly here (roles constructed in code, e.g. in tests)."""
-    from roll.configs.loader import build_dataclass
-
-    args = role_config.strategy_args
-    if args is not None and isinstance(args.config, config_cls):
-        return args.config
-    return build_dataclass(
-        config_cls, (args.strategy_config if args else None) or {}, "strategy_args.strategy_config"
-    )
-
-
-def strategy_config_of(role_config: RoleConfig) -> Any:
-    """The role's typed ``strategy_config`` whatever its strategy (None for a role without one, or
-    with a strategy name that has no options class)."""
-    args = role_config.strategy_args
-    if args is None or args.strategy_name not in STRATEGY_CONFIGS:
-        return None
-    return typed_strategy_config(role_config, STRATEGY_CONFIGS[args.strategy_name])
 
 
 @dataclass(frozen=True)
@@ -335,15 +309,3 @@ class SGLangConfig(_EngineTensorParallel):
 def _check_engine_tp(tp: int, num_devices: int, path: str) -> None:
     if num_devices % tp:
         raise ConfigError(path, f"{tp} does not divide the role's {num_devices} devices")
-
-
-# ``strategy_name`` -> its options class: the loader types ``strategy_config`` by it. Every name
-# has a row in roll.distributed.strategy.registry (the implementation; a test keeps them equal).
-STRATEGY_CONFIGS: dict[str, type] = {
-    "hf_infer": HFInferConfig,
-    "fsdp2_train": FSDP2Config,
-    "megatron_train": MegatronConfig,
-    "megatron_infer": MegatronConfig,
-    "vllm": VLLMConfig,
-    "sglang": SGLangConfig,
-}

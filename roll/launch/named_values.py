@@ -52,8 +52,6 @@ def table_fields(obj: Any, path: str) -> Iterator[tuple[str, Choices, Any]]:
         choices = f.metadata.get(CHOICES_KEY)
         if choices is not None and choices.table is not None:
             yield key, choices, value
-        if f.name == "config" and not f.init:  # StrategyArgs.config: the typed strategy_config
-            key = join_path(path, "strategy_config")
         yield from _nested(value, key)
 
 

@@ -17,12 +17,12 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
+from roll.configs.strategies import check_engine_version, get_strategy_spec
 from roll.configs.strategy_configs import (
     FSDP2Config,
     PackingOptions,
     SGLangConfig,
     VLLMConfig,
-    strategy_config_of,
 )
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.distributed.strategy.base import ValueModelStrategy
@@ -33,7 +33,7 @@ from roll.distributed.strategy.engine_options import (
     vllm_engine_options,
 )
 from roll.distributed.strategy.generation import sampling_temperature
-from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
+from roll.distributed.strategy.registry import implements
 from roll.models.logprobs import transformers_detects_packing
 from roll.pipeline.rlvr.rewards.registry import get_reward_spec
 
@@ -66,7 +66,7 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
             f"{spec.name!r} cannot generate; use hf_infer, megatron_infer, vllm or sglang",
         )
     cfg_path = f"{name}.strategy_args.strategy_config"
-    typed = strategy_config_of(role)
+    typed = role.strategy_args.strategy_config
     typed.validate(len(role.device_mapping), cfg_path)
     _check_token_budgets(typed, config, cfg_path)
     if name == "actor_infer" and getattr(typed, "context_parallel_size", 1) > 1:
@@ -79,7 +79,7 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
             f"{cfg_path}.sequence_packing",
             "this transformers version cannot confine attention to packed sequences; set it false",
         )
-    if role.model_args.is_value_model and not spec.implements(ValueModelStrategy):
+    if role.model_args.is_value_model and not implements(spec, ValueModelStrategy):
         raise ConfigError(
             f"{name}.model_args.model_type",
             f"{spec.name} has no value head; run the critic with fsdp2_train (model_type 'value')",

@@ -14,7 +14,6 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.strategy_configs import strategy_config_of
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.launch.roles import TRAIN_ROLES
 from roll.planner.devices import device_capacity
@@ -95,7 +94,7 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
             continue
         for name in owners:
             args = roles[name].strategy_args
-            typed = strategy_config_of(roles[name])
+            typed = args.strategy_config if args is not None else None
             strategy = args.strategy_name if args is not None else ""
             if strategy == "vllm" and typed.sleep_level == 0:
                 raise ConfigError(
@@ -145,7 +144,7 @@ def check_sglang_memory(config: RLVRConfig, plan: PlacementPlan) -> None:
                 continue
             resident = sum(o.idle + o.context for o in others)
             fits = (capacity - engine.context - resident) / capacity
-            fraction = strategy_config_of(config.roles()[engine.role]).mem_fraction_static
+            fraction = config.roles()[engine.role].strategy_args.strategy_config.mem_fraction_static
             if fraction <= fits:
                 continue
             kept = ", ".join(f"{o.role} {(o.idle + o.context) / GIB:.1f}" for o in others)

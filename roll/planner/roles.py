@@ -14,7 +14,7 @@ from typing import Any
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import strategy_config_of
+from roll.configs.strategies import get_strategy_spec
 from roll.distributed.scheduler.placement import RolePlan
 from roll.planner import memory as mem
 from roll.planner.model_shape import ModelShape
@@ -106,21 +106,18 @@ def role_memory(
     capacity: int | None,
     colocated: bool,
 ) -> RoleMemory:
-    """The prediction for one rank of ``name`` (strategies without a formula raise KeyError)."""
-    strategy = role.strategy_args.strategy_name if role.strategy_args else "hf_infer"
-    cfg = strategy_config_of(role)
+    """The prediction for one rank of ``name``, by the memory model its strategy's row names."""
+    args = role.strategy_args
+    strategy = args.strategy_name if args else "hf_infer"
+    cfg = args.strategy_config if args else None
     work = workload(config, role, plan.parallel.dp)
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
     inputs = RoleInputs(name, role, cfg, config, plan, shape, work, dtype, capacity)
-    parts, idle, knobs = BUILDERS[strategy](inputs)
-    context = CONTEXT_BYTES
-    if strategy.startswith("megatron") and plan.world_size > 1:  # one rank opens no communicators
-        context = MEGATRON_CONTEXT_BYTES
-    elif strategy == "vllm":
-        context = 0  # gpu_memory_utilization covers vLLM's whole process
+    model = MEMORY_MODELS[get_strategy_spec(strategy).memory_model]
+    parts, idle, knobs = model.predict(inputs)
     if not colocated:
         idle = sum(parts.values())
-    return RoleMemory(name, strategy, parts, idle, context, knobs)
+    return RoleMemory(name, strategy, parts, idle, model.context_bytes(plan.world_size), knobs)
 
 
 def _megatron_split(cfg: Any, tp_only: bool = False) -> mem.Split:
@@ -251,11 +248,28 @@ def _sglang(x: RoleInputs) -> Prediction:
     return _engine(x, x.cfg.mem_fraction_static, "mem_fraction_static", x.cfg.enable_memory_saver)
 
 
-BUILDERS: dict[str, Callable[[RoleInputs], Prediction]] = {
-    "megatron_train": _megatron_train,
-    "megatron_infer": _megatron_infer,
-    "fsdp2_train": _fsdp2_train,
-    "hf_infer": _hf_infer,
-    "vllm": _vllm,
-    "sglang": _sglang,
+@dataclass(frozen=True)
+class MemoryModel:
+    """How one kind of strategy uses device memory: its formula and the bytes of its process
+    outside the allocator's tensors (``group_context`` when the role has more than one rank and
+    so opens communicators, if that differs)."""
+
+    predict: Callable[[RoleInputs], Prediction]
+    context: int = CONTEXT_BYTES
+    group_context: int | None = None
+
+    def context_bytes(self, world_size: int) -> int:
+        if world_size > 1 and self.group_context is not None:
+            return self.group_context
+        return self.context
+
+
+# ``StrategySpec.memory_model`` (roll.configs.strategies) -> its memory model.
+MEMORY_MODELS: dict[str, MemoryModel] = {
+    "megatron_train": MemoryModel(_megatron_train, group_context=MEGATRON_CONTEXT_BYTES),
+    "megatron_inference": MemoryModel(_megatron_infer, group_context=MEGATRON_CONTEXT_BYTES),
+    "fsdp2_train": MemoryModel(_fsdp2_train),
+    "hf_inference": MemoryModel(_hf_infer),
+    "vllm_engine": MemoryModel(_vllm, context=0),  # gpu_memory_utilization covers vLLM's whole process
+    "sglang_engine": MemoryModel(_sglang),
 }

@@ -418,7 +418,9 @@ def test_recipe_plans_and_fits_deepseek_v3(capsys) -> None:
     assert main(["--config_name", RECIPE, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
     assert "megatron_train" in capsys.readouterr().out
     config = load_sft_config(repo / "examples/config" / f"{RECIPE}.yaml")
-    families.check_model_fits(transformers.DeepseekV3Config(), config.actor_train.strategy_args.config)
+    families.check_model_fits(
+        transformers.DeepseekV3Config(), config.actor_train.strategy_args.strategy_config
+    )
 
 
 @pytest.mark.parametrize(

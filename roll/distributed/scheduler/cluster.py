@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayError
 
+from roll.configs.strategies import get_strategy_spec
 from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import (
@@ -48,7 +49,6 @@ from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
 from roll.distributed.scheduler.watchdog import Deadline
-from roll.distributed.strategy.registry import get_strategy_spec
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig

@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from roll.configs.role import RoleConfig
+from roll.configs.strategies import get_strategy_spec
 from roll.distributed.scheduler.placement import PlacementPlan
-from roll.distributed.strategy.registry import get_strategy_spec
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import FSDP2Config, typed_strategy_config
+from roll.configs.strategy_configs import FSDP2Config
 from roll.core.batch import Batch
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
@@ -77,7 +77,7 @@ class FSDP2TrainStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config: FSDP2Config = typed_strategy_config(role_config, FSDP2Config)
+        self.config: FSDP2Config = role_config.strategy_args.strategy_config
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None

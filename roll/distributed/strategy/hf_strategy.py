@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import HFInferConfig, typed_strategy_config
+from roll.configs.strategy_configs import HFInferConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
@@ -54,7 +54,7 @@ class HFInferStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config: HFInferConfig = typed_strategy_config(role_config, HFInferConfig)
+        self.config: HFInferConfig = role_config.strategy_args.strategy_config
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self._rng_state: dict[str, torch.Tensor] | None = None

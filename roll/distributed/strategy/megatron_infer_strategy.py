@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import MegatronConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
@@ -36,7 +37,6 @@ from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
 from roll.models.megatron.runtime import (
     build_chunks,
     forward_log_probs,
-    megatron_config,
     move_params,
 )
 
@@ -47,7 +47,7 @@ class MegatronInferStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config = megatron_config(role_config)
+        self.config: MegatronConfig = role_config.strategy_args.strategy_config
         self.hf_config = None
         self.chunks: list[torch.nn.Module] = []
         self.tokenizer = None

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from roll.configs.role import RoleConfig
+from roll.configs.strategy_configs import MegatronConfig
 from roll.core.batch import Batch
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
@@ -50,7 +51,6 @@ from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
     forward_log_probs,
-    megatron_config,
 )
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
 from roll.utils.lr_schedule import build_lr_lambda
@@ -62,7 +62,7 @@ class MegatronTrainStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config = megatron_config(role_config)
+        self.config: MegatronConfig = role_config.strategy_args.strategy_config
         self.hf_config: Any = None
         self.model: list[torch.nn.Module] = []  # DDP-wrapped GPTModel chunks
         self.optimizer: Any = None

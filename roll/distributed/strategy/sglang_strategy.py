@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import SGLangConfig, typed_strategy_config
+from roll.configs.strategy_configs import SGLangConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
@@ -68,7 +68,7 @@ class SGLangStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config: SGLangConfig = typed_strategy_config(role_config, SGLangConfig)
+        self.config: SGLangConfig = role_config.strategy_args.strategy_config
         self.engine: Any = None
         self.pad_token_id: int | None = None
         self.weight_version: int | None = None

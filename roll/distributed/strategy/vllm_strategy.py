@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import VLLMConfig, typed_strategy_config
+from roll.configs.strategy_configs import VLLMConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
@@ -79,7 +79,7 @@ class VLLMStrategy:
     def __init__(self, role_config: RoleConfig, ctx: WorkerContext) -> None:
         self.role_config = role_config
         self.ctx = ctx
-        self.config: VLLMConfig = typed_strategy_config(role_config, VLLMConfig)
+        self.config: VLLMConfig = role_config.strategy_args.strategy_config
         self.llm: Any = None
         self.workers = VLLMWorkerCalls(None)  # calls into the TP workers (their engine: initialize)
         self.pad_token_id: int | None = None

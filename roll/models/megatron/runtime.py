@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from roll.configs.role import RoleConfig
-from roll.configs.strategy_configs import MegatronConfig, typed_strategy_config
+from roll.configs.strategy_configs import MegatronConfig
 from roll.core.batch import Batch
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
@@ -33,11 +33,6 @@ from roll.models.megatron.parallel import broadcast_from_last_stage, init_parall
 from roll.models.microbatch import invert, split_by_tokens
 
 logger = logging.getLogger("roll")
-
-
-def megatron_config(role_config: RoleConfig) -> MegatronConfig:
-    """The role's typed MegatronConfig (parsed by the loader, or built here)."""
-    return typed_strategy_config(role_config, MegatronConfig)
 
 
 def build_chunks(

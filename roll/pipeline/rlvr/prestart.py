@@ -65,7 +65,7 @@ def start_hosts(config: RLVRConfig, plan: PlacementPlan, rm: ResourceManager) ->
 def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
     """The modules a host imports as it starts: its members' worker classes and strategies (while
     the driver is still checking the config, when the launcher prestarts)."""
-    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.configs.strategies import get_strategy_spec
     from roll.pipeline.rlvr.run import role_classes
 
     roles = config.roles()

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from roll.configs.strategies import get_strategy_spec
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
-from roll.distributed.strategy.registry import get_strategy_spec
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn

@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.strategy_configs import strategy_config_of
 from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
     On CPU slots a role is left out unless its strategy offloads there
     (``StrategySpec.offloads_on_cpu``): the others would only free device memory, which a CPU slot
     does not have, and each skipped stage saves two Ray round trips to every rank."""
-    from roll.distributed.strategy.registry import get_strategy_spec
+    from roll.configs.strategies import get_strategy_spec
 
     cpu = on_cpu_slots(config)
     roles = config.roles()
@@ -65,11 +64,7 @@ def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
     if "actor_infer" not in colocated:
         return False
     args = config.actor_infer.strategy_args
-    return (
-        args is not None
-        and args.strategy_name == "vllm"
-        and strategy_config_of(config.actor_infer).sleep_level == 2
-    )
+    return args is not None and args.strategy_name == "vllm" and args.strategy_config.sleep_level == 2
 
 
 def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:

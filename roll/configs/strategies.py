@@ -1,0 +1,211 @@
+"""Every strategy in one table: one row per ``strategy_name`` that every reader uses::
+
+    spec = get_strategy_spec("vllm")
+    spec.options        # VLLMConfig: the class ``strategy_args.strategy_config`` is built as
+    spec.target         # "roll.distributed.strategy.vllm_strategy:VLLMStrategy", imported when used
+
+A row says what a strategy is for each part of roll, so no part keeps a table of strategy names
+of its own:
+
+- the loader types ``strategy_config`` as ``options`` (``StrategyArgs``);
+- alibaba/ROLL files go through ``roll_compat`` (``roll.configs.roll_compat_options``);
+- the worker imports ``target`` and checks it against the Protocols named in ``protocols``
+  (``roll.distributed.strategy.registry.load_strategy_class``);
+- the scheduler, the launch checks and the pipeline read the capability flags;
+- the memory planner predicts the role with its ``memory_model`` (``roll.planner.roles``).
+
+The options classes import nothing heavy, so configs load (and ``--dry_run`` plans) without
+megatron-core, vLLM or SGLang installed. docs/strategies.md says how to add a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from roll.configs.build import build_dataclass
+from roll.configs.errors import ConfigError, did_you_mean
+from roll.configs.roll_compat_options import map_fsdp2, map_megatron
+from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, SGLangConfig, VLLMConfig
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    # The options class of ``strategy_config`` (roll.configs.strategy_configs).
+    options: type
+    # "module:ClassName" of the strategy class, imported lazily.
+    target: str
+    side: Literal["train", "infer"]
+    # Which formula of the memory planner predicts this strategy's device memory
+    # (``roll.planner.roles.MEMORY_MODELS``).
+    memory_model: str
+    # Maps the alibaba/ROLL keys of a role of this strategy onto ``options`` (called with the role's
+    # plain data before the strict build; ``roll.configs.roll_compat_roles.map_strategy``).
+    roll_compat: Callable[..., None] | None = None
+    # pip extra that provides the engine, named in the error when the import fails.
+    extra: str | None = None
+    # Python modules the strategy needs; a missing one becomes a ConfigError naming ``extra``.
+    requires: tuple[str, ...] = ()
+    # Whether the role's workers join one torch.distributed default group. Engines that build their
+    # own in the worker process (vLLM's in-process executor) must find none there.
+    role_process_group: bool = True
+    # Releases of the engine package this strategy ran on, as (lowest, first refused) versions;
+    # another installed version is a ConfigError before launch (see ``check_engine_version``).
+    engine_versions: tuple[str, str] | None = None
+    # Names of the optional Protocols of ``roll.distributed.strategy.base`` the class implements,
+    # checked against the class when it is loaded (``registry.check_strategy_class``).
+    protocols: tuple[str, ...] = ()
+    # Whether ``offload_states``/``reload_states`` do anything on CPU slots. Most strategies only
+    # free device memory, which a CPU slot does not have, so the pipeline skips their calls there
+    # (two Ray round trips per stage saved); megatron's offloader frees and restores storage on
+    # any device, which the CPU pipeline tests exercise, so its calls stay.
+    offloads_on_cpu: bool = False
+    # Training side: whether every row's ``log_probs`` reach ``loss_fn`` on the DP group's output
+    # rank, so the worker can return them from ``train_step`` (``record_log_probs``) and a
+    # one-update step needs no separate old-log-probs pass (``recompute_old_log_probs: auto``).
+    records_train_log_probs: bool = False
+    # Whether, on CPU slots, a worker of this strategy may live in one process with the workers of
+    # the other roles on its slot (``roll/distributed/scheduler/hosting.py``): every process imports
+    # torch and transformers, which is most of a CPU run's start-up. Only strategies that keep no
+    # process-wide state besides torch.distributed's default group qualify; megatron keeps its global
+    # parallel state and offloader, vLLM and SGLang start engine processes and groups of their own.
+    shares_process_on_cpu: bool = False
+    # Whether the strategy's collectives run on torch.distributed's default group. One process has
+    # one such group, so a shared process holds at most one role that uses it.
+    uses_default_group: bool = True
+
+    def build_options(self, data: Any) -> Any:
+        """``data`` (a mapping, None or an ``options`` object) as an ``options`` object, built
+        strictly; a ConfigError names the key under ``strategy_config``."""
+        if data is None or isinstance(data, Mapping):
+            return build_dataclass(self.options, data or {}, "strategy_config")
+        if not isinstance(data, self.options):
+            raise ConfigError(
+                "strategy_config",
+                f"strategy {self.name!r} takes {self.options.__name__} options, got {type(data).__name__}",
+            )
+        return data
+
+
+_S = "roll.distributed.strategy"
+STRATEGIES: dict[str, StrategySpec] = {
+    spec.name: spec
+    for spec in (
+        StrategySpec(
+            "hf_infer",
+            HFInferConfig,
+            f"{_S}.hf_strategy:HFInferStrategy",
+            "infer",
+            memory_model="hf_inference",
+            protocols=("ValueModelStrategy", "HFWeightSource"),
+            shares_process_on_cpu=True,
+            uses_default_group=False,
+        ),
+        StrategySpec(
+            "fsdp2_train",
+            FSDP2Config,
+            f"{_S}.fsdp2_strategy:FSDP2TrainStrategy",
+            "train",
+            memory_model="fsdp2_train",
+            roll_compat=map_fsdp2,
+            protocols=("ValueModelStrategy",),
+            records_train_log_probs=True,
+            shares_process_on_cpu=True,
+        ),
+        StrategySpec(
+            "megatron_train",
+            MegatronConfig,
+            f"{_S}.megatron_strategy:MegatronTrainStrategy",
+            "train",
+            memory_model="megatron_train",
+            roll_compat=map_megatron,
+            extra="megatron",
+            requires=("megatron.core",),
+            protocols=("FinishesModelUpdate",),
+            offloads_on_cpu=True,
+        ),
+        StrategySpec(
+            "megatron_infer",
+            MegatronConfig,
+            f"{_S}.megatron_infer_strategy:MegatronInferStrategy",
+            "infer",
+            memory_model="megatron_inference",
+            roll_compat=map_megatron,
+            extra="megatron",
+            requires=("megatron.core",),
+            protocols=("HFWeightSource", "FinishesModelUpdate"),
+        ),
+        StrategySpec(
+            "vllm",
+            VLLMConfig,
+            f"{_S}.vllm_strategy:VLLMStrategy",
+            "infer",
+            memory_model="vllm_engine",
+            extra="vllm",
+            requires=("vllm",),
+            role_process_group=False,
+            engine_versions=("0.24", "0.25"),
+            protocols=("FinishesModelUpdate", "SharedBucketEngine", "BroadcastBucketEngine"),
+        ),
+        StrategySpec(
+            "sglang",
+            SGLangConfig,
+            f"{_S}.sglang_strategy:SGLangStrategy",
+            "infer",
+            memory_model="sglang_engine",
+            extra="sglang",
+            requires=("sglang",),
+            role_process_group=False,
+            engine_versions=("0.5.16", "0.6"),
+            protocols=("FinishesModelUpdate", "SharedBucketEngine"),
+        ),
+    )
+}
+
+
+def get_strategy_spec(name: str, path: str = "strategy_args.strategy_name") -> StrategySpec:
+    """The row of ``name``; an unknown name is a ConfigError on ``path`` listing the valid ones."""
+    spec = STRATEGIES.get(name)
+    if spec is None:
+        raise ConfigError(
+            path,
+            f"unknown strategy {name!r}{did_you_mean(str(name), STRATEGIES)}; "
+            f"valid names: {', '.join(sorted(STRATEGIES))}",
+        )
+    return spec
+
+
+def check_engine_version(spec: StrategySpec, path: str) -> None:
+    """Refuse an installed engine outside ``spec.engine_versions`` (one ConfigError naming ``path``).
+
+    Checked where the run is launched; an engine that is not installed there is not an error here
+    (workers on other nodes may have it; the worker's import names the extra if they do not).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    if spec.engine_versions is None or not spec.requires:
+        return
+    package = spec.requires[0].split(".")[0]
+    try:
+        installed = version(package)
+    except PackageNotFoundError:
+        return
+    low, high = spec.engine_versions
+    if not _version_key(low) <= _version_key(installed) < _version_key(high):
+        raise ConfigError(
+            path,
+            f"strategy {spec.name!r} runs on {package} >={low},<{high} but {installed} is installed; "
+            f"install a tested release with: pip install -e .[{spec.extra}]",
+        )
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
