@@ -20,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 from roll.distributed.scheduler.resource_manager import reinstall_signal_handlers
 
@@ -75,7 +76,7 @@ def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
         args = roles[name].strategy_args
         if args is not None:
             modules.append(get_strategy_spec(args.strategy_name).target.split(":")[0])
-        elif name.startswith("rewards."):
+        elif Role.parse(name).is_reward:
             modules.append("roll.pipeline.rlvr.rewards.scoring")
     return tuple(dict.fromkeys(modules))
 
@@ -86,7 +87,7 @@ def rule_reward_roles(config: RLVRConfig) -> list[str]:
     from roll.pipeline.rlvr.rewards.registry import get_reward_spec
 
     return [
-        f"rewards.{name}"
+        Role.reward(name).key
         for name, reward in config.rewards.items()
         if get_reward_spec(reward.reward_fn).kind != "model" and not reward.system_envs
     ]

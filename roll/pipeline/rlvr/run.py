@@ -20,6 +20,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
+from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 from roll.pipeline.rlvr.perf import StageTimer, SwapTimes
 
@@ -69,7 +70,7 @@ class RLVRRun:
 
     def reward(self, name: str) -> RewardCluster:
         """The cluster of reward role ``rewards.<name>``."""
-        return self.clusters[f"rewards.{name}"]  # type: ignore[return-value]
+        return self.clusters[Role.reward(name).key]  # type: ignore[return-value]
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
@@ -194,7 +195,7 @@ def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
     from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
     from roll.pipeline.workers.reward_worker import RewardCluster, RewardWorker
 
-    return (RewardCluster, RewardWorker) if role.startswith("rewards.") else (ModelCluster, ModelWorker)
+    return (RewardCluster, RewardWorker) if Role.parse(role).is_reward else (ModelCluster, ModelWorker)
 
 
 def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:

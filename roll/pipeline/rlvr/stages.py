@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from roll.core.batch import Batch
+from roll.core.roles import Role
 from roll.core.sampling import SamplingParams
 from roll.distributed.strategy.registry import get_strategy_spec
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
@@ -110,7 +111,7 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
         part.meta["reward_samples"] = len(part)  # the whole call's, for each worker's early stop
         scorer = run.reward(name)
         result = dp_call(scorer.dp_size, scorer.compute_rewards, part)
-        check_reward_result(f"rewards.{name}", run.config.rewards[name], result)
+        check_reward_result(Role.reward(name).key, run.config.rewards[name], result)
         scores[torch.as_tensor(rows)] = result["scores"]
         for key, flag in flags.items():
             if key in result:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.strategy_configs import strategy_config_of
+from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
 
     cpu = on_cpu_slots(config)
     roles = config.roles()
-    shared = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+    shared = {name for owners, _ in plan.shared for name in owners if not Role.parse(name).is_reward}
 
     def offloads(name: str) -> bool:
         args = roles[name].strategy_args
@@ -184,10 +185,11 @@ def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
     from roll.pipeline.workers.reward_worker import RewardWorker
     from roll.utils.lr_schedule import total_optimizer_steps
 
-    if name.startswith("rewards."):
+    role = Role.parse(name)
+    if role.is_reward:
         return run.clusters[name].async_call(RewardWorker.initialize)
     steps = None
-    if name in ("actor_train", "critic"):  # the LR schedule length, computed here once per role
+    if role.is_trainer:  # the LR schedule length, computed here once per role
         dp = run.plan.roles[name].parallel.dp
         steps = total_optimizer_steps(run.config, getattr(run.config, name).training_args, dp)
     return run.model(name).async_call(ModelWorker.initialize, steps)
