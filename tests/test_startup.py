@@ -14,8 +14,9 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig
 from roll.distributed.scheduler.placement import plan_placement
+from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import startup
-from roll.pipeline.rlvr.perf import StageTimer, startup_metrics
+from roll.pipeline.rlvr.perf import startup_metrics
 from roll.pipeline.rlvr.startup import init_waves, offloaded_roles
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.roles import TRAINER_ROLES
+from roll.pipeline.common.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.common.output_dir import claim_output_dir
+from roll.pipeline.common.run_log import setup_logging
+from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import stages
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.output_dir import claim_output_dir
-from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, startup_metrics, throughput_metrics
+from roll.pipeline.rlvr.perf import memory_metrics, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
-from roll.pipeline.rlvr.run import RLVRRun, build_run, setup_logging, shutdown
+from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
 from roll.utils.atomic_io import write_dir_durably
 from roll.utils.rng import rng_state, set_rng_state
 

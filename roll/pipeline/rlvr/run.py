@@ -7,7 +7,6 @@ the prompt data, the model-update group and the tracker. ``shutdown`` releases i
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,9 @@ from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
 from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
-from roll.pipeline.rlvr.perf import StageTimer, SwapTimes
+from roll.pipeline.common.run_log import setup_logging
+from roll.pipeline.common.timing import StageTimer
+from roll.pipeline.rlvr.perf import SwapTimes
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker import Worker
@@ -87,35 +88,6 @@ class RLVRRun:
     def progress(self, items: Iterable, desc: str) -> Iterator:
         items = list(items)
         return iter(tqdm(items, desc=desc, leave=False, disable=not self.show_progress or len(items) < 2))
-
-
-class RunLogHandler(logging.FileHandler):
-    """run.log. A record it cannot write (a full disk) is one line on stderr, once, instead of
-    logging's traceback for every record; the console keeps getting them."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        if not self.failed:
-            self.failed = True
-            print(f"roll: cannot write {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
-
-
-def setup_logging(run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger("roll")
-    if root.handlers:
-        return
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
-    for handler, level in (
-        (logging.StreamHandler(sys.stderr), logging.INFO),
-        (RunLogHandler(run_dir / "run.log"), logging.DEBUG),
-    ):
-        handler.setFormatter(fmt)
-        handler.setLevel(level)
-        root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
 
 
 def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:

@@ -26,7 +26,7 @@ from roll.distributed.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import AsyncResult, Cluster
-    from roll.pipeline.rlvr.perf import StageTimer
+    from roll.pipeline.common.timing import StageTimer
     from roll.pipeline.rlvr.prestart import Hosted
     from roll.pipeline.rlvr.run import RLVRRun
 

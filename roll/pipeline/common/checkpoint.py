@@ -28,7 +28,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.errors import CheckpointError
-from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
+from roll.pipeline.common.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
 from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
 
 __all__ = [

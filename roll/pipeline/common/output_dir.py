@@ -27,7 +27,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.errors import StorageError
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, step_dirs
+from roll.pipeline.common.checkpoint import checkpoint_root, step_dirs
 from roll.utils.atomic_io import disk_full_as
 
 logger = logging.getLogger("roll")
