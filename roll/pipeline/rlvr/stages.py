@@ -122,16 +122,10 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
 
 
 def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
+    """``ref_log_probs`` [B, R] from the reference model (for the KL terms); nothing without one."""
     if "reference" not in run.clusters:
         return batch
-    reference = run.model("reference")
-    with on_devices(run, "reference"):
-        out = dp_call(
-            reference.dp_size,
-            lambda b: reference.compute_log_probs(b, output_key="ref_log_probs"),
-            _model_inputs(batch),
-        )
-    return batch.union(out)
+    return _log_probs(run, batch, "reference", "ref_log_probs")
 
 
 def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
@@ -140,12 +134,16 @@ def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     where ``old_log_probs_from_train`` says that gives the same values."""
     if old_log_probs_from_train(run, batch):
         return batch
-    actor = run.model("actor_train")
-    with on_devices(run, "actor_train"):
+    return _log_probs(run, batch, "actor_train", "old_log_probs")
+
+
+def _log_probs(run: RLVRRun, batch: Batch, role: str, output_key: str) -> Batch:
+    """The batch with ``output_key``: ``role``'s log-probs of the sampled responses, one forward
+    split over its data-parallel ranks while the role is on its devices."""
+    model = run.model(role)
+    with on_devices(run, role):
         out = dp_call(
-            actor.dp_size,
-            lambda b: actor.compute_log_probs(b, output_key="old_log_probs"),
-            _model_inputs(batch),
+            model.dp_size, lambda b: model.compute_log_probs(b, output_key=output_key), _model_inputs(batch)
         )
     return batch.union(out)
 
