@@ -6,7 +6,8 @@
     tracker.log(metrics | timer.metrics(), step)
 
 The RLVR and SFT step loops time their stages with it, and the RLVR start-up times its phases with
-one more (``startup/*`` metrics, ``roll.pipeline.rlvr.perf.startup_metrics``).
+one more (``startup/*`` metrics, ``roll.pipeline.rlvr.perf.startup_metrics``). ``SwapTimes`` adds up
+the seconds colocated RLVR roles spend moving onto and off their devices (``swap/*`` metrics).
 """
 
 from __future__ import annotations
@@ -40,3 +41,18 @@ class StageTimer:
 
     def metrics(self) -> dict[str, float]:
         return self.background | self.times | {"time/step": sum(self.times.values())}
+
+
+class SwapTimes:
+    """Seconds colocated roles spent being reloaded onto and offloaded from their devices, summed
+    per role and direction until ``take`` (once a step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, role: str, direction: str) -> AbstractContextManager[None]:
+        return adding_seconds(self.seconds, f"swap/{role}/{direction}_s")
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out

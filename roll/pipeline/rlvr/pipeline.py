@@ -19,7 +19,8 @@ from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.perf import memory_metrics, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
-from roll.pipeline.rlvr.run import RLVRRun, build_run, shutdown
+from roll.pipeline.rlvr.run import RLVRRun
+from roll.pipeline.rlvr.start import build_run, shutdown
 from roll.utils.atomic_io import write_dir_durably
 from roll.utils.rng import rng_state, set_rng_state
 

@@ -3,7 +3,7 @@ the config; and the host processes of a run.
 
 Starting Ray takes seconds of waiting on its daemons, and the driver's pre-launch checks take
 seconds of importing torch and transformers: on a laptop the two overlap. The launcher starts
-Ray as soon as the config is loaded and hands the result to ``startup.start_clusters``::
+Ray as soon as the config is loaded and hands the result to ``start.start_clusters``::
 
     prestart(config)                 # returns at once; Ray, the reservation and the hosts start
     check_before_launch(config)      # meanwhile (a ConfigError here: discard_prestart() stops Ray)
@@ -67,7 +67,7 @@ def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
     """The modules a host imports as it starts: its members' worker classes and strategies (while
     the driver is still checking the config, when the launcher prestarts)."""
     from roll.distributed.strategy.registry import get_strategy_spec
-    from roll.pipeline.rlvr.run import role_classes
+    from roll.pipeline.workers.classes import role_classes
 
     roles = config.roles()
     modules = []
