@@ -21,7 +21,7 @@ from roll.distributed.strategy.base import (
     check_protocol,
 )
 from roll.distributed.strategy.registry import STRATEGIES, StrategySpec, check_strategy_class
-from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
+from roll.pipeline.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

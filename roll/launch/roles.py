@@ -36,7 +36,7 @@ from roll.distributed.strategy.engine_options import (
 from roll.distributed.strategy.generation import sampling_temperature
 from roll.distributed.strategy.registry import check_engine_version, get_strategy_spec
 from roll.models.logprobs import transformers_detects_packing
-from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+from roll.pipeline.rewards.registry import get_reward_spec
 
 
 def check_role(name: str, role: RoleConfig, config: Any) -> None:

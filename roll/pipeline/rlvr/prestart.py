@@ -77,14 +77,14 @@ def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
         if args is not None:
             modules.append(get_strategy_spec(args.strategy_name).target.split(":")[0])
         elif Role.parse(name).is_reward:
-            modules.append("roll.pipeline.rlvr.rewards.scoring")
+            modules.append("roll.pipeline.rewards.scoring")
     return tuple(dict.fromkeys(modules))
 
 
 def rule_reward_roles(config: RLVRConfig) -> list[str]:
     """Reward roles that may ride in a host process: rule rewards (they score in subprocesses of
     their own and touch nothing process-wide) without ``system_envs`` of their own."""
-    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+    from roll.pipeline.rewards.registry import get_reward_spec
 
     return [
         Role.reward(name).key

@@ -16,6 +16,7 @@ from roll.core.batch import Batch
 from roll.core.roles import Role
 from roll.core.sampling import SamplingParams
 from roll.distributed.strategy.registry import get_strategy_spec
+from roll.pipeline.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
@@ -29,7 +30,6 @@ from roll.pipeline.rlvr.algorithms.metrics import (
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
 from roll.pipeline.rlvr.algorithms.policy_losses import READS_SCORES
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
-from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
 
 
