@@ -215,7 +215,7 @@ def _trl_child(steps: int, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
+    from roll.pipeline.rewards.math_rule import math_rule_reward
 
     born = psutil.Process().create_time()
     torch.set_num_threads(2)

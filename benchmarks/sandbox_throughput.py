@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from roll.pipeline.rlvr.rewards.sandbox import Limits, SandboxConfig, get_sandbox  # noqa: E402
+from roll.pipeline.rewards.sandbox import Limits, SandboxConfig, get_sandbox  # noqa: E402
 
 PROGRAM = "n = int(input())\nprint(sum(i * i for i in range(n)) % 1000003)\n"
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from roll.pipeline.sft.sft import SFTConfig, encode_examples, train_sft  # noqa: E402
 
 from examples.tasks.python_programs import write_task  # noqa: E402
-from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward  # noqa: E402
+from roll.pipeline.rewards.code_sandbox import code_sandbox_reward  # noqa: E402
 from roll.pipeline.sft.evaluate import accuracy  # noqa: E402
 
 RESPONSE_LENGTH = 40  # the longest program is 30 tokens plus the end token

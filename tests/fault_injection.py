@@ -91,16 +91,16 @@ def install() -> None:
     """Make the RLVR pipeline start every role with ``with_faults`` workers (in this process)."""
     import ray.cloudpickle
 
-    from roll.pipeline.rlvr import run
+    from roll.pipeline.workers import classes
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-    role_classes = run.role_classes
+    role_classes = classes.role_classes
 
     def faulty_role_classes(role: str):
         cluster_cls, worker_cls = role_classes(role)
         return cluster_cls, with_faults(worker_cls)
 
-    run.role_classes = faulty_role_classes
+    classes.role_classes = faulty_role_classes
 
 
 if __name__ == "__main__":

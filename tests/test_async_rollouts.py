@@ -23,8 +23,8 @@ from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.role import GeneratingArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.launch.checks import check_before_launch  # noqa: E402
+from roll.pipeline.common.timing import StageTimer  # noqa: E402
 from roll.pipeline.rlvr import rollout_source  # noqa: E402
-from roll.pipeline.rlvr.perf import StageTimer  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
 
 

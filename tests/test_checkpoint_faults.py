@@ -16,9 +16,9 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.core.errors import CheckpointError
-from roll.pipeline.rlvr import checkpoint
-from roll.pipeline.rlvr.checkpoint import latest_checkpoint, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, verify_checkpoint, write_manifest
+from roll.pipeline.common import checkpoint
+from roll.pipeline.common.checkpoint import latest_checkpoint, resolve_resume, save_checkpoint
+from roll.pipeline.common.checkpoint_manifest import MANIFEST, verify_checkpoint, write_manifest
 from roll.utils import atomic_io
 from roll.utils.safe_unpickle import check_dcp_dir
 

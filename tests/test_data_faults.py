@@ -80,7 +80,7 @@ def test_a_row_whose_tag_no_reward_role_claims_is_named_by_file_and_line():
 
     from roll.configs.role import RewardConfig
     from roll.pipeline.rlvr.data.dataset import PromptRow
-    from roll.pipeline.rlvr.run import check_rows_routed
+    from roll.pipeline.rlvr.data.routing import check_rows_routed
 
     config = SimpleNamespace(
         rewards={"math": RewardConfig(reward_fn="math_rule", tag_included=["arith"])}, default_reward=None

@@ -11,7 +11,7 @@ from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch, prompt_token_lists
-from roll.pipeline.rlvr.rewards.llm_judge import (
+from roll.pipeline.rewards.llm_judge import (
     DEFAULT_JUDGE_PROMPT,
     build_judge_prompt,
     check_judge_prompt,
@@ -20,7 +20,7 @@ from roll.pipeline.rlvr.rewards.llm_judge import (
     judge_options,
     parse_judge_score,
 )
-from roll.pipeline.rlvr.rewards.registry import load_reward_fn
+from roll.pipeline.rewards.registry import load_reward_fn
 from tests.tiny_models import PAD_ID, build_tiny_model_dir, build_tiny_tokenizer
 
 torch.set_num_threads(1)

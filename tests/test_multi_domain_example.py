@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from examples.tasks.python_programs import OPERATIONS, write_task
-from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward
+from roll.pipeline.rewards.code_sandbox import code_sandbox_reward
 
 
 def test_generated_programs_score_with_the_sandbox(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
 from roll.core.errors import StorageError
-from roll.pipeline.rlvr.output_dir import LOCK_FILE, OutputDirLock, claim_output_dir
+from roll.pipeline.common.output_dir import LOCK_FILE, OutputDirLock, claim_output_dir
 
 GOOD = Path(__file__).parent / "configs" / "good" / "minimal.yaml"
 
@@ -90,7 +90,7 @@ def _disk_full(*args, **kwargs):
 def test_a_full_disk_while_locking_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, call):
     """Resuming with the disk still full: the lock's write fails. Before, a raw OSError traceback
     and an empty .roll.lock that named no owner."""
-    from roll.pipeline.rlvr import output_dir
+    from roll.pipeline.common import output_dir
 
     monkeypatch.setattr(output_dir.os, call, _disk_full)
     with pytest.raises(StorageError) as err:
@@ -129,7 +129,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_naming_its_directory(tmp_path
 def test_run_log_that_cannot_be_written_is_one_line_not_a_traceback_per_record(tmp_path, capsys):
     import logging as std_logging
 
-    from roll.pipeline.rlvr.run import RunLogHandler
+    from roll.pipeline.common.run_log import RunLogHandler
 
     handler = RunLogHandler(tmp_path / "run.log")
     handler.stream.write = _disk_full

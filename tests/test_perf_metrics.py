@@ -126,8 +126,8 @@ class _SwappingCluster:
 
 
 def test_swaps_of_colocated_roles_are_timed_per_role_and_taken_once_a_step():
+    from roll.pipeline.common.timing import SwapTimes
     from roll.pipeline.rlvr import stages
-    from roll.pipeline.rlvr.perf import SwapTimes
 
     log: list[str] = []
     run = SimpleNamespace(

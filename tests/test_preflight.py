@@ -351,7 +351,7 @@ def test_rule_reward_model_args_go_unchecked_a_judge_model_is_checked(files, cap
 
 
 def test_model_reward_options_come_from_its_table():
-    from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
+    from roll.pipeline.rewards.scoring import check_reward_kwargs
 
     check_reward_kwargs("llm_judge", {"score_scale": 5.0}, "rewards.judge.reward_kwargs")
     with pytest.raises(

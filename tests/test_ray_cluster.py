@@ -459,7 +459,7 @@ def test_check_capacity_names_the_key_to_fix():
 
 
 def test_each_rank_must_run_on_the_node_its_devices_were_reserved_on():
-    """The check after the workers start (``startup.check_worker_nodes``): each rank reports its
+    """The check after the workers start (``start.check_worker_nodes``): each rank reports its
     own Ray node id, compared with the node its bundle was reserved on."""
     plan = plan_placement(make_config())  # 2 nodes x 2 devices
     rm = ResourceManager.__new__(ResourceManager)

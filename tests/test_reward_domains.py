@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward, extract_code
-from roll.pipeline.rlvr.rewards.ifeval import ifeval_reward
-from roll.pipeline.rlvr.rewards.multiple_choice import multiple_choice_reward
-from roll.pipeline.rlvr.rewards.sandbox import run_sandboxed
+from roll.pipeline.rewards.code_sandbox import code_sandbox_reward, extract_code
+from roll.pipeline.rewards.ifeval import ifeval_reward
+from roll.pipeline.rewards.multiple_choice import multiple_choice_reward
+from roll.pipeline.rewards.sandbox import run_sandboxed
 
 DOUBLE = json.dumps([{"input": "3", "output": "6"}, {"input": "5", "output": "10"}])
 
@@ -115,7 +115,7 @@ def test_multiple_choice_reward_types(response, soft, loose, strict):
 
 
 def test_code_reward_through_the_scoring_workers_with_kwargs():
-    from roll.pipeline.rlvr.rewards.scoring import score_batch
+    from roll.pipeline.rewards.scoring import score_batch
 
     responses = ["print(int(input()) * 2)", "while True:\n    pass", "print(6)"]
     stats: dict[str, int] = {}

@@ -17,8 +17,8 @@ from roll.configs.errors import ConfigError
 from roll.configs.role import RewardConfig
 from roll.core.batch import Batch
 from roll.core.errors import RewardError
-from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
-from roll.pipeline.rlvr.rewards.scoring import RewardScorer, allowed_failures, checked_score, score_batch
+from roll.pipeline.rewards.health import check_reward_result, reward_error_metrics
+from roll.pipeline.rewards.scoring import RewardScorer, allowed_failures, checked_score, score_batch
 from roll.pipeline.workers.reward_worker import RewardWorker
 
 OUTCOMES = {

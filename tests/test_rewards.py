@@ -7,10 +7,10 @@ import time
 import pytest
 
 from roll.configs.errors import ConfigError
-from roll.pipeline.rlvr.rewards.format_reward import format_reward
-from roll.pipeline.rlvr.rewards.math_rule import extract_answer, last_boxed, math_rule_reward
-from roll.pipeline.rlvr.rewards.registry import load_reward_fn
-from roll.pipeline.rlvr.rewards.scoring import RewardScorer, check_reward_kwargs, score_batch
+from roll.pipeline.rewards.format_reward import format_reward
+from roll.pipeline.rewards.math_rule import extract_answer, last_boxed, math_rule_reward
+from roll.pipeline.rewards.registry import load_reward_fn
+from roll.pipeline.rewards.scoring import RewardScorer, check_reward_kwargs, score_batch
 
 
 def slow_reward(response: str, ground_truth: str) -> float:

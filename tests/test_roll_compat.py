@@ -198,7 +198,7 @@ def test_roll_keys_roll_cannot_honour_are_refused(raw, words):
 
 def test_roll_only_keys_are_unknown_to_roll_own_sections():
     from roll.configs.build import build_dataclass
-    from roll.configs.pipeline_config import CheckpointConfig
+    from roll.configs.run_config import CheckpointConfig
 
     with pytest.raises(ConfigError, match="type: unknown key; valid keys: output_dir, max_to_keep"):
         build_dataclass(CheckpointConfig, {"type": "file_system"})

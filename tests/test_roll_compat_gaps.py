@@ -15,9 +15,9 @@ from roll.configs.loader import load_config
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.launch.rlvr import main
+from roll.pipeline.common.timing import SwapTimes
 from roll.pipeline.rlvr import stages
 from roll.pipeline.rlvr.data.dataset import resolve_files
-from roll.pipeline.rlvr.perf import SwapTimes
 from roll.pipeline.rlvr.pipeline import update_inference_weights
 
 # A ROLL-style file on 4 GPUs (colocated), with the keys each test adds below it.
@@ -182,7 +182,7 @@ def test_gap7_use_remove_padding_is_sequence_packing(tmp_path, capsys):
 
 
 def test_gap8_colocated_vllm_sleep_level_2_dry_runs(tmp_path, capsys):
-    from roll.pipeline.rlvr.startup import refills_on_wake
+    from roll.pipeline.rlvr.start import refills_on_wake
 
     path = roll_file(tmp_path, sleep_level=2)
     assert dry_run(path) == 0, capsys.readouterr().err

@@ -15,7 +15,7 @@ from roll.configs.loader import load_config
 from roll.configs.role import DataArgs
 from roll.configs.roll_compat import translate_roll_keys
 from roll.pipeline.rlvr.data.dataset import parse_row
-from roll.pipeline.rlvr.run import build_tag_routes, reward_role_tags
+from roll.pipeline.rlvr.data.routing import build_tag_routes, reward_role_tags
 
 ROLL_REWARD = "worker_cls: roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker"
 

@@ -25,8 +25,8 @@ from fault_injection import Fault, parse_fault  # noqa: E402
 from test_pipeline_e2e import config_dict, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
-from roll.pipeline.rlvr.checkpoint import read_state  # noqa: E402
-from roll.pipeline.signals import RunInterrupted, interruption, release_signals, take_signals  # noqa: E402
+from roll.pipeline.common.checkpoint import read_state  # noqa: E402
+from roll.pipeline.common.signals import RunInterrupted, interruption, release_signals, take_signals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

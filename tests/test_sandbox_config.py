@@ -10,9 +10,9 @@ import pytest
 
 from roll.configs.errors import ConfigError
 from roll.launch.files import check_reward_options
-from roll.pipeline.rlvr.rewards import sandbox_bwrap
-from roll.pipeline.rlvr.rewards.sandbox_bwrap import BubblewrapSandbox, SandboxUnavailable
-from roll.pipeline.rlvr.rewards.sandbox_config import SandboxConfig, parse_sandbox_config
+from roll.pipeline.rewards import sandbox_bwrap
+from roll.pipeline.rewards.sandbox_bwrap import BubblewrapSandbox, SandboxUnavailable
+from roll.pipeline.rewards.sandbox_config import SandboxConfig, parse_sandbox_config
 
 MISSING = "bubblewrap (bwrap) is not installed: apt-get install bubblewrap (dnf install bubblewrap)"
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward
-from roll.pipeline.rlvr.rewards.sandbox import Limits, SandboxConfig, SandboxResult, get_sandbox
-from roll.pipeline.rlvr.rewards.sandbox_bwrap import unavailable_reason
+from roll.pipeline.rewards.code_sandbox import code_sandbox_reward
+from roll.pipeline.rewards.sandbox import Limits, SandboxConfig, SandboxResult, get_sandbox
+from roll.pipeline.rewards.sandbox_bwrap import unavailable_reason
 
 REASON = unavailable_reason()
 if REASON is not None:

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from roll.pipeline.rlvr.rewards.code_sandbox import code_sandbox_reward
-from roll.pipeline.rlvr.rewards.sandbox import Limits, SandboxConfig, SandboxError
-from roll.pipeline.rlvr.rewards.sandbox_fusion import SandboxFusionSandbox
+from roll.pipeline.rewards.code_sandbox import code_sandbox_reward
+from roll.pipeline.rewards.sandbox import Limits, SandboxConfig, SandboxError
+from roll.pipeline.rewards.sandbox_fusion import SandboxFusionSandbox
 
 DOUBLE = json.dumps([{"input": str(n), "output": str(2 * n)} for n in range(6)])
 

@@ -1,4 +1,4 @@
-"""Starting a run (roll/pipeline/rlvr/startup.py): which roles initialize together, which are
+"""Starting a run (roll/pipeline/rlvr/start.py): which roles initialize together, which are
 offloaded between stages on CPU slots and GPUs, and every role's workers starting at once."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig
 from roll.distributed.scheduler.placement import plan_placement
-from roll.pipeline.rlvr import startup
-from roll.pipeline.rlvr.perf import StageTimer, startup_metrics
-from roll.pipeline.rlvr.startup import init_waves, offloaded_roles
+from roll.pipeline.common.timing import StageTimer
+from roll.pipeline.rlvr import start
+from roll.pipeline.rlvr.perf import startup_metrics
+from roll.pipeline.rlvr.start import init_waves, offloaded_roles
 
 
 def role(mapping: str, strategy: str, typed) -> RoleConfig:
@@ -80,13 +81,13 @@ def test_every_roles_workers_start_at_once_and_a_failure_keeps_the_others(monkey
                 raise RuntimeError("reference failed to start")
             self.role = name
 
-    import roll.pipeline.rlvr.run as run_module
+    from roll.pipeline.workers import classes
 
-    monkeypatch.setattr(run_module, "role_classes", lambda name: (FakeCluster, None))
+    monkeypatch.setattr(classes, "role_classes", lambda name: (FakeCluster, None))
     cfg = config()
     run = SimpleNamespace(config=cfg, plan=plan_placement(cfg), resources=None, clusters={})
     with pytest.raises(RuntimeError, match="reference failed to start"):
-        startup._start_workers(run)
+        start._start_workers(run)
     # The roles that did start are kept, in config order, so shutdown stops them.
     assert list(run.clusters) == ["actor_train", "actor_infer", "rewards.math"]
 

@@ -24,7 +24,7 @@ from roll.distributed.strategy.base import (
     check_protocol,
 )
 from roll.distributed.strategy.registry import check_strategy_class, required_protocols
-from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
+from roll.pipeline.rewards.registry import REWARD_FUNCTIONS, load_reward_fn
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from examples.tasks.arithmetic import Problem, column_steps, make_splits, sft_rows, write_task
 from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer
-from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
+from roll.pipeline.rewards.math_rule import math_rule_reward
 from roll.pipeline.sft.evaluate import accuracy, generate_responses
 
 torch.set_num_threads(1)

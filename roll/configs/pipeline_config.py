@@ -1,9 +1,9 @@
-"""Top-level RLVR run configuration: one YAML file maps onto ``RLVRConfig``."""
+"""Top-level RLVR run configuration: one YAML file maps onto ``RLVRConfig``; the keys every run
+has (output_dir, seed, max_steps, placement, ...) come from ``RunConfig`` (roll/configs/run_config.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from roll.configs.ranges import bounded, one_of
 from roll.configs.rl_options import (
@@ -13,7 +13,7 @@ from roll.configs.rl_options import (
     PolicyLossConfig,
 )
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
-from roll.configs.timeouts import WorkerTimeoutsConfig
+from roll.configs.run_config import RunConfig
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
 _ALGO = "roll.pipeline.rlvr.algorithms"
@@ -24,11 +24,7 @@ KL_ESTIMATORS = f"{_ALGO}.kl:KL_ESTIMATORS"
 KL_REFUSED = f"{_ALGO}.kl:KL_REFUSED"
 NORM_TYPES = f"{_ALGO}.sample_options:NORM_TYPES"
 NORM_REFUSED = f"{_ALGO}.sample_options:NORM_REFUSED"
-TRACKERS = "roll.utils.tracking:TRACKERS"
-DEVICES = "roll.distributed.scheduler.resource_manager:DEVICES"
 MEMORY_CHECKS = "roll.planner.report:MEMORY_CHECKS"
-# numpy's generators take seeds in [0, 2**32).
-MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -40,20 +36,11 @@ class ValidationConfig:
     val_batch_size: int | None = bounded(None, ge=1)
 
 
-@dataclass
-class CheckpointConfig:
-    # Checkpoints go to this file system path (shared by the nodes for multi-node runs); None:
-    # <output_dir>/checkpoints.
-    output_dir: str | None = None
-    # Keep at most this many step checkpoints (oldest removed first); None keeps all.
-    max_to_keep: int | None = bounded(None, ge=1)
+@dataclass(kw_only=True)
+class RLVRConfig(RunConfig):
+    """Every key of an RLVR YAML file: ``RunConfig``'s and these. Unknown keys are errors (see
+    roll.configs.loader)."""
 
-
-@dataclass
-class RLVRConfig:
-    """Every key of an RLVR YAML file. Unknown keys are errors (see roll.configs.loader)."""
-
-    actor_train: RoleConfig
     actor_infer: RoleConfig
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
@@ -63,22 +50,8 @@ class RLVRConfig:
     default_reward: str | None = None
     validation: ValidationConfig | None = None
 
+    # RunConfig's key, with this pipeline's default.
     exp_name: str = "rlvr"
-    seed: int = bounded(42, ge=0, le=MAX_SEED)
-    output_dir: str = "./output"
-    # A fresh run into an output_dir that already holds a run (metrics.jsonl, hf_model/, step
-    # checkpoints) is refused unless this is true: it then deletes them (see docs/faults.md).
-    overwrite_output_dir: bool = False
-    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
-    track_with: str = one_of("tensorboard", table=TRACKERS)
-    tracker_kwargs: dict[str, Any] = field(default_factory=dict)
-    system_envs: dict[str, str] = field(default_factory=dict)
-
-    # Placement: device ids are global; node = id // num_gpus_per_node.
-    num_gpus_per_node: int = bounded(8, ge=1)
-    num_nodes: int | None = bounded(None, ge=1)
-    # "auto" uses CUDA when it is available, else every device id is a CPU slot.
-    device: str = one_of("auto", table=DEVICES)
     # Memory plan (roll/planner, docs/memory_planner.md): the device size predicted peaks are checked
     # against (a known GPU, or GiB; at launch the detected device otherwise), and what a device
     # predicted not to fit does: warn, error (a ConfigError before anything starts), or off.
@@ -86,15 +59,8 @@ class RLVRConfig:
     device_memory_gib: float | None = bounded(None, gt=0)
     memory_check: str = one_of("warn", table=MEMORY_CHECKS)
 
-    pretrain: str | None = None
+    # The critic's model when its model_args.model_name_or_path is unset (``pretrain``: the others').
     reward_pretrain: str | None = None
-
-    max_steps: int = bounded(100, ge=1)
-    # 0: never save / never validate.
-    save_steps: int = bounded(0, ge=0)
-    logging_steps: int = bounded(1, ge=1)
-    eval_steps: int = bounded(0, ge=0)
-    resume_from_checkpoint: str | bool = False
 
     rollout_batch_size: int = bounded(64, ge=1)
     prompt_length: int = bounded(1024, ge=1)
@@ -163,9 +129,6 @@ class RLVRConfig:
     model_update_probe_tolerance: float | None = bounded(None, gt=0)
     # 0: no probe.
     model_update_probe_size: int = bounded(2, ge=0)
-
-    # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
-    worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
 
     def __post_init__(self) -> None:
         if self.default_reward is not None and self.default_reward not in self.rewards:

@@ -149,7 +149,7 @@ DEFAULT_MAX_ABS_REWARD = 1.0e6
 
 @dataclass
 class RewardConfig(RoleConfig):
-    """A reward role. ``reward_fn`` names a function in roll.pipeline.rlvr.rewards' registry."""
+    """A reward role. ``reward_fn`` names a function in roll.pipeline.rewards' registry."""
 
     reward_fn: str = "math_rule"
     # Prompts whose tag is in this list are scored by this role (empty: every tag not claimed elsewhere).

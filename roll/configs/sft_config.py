@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from roll.configs.pipeline_config import DEVICES, MAX_SEED, TRACKERS, CheckpointConfig
-from roll.configs.ranges import bounded, one_of
-from roll.configs.role import RoleConfig
-from roll.configs.timeouts import WorkerTimeoutsConfig
+from roll.configs.ranges import bounded
+from roll.configs.run_config import RunConfig
 
 
 @dataclass
@@ -47,45 +45,23 @@ class SFTGenerationEval:
     max_samples: int | None = bounded(None, ge=1)
 
 
-@dataclass
-class SFTPipelineConfig:
-    """Every key of an SFT YAML file. Unknown keys are errors (see roll.configs.loader)."""
+@dataclass(kw_only=True)
+class SFTPipelineConfig(RunConfig):
+    """Every key of an SFT YAML file: ``RunConfig``'s and these. Unknown keys are errors (see
+    roll.configs.loader)."""
 
-    actor_train: RoleConfig
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     generation_eval: SFTGenerationEval | None = None
 
+    # RunConfig's key, with this pipeline's default.
     exp_name: str = "sft"
-    seed: int = bounded(42, ge=0, le=MAX_SEED)
-    output_dir: str = "./output"
-    overwrite_output_dir: bool = False
-    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
-    track_with: str = one_of("tensorboard", table=TRACKERS)
-    tracker_kwargs: dict[str, Any] = field(default_factory=dict)
-    system_envs: dict[str, str] = field(default_factory=dict)
-    num_gpus_per_node: int = bounded(8, ge=1)
-    num_nodes: int | None = bounded(None, ge=1)
-    device: str = one_of("auto", table=DEVICES)
-    # The model of actor_train when its model_args.model_name_or_path is unset.
-    pretrain: str | None = None
 
-    max_steps: int = bounded(100, ge=1)
-    save_steps: int = bounded(0, ge=0)
-    logging_steps: int = bounded(1, ge=1)
-    eval_steps: int = bounded(0, ge=0)
-    resume_from_checkpoint: str | bool = False
-    # How long the driver waits for one worker call, by stage (roll/configs/timeouts.py).
-    worker_timeouts: WorkerTimeoutsConfig = field(default_factory=WorkerTimeoutsConfig)
-
-    # What the shared helpers (placement, checkpoints) read off an RLVR config: no critic, one
-    # sample per prompt. The LR schedule's length is max_steps (the SFT run hands it to the worker).
+    # What helpers written for an RLVR config read off it: no critic, one sample per prompt. The
+    # LR schedule's length is max_steps (the SFT run hands it to the worker).
     critic = None
     ppo_epochs = 1
     num_return_sequences_in_group = 1
     rollout_batch_size = 0
-
-    def roles(self) -> dict[str, RoleConfig]:
-        return {"actor_train": self.actor_train}
 
 
 def load_sft_config(path: str | Path, overrides: list[str] | None = None) -> SFTPipelineConfig:

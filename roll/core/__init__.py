@@ -2,7 +2,7 @@
 
 Layers, each importing only from those below it (``tests/test_import_layers.py`` checks this):
 
-    roll.core          Batch, SamplingParams, WorkerContext, LossFn
+    roll.core          Batch, SamplingParams, WorkerContext, LossFn, Role
     roll.configs       parses and types the YAML (a leaf above core)
     roll.utils         helpers without roll state
     roll.models        model code: builds, forwards, packs, converts

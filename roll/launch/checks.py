@@ -29,7 +29,7 @@ from roll.launch.named_values import check_named_values
 from roll.launch.roles import check_role
 from roll.launch.rules import check_devices_exist, check_run_rules, check_tracker
 from roll.models.model_dir import check_model_dir
-from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+from roll.pipeline.rewards.registry import get_reward_spec
 
 
 def check_before_launch(config: RLVRConfig, files: bool = True) -> PlacementPlan:

@@ -21,12 +21,12 @@ from roll.configs.strategy_configs import MegatronConfig, SGLangConfig, VLLMConf
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
-from roll.pipeline.rlvr.checkpoint import resolve_resume
+from roll.pipeline.common.checkpoint import resolve_resume
+from roll.pipeline.rewards.registry import check_reward_machine, get_reward_spec
+from roll.pipeline.rewards.scoring import check_reward_kwargs
 from roll.pipeline.rlvr.data.dataset import BadRow, read_rows, resolve_files
+from roll.pipeline.rlvr.data.routing import build_tag_routes, reward_role_tags
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
-from roll.pipeline.rlvr.rewards.registry import check_reward_machine, get_reward_spec
-from roll.pipeline.rlvr.rewards.scoring import check_reward_kwargs
-from roll.pipeline.rlvr.run import build_tag_routes, reward_role_tags
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

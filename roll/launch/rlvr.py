@@ -24,9 +24,9 @@ from roll.core.errors import RewardError, StorageError
 from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.ray_shutdown import RAY_SHUTDOWN_GRACE_S, shutdown_ray
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, newest_checkpoint
+from roll.pipeline.common.checkpoint import checkpoint_root, newest_checkpoint
+from roll.pipeline.common.signals import interruption, release_signals, take_signals
 from roll.pipeline.rlvr.prestart import discard_prestart
-from roll.pipeline.signals import interruption, release_signals, take_signals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

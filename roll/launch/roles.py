@@ -24,6 +24,7 @@ from roll.configs.strategy_configs import (
     SGLangConfig,
     VLLMConfig,
 )
+from roll.core.roles import TRAINER_ROLES
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.distributed.strategy.base import ValueModelStrategy
 from roll.distributed.strategy.engine_options import (
@@ -35,9 +36,7 @@ from roll.distributed.strategy.engine_options import (
 from roll.distributed.strategy.generation import sampling_temperature
 from roll.distributed.strategy.registry import implements
 from roll.models.logprobs import transformers_detects_packing
-from roll.pipeline.rlvr.rewards.registry import get_reward_spec
-
-TRAIN_ROLES = ("actor_train", "critic")
+from roll.pipeline.rewards.registry import get_reward_spec
 
 
 def check_role(name: str, role: RoleConfig, config: Any) -> None:
@@ -55,7 +54,7 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
         raise ConfigError(f"{name}.device_mapping", "is required for a role with a strategy, e.g. '0-7'")
     spec = get_strategy_spec(role.strategy_args.strategy_name, f"{name}.strategy_args.strategy_name")
     check_engine_version(spec, f"{name}.strategy_args.strategy_name")
-    if name in TRAIN_ROLES and spec.side != "train":
+    if name in TRAINER_ROLES and spec.side != "train":
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
             f"{spec.name!r} cannot train; use fsdp2_train or megatron_train",

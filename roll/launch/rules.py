@@ -14,8 +14,8 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.roles import TRAINER_ROLES, Role
 from roll.distributed.scheduler.placement import PlacementPlan
-from roll.launch.roles import TRAIN_ROLES
 from roll.planner.devices import device_capacity
 from roll.planner.report import plan_memory
 from roll.planner.roles import GIB
@@ -51,7 +51,7 @@ def check_devices_exist(config: Any, plan: PlacementPlan) -> None:
 
 def check_batch_sizes(config: RLVRConfig, plan: PlacementPlan) -> None:
     samples = config.rollout_batch_size * config.num_return_sequences_in_group
-    for name in TRAIN_ROLES:
+    for name in TRAINER_ROLES:
         role = getattr(config, name)
         if role is None:
             continue
@@ -89,7 +89,7 @@ def check_batch_sizes(config: RLVRConfig, plan: PlacementPlan) -> None:
 def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
     roles = config.roles()
     for owners, devices in plan.shared:
-        trains = [o for o in owners if o in TRAIN_ROLES]
+        trains = [o for o in owners if o in TRAINER_ROLES]
         if not trains:
             continue
         for name in owners:
@@ -127,7 +127,7 @@ def check_sglang_memory(config: RLVRConfig, plan: PlacementPlan) -> None:
     sharing = [
         name
         for owners, _ in plan.shared
-        if any(o in TRAIN_ROLES for o in owners)
+        if any(o in TRAINER_ROLES for o in owners)
         for name in owners
         if _strategy(config, name) == "sglang"
     ]
@@ -139,7 +139,7 @@ def check_sglang_memory(config: RLVRConfig, plan: PlacementPlan) -> None:
     for group in plan_memory(config, plan, capacity, source).groups:
         for engine in group.roles:
             others = [o for o in group.roles if o is not engine]
-            trains = [o.role for o in others if o.role in TRAIN_ROLES]
+            trains = [o.role for o in others if o.role in TRAINER_ROLES]
             if engine.role not in sharing or not trains:
                 continue
             resident = sum(o.idle + o.context for o in others)
@@ -211,7 +211,7 @@ def check_async(config: RLVRConfig, plan: PlacementPlan) -> None:
     if not config.async_generation_ratio:
         return
     for owners, devices in plan.shared:
-        others = [name for name in owners if name != "actor_infer" and not name.startswith("rewards.")]
+        others = [name for name in owners if name != "actor_infer" and not Role.parse(name).is_reward]
         if "actor_infer" in owners and others:
             raise ConfigError(
                 "async_generation_ratio",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.planner.devices import device_capacity
 from roll.planner.model_shape import ModelShape, load_model_shape
@@ -83,7 +84,7 @@ def plan_memory(
 ) -> MemoryReport:
     """Predict every device-holding role and group the devices; warnings for groups over ``capacity``."""
     report = MemoryReport([], capacity, source)
-    colocated = {n for owners, _ in plan.shared for n in owners if not n.startswith("rewards.")}
+    colocated = {n for owners, _ in plan.shared for n in owners if not Role.parse(n).is_reward}
     shapes: dict[str, ModelShape] = {}
     roles: dict[str, RoleMemory] = {}
     for name, role in config.roles().items():

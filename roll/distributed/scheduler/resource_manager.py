@@ -147,7 +147,7 @@ def _join_local_cluster(kwargs: dict[str, Any]) -> bool:
 @contextlib.contextmanager
 def keep_signal_handlers() -> Iterator[None]:
     """``ray.init`` replaces the driver's SIGTERM handler (``sys.exit`` plus a C++ stack dump); keep
-    the Python handlers the caller installed (``roll.pipeline.signals``)."""
+    the Python handlers the caller installed (``roll.pipeline.common.signals``)."""
     if threading.current_thread() is not threading.main_thread():
         # Off the main thread (``prestart``) Ray sets no handler, and says so; nothing to keep.
         ray_logger = logging.getLogger("ray._private.worker")

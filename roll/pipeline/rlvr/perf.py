@@ -12,18 +12,17 @@ allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`
 ``perf/wall_s`` is the driver process's age when the step ends; the first row a run logs also
 carries its start-up phases, ``startup/*_s`` (``startup_metrics``). ``swap/<role>/reload_s`` and
 ``swap/<role>/offload_s`` are the seconds a colocated role spent coming onto and leaving its devices
-during the step (``SwapTimes``; part of the stage that asked for it, e.g. waking vLLM is part of
+during the step (``roll.pipeline.common.timing.SwapTimes``; part of the stage that asked for it, e.g. waking vLLM is part of
 ``time/generate``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 from roll.core.batch import Batch
+from roll.pipeline.common.timing import StageTimer
 
 if TYPE_CHECKING:
     from roll.pipeline.rlvr.run import RLVRRun
@@ -90,44 +89,3 @@ def startup_metrics(timer: StageTimer) -> dict[str, float]:
     out = {f"startup/{key.removeprefix('time/')}_s": value for key, value in timer.times.items()}
     out["startup/to_first_step_s"] = process_uptime()
     return out
-
-
-@contextmanager
-def adding_seconds(store: dict[str, float], key: str) -> Iterator[None]:
-    """Add the block's wall seconds to ``store[key]``."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        store[key] = store.get(key, 0.0) + time.perf_counter() - start
-
-
-class StageTimer:
-    """``with timer("generate"): ...`` records ``time/generate``; ``time/step`` is their sum."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-        # Stages that ran in the background (asynchronous generation): reported, not in time/step.
-        self.background: dict[str, float] = {}
-
-    def __call__(self, name: str) -> AbstractContextManager[None]:
-        # A stage timed more than once in a step (sampling rounds) adds up.
-        return adding_seconds(self.times, f"time/{name}")
-
-    def metrics(self) -> dict[str, float]:
-        return self.background | self.times | {"time/step": sum(self.times.values())}
-
-
-class SwapTimes:
-    """Seconds colocated roles spent being reloaded onto and offloaded from their devices, summed
-    per role and direction until ``take`` (once a step)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def timed(self, role: str, direction: str) -> AbstractContextManager[None]:
-        return adding_seconds(self.seconds, f"swap/{role}/{direction}_s")
-
-    def take(self) -> dict[str, float]:
-        out, self.seconds = self.seconds, {}
-        return out

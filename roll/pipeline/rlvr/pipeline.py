@@ -11,12 +11,16 @@ import logging
 from pathlib import Path
 
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.roles import TRAINER_ROLES
+from roll.pipeline.common.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.common.output_dir import claim_output_dir
+from roll.pipeline.common.run_log import setup_logging
+from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import stages
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.output_dir import claim_output_dir
-from roll.pipeline.rlvr.perf import StageTimer, memory_metrics, startup_metrics, throughput_metrics
+from roll.pipeline.rlvr.perf import memory_metrics, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
-from roll.pipeline.rlvr.run import RLVRRun, build_run, setup_logging, shutdown
+from roll.pipeline.rlvr.run import RLVRRun
+from roll.pipeline.rlvr.start import build_run, shutdown
 from roll.utils.atomic_io import write_dir_durably
 from roll.utils.rng import rng_state, set_rng_state
 
@@ -120,7 +124,7 @@ def resume(run: RLVRRun, path: Path | None) -> int:
         update_inference_weights(run, 0, always=True)
         return 0
     state = read_state(path)
-    for role in ("actor_train", "critic"):
+    for role in TRAINER_ROLES:
         if role in run.clusters:
             with stages.on_devices(run, role):
                 run.model(role).load_checkpoint(str(path))
@@ -135,7 +139,7 @@ def save_step(run: RLVRRun, step: int, sampler_state: dict | None = None) -> Pat
     """Checkpoint the trainers, ``sampler_state`` (default: the sampler's position now) and the RNG."""
 
     def save_roles(tmp: Path) -> None:
-        for role in ("actor_train", "critic"):
+        for role in TRAINER_ROLES:
             if role in run.clusters:
                 with stages.on_devices(run, role):
                     run.model(role).save_checkpoint(str(tmp))

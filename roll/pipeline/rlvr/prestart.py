@@ -3,7 +3,7 @@ the config; and the host processes of a run.
 
 Starting Ray takes seconds of waiting on its daemons, and the driver's pre-launch checks take
 seconds of importing torch and transformers: on a laptop the two overlap. The launcher starts
-Ray as soon as the config is loaded and hands the result to ``startup.start_clusters``::
+Ray as soon as the config is loaded and hands the result to ``start.start_clusters``::
 
     prestart(config)                 # returns at once; Ray, the reservation and the hosts start
     check_before_launch(config)      # meanwhile (a ConfigError here: discard_prestart() stops Ray)
@@ -20,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
+from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 from roll.distributed.scheduler.resource_manager import reinstall_signal_handlers
 
@@ -66,7 +67,7 @@ def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
     """The modules a host imports as it starts: its members' worker classes and strategies (while
     the driver is still checking the config, when the launcher prestarts)."""
     from roll.configs.strategies import get_strategy_spec
-    from roll.pipeline.rlvr.run import role_classes
+    from roll.pipeline.workers.classes import role_classes
 
     roles = config.roles()
     modules = []
@@ -75,18 +76,18 @@ def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
         args = roles[name].strategy_args
         if args is not None:
             modules.append(get_strategy_spec(args.strategy_name).target.split(":")[0])
-        elif name.startswith("rewards."):
-            modules.append("roll.pipeline.rlvr.rewards.scoring")
+        elif Role.parse(name).is_reward:
+            modules.append("roll.pipeline.rewards.scoring")
     return tuple(dict.fromkeys(modules))
 
 
 def rule_reward_roles(config: RLVRConfig) -> list[str]:
     """Reward roles that may ride in a host process: rule rewards (they score in subprocesses of
     their own and touch nothing process-wide) without ``system_envs`` of their own."""
-    from roll.pipeline.rlvr.rewards.registry import get_reward_spec
+    from roll.pipeline.rewards.registry import get_reward_spec
 
     return [
-        f"rewards.{name}"
+        Role.reward(name).key
         for name, reward in config.rewards.items()
         if get_reward_spec(reward.reward_fn).kind != "model" and not reward.system_envs
     ]

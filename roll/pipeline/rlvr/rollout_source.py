@@ -25,7 +25,7 @@ from typing import Any
 
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
-from roll.pipeline.rlvr.perf import StageTimer
+from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr.rollouts import collect_rollouts
 from roll.pipeline.rlvr.run import RLVRRun
 

@@ -1,35 +1,31 @@
-"""``RLVRRun``: everything one run holds (config, clusters, data, tracker), and how it is built.
+"""``RLVRRun``: everything one run holds (config, clusters, data, tracker) while it runs.
 
-``build_run`` turns a validated config into a live run: Ray placement, one cluster per role,
-the prompt data, the model-update group and the tracker. ``shutdown`` releases it all.
+``roll.pipeline.rlvr.start.build_run`` builds it from a validated config (placement, one cluster
+per role, the prompt data, the model-update group); the stages read and update it; ``start.shutdown``
+releases it.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from tqdm import tqdm
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import GeneratingArgs
 from roll.core.batch import Batch
-from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
-from roll.pipeline.rlvr.perf import StageTimer, SwapTimes
+from roll.core.roles import Role
+from roll.distributed.scheduler.placement import PlacementPlan
+from roll.pipeline.common.timing import SwapTimes
 
 if TYPE_CHECKING:
-    from roll.distributed.executor.worker import Worker
     from roll.distributed.scheduler.cluster import Cluster
     from roll.pipeline.workers.model_worker import ModelCluster
     from roll.pipeline.workers.reward_worker import RewardCluster
-
-logger = logging.getLogger("roll")
 
 
 @dataclass
@@ -41,7 +37,7 @@ class RLVRRun:
     sampler: Any
     clusters: dict[str, Cluster] = field(default_factory=dict)
     resources: Any = None
-    # Host processes on CPU slots (``startup.start_hosts``); their members are the clusters' workers.
+    # Host processes on CPU slots (``prestart.start_hosts``); their members are the clusters' workers.
     hosts: list = field(default_factory=list)
     model_update: Any = None
     tracker: Any = None
@@ -49,7 +45,7 @@ class RLVRRun:
     val_generating_args: GeneratingArgs | None = None
     val_batch_size: int = 64
     # Roles that time-share devices with another role: reloaded before use and offloaded after
-    # (on CPU slots only those whose strategy offloads there; see ``startup.offloaded_roles``).
+    # (on CPU slots only those whose strategy offloads there; see ``start.offloaded_roles``).
     colocated: set[str] = field(default_factory=set)
     # tag -> reward role name
     tag_routes: dict[str, str] = field(default_factory=dict)
@@ -58,7 +54,7 @@ class RLVRRun:
     # The version actor_infer generates with (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
     # actor_infer drops its weights when it sleeps (vLLM sleep_level 2, colocated): every wake to
-    # generate refills them by a model update (stages.engine_awake); see ``startup.refills_on_wake``.
+    # generate refills them by a model update (stages.engine_awake); see ``start.refills_on_wake``.
     refill_on_wake: bool = False
     # Seconds the colocated roles spent reloading and offloading this step (``swap/*`` metrics).
     swaps: SwapTimes = field(default_factory=SwapTimes)
@@ -69,7 +65,7 @@ class RLVRRun:
 
     def reward(self, name: str) -> RewardCluster:
         """The cluster of reward role ``rewards.<name>``."""
-        return self.clusters[f"rewards.{name}"]  # type: ignore[return-value]
+        return self.clusters[Role.reward(name).key]  # type: ignore[return-value]
 
     def reward_routes(self, tags: list[str]) -> dict[str, list[int]]:
         """Row indices per reward role for the given tags."""
@@ -86,167 +82,3 @@ class RLVRRun:
     def progress(self, items: Iterable, desc: str) -> Iterator:
         items = list(items)
         return iter(tqdm(items, desc=desc, leave=False, disable=not self.show_progress or len(items) < 2))
-
-
-class RunLogHandler(logging.FileHandler):
-    """run.log. A record it cannot write (a full disk) is one line on stderr, once, instead of
-    logging's traceback for every record; the console keeps getting them."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        if not self.failed:
-            self.failed = True
-            print(f"roll: cannot write {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
-
-
-def setup_logging(run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger("roll")
-    if root.handlers:
-        return
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
-    for handler, level in (
-        (logging.StreamHandler(sys.stderr), logging.INFO),
-        (RunLogHandler(run_dir / "run.log"), logging.DEBUG),
-    ):
-        handler.setFormatter(fmt)
-        handler.setLevel(level)
-        root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-
-
-def build_tag_routes(config: RLVRConfig) -> tuple[dict[str, str], str | None]:
-    """(tag -> reward role, the role scoring every other tag or None): a role with an empty
-    ``tag_included``, or ``default_reward``."""
-    routes = {tag: name for name, reward in config.rewards.items() for tag in reward.tag_included}
-    catch_all = [name for name, reward in config.rewards.items() if not reward.tag_included]
-    if len(catch_all) > 1:
-        raise ConfigError(
-            f"rewards.{catch_all[1]}.tag_included",
-            f"only one reward role may leave tag_included empty (also rewards.{catch_all[0]})",
-        )
-    if catch_all and config.default_reward not in (None, catch_all[0]):
-        raise ConfigError(
-            "default_reward",
-            f"rewards.{catch_all[0]} already scores every unlisted tag (its tag_included is empty); "
-            "give one of the two",
-        )
-    return routes, (catch_all[0] if catch_all else config.default_reward)
-
-
-def reward_role_tags(config: RLVRConfig, tags: Iterable[str]) -> dict[str, list[str]]:
-    """Each reward role's tags for ``domain_interleave_probs`` keyed by role: its ``tag_included``,
-    and for the role scoring unlisted tags (``build_tag_routes``) those of ``tags`` too, so that
-    ``math_rule: 0.4`` mixes them in as alibaba/ROLL's math_rule domain does."""
-    routes, default = build_tag_routes(config)
-    out = {name: list(reward.tag_included) for name, reward in config.rewards.items()}
-    if default is not None:
-        out[default] += sorted({t for t in tags if t not in routes})
-    return out
-
-
-def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
-    from roll.pipeline.rlvr.data.dataset import load_prompt_files
-    from roll.pipeline.rlvr.data.sampler import PromptSampler, to_batch
-
-    train = load_prompt_files(
-        config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
-    )
-    check_rows_routed(config, train.rows)  # before any worker starts
-    sampler = PromptSampler(
-        train,
-        config.rollout_batch_size,
-        config.seed,
-        config.actor_train.data_args.domain_interleave_probs,
-        path="actor_train.data_args.domain_interleave_probs",
-        role_tags=reward_role_tags(config, train.domains()),
-    )
-    val = None
-    if config.validation is not None and config.validation.data_args.file_name:
-        rows = load_prompt_files(
-            config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
-        )
-        check_rows_routed(config, rows.rows)
-        val = to_batch([rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length)
-        val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
-    return sampler, val
-
-
-def check_rows_routed(config: RLVRConfig, rows: Iterable[Any]) -> None:
-    """Every prompt row's tag has a reward role; else one ConfigError naming the first unclaimed
-    row by ``file:line`` (``PromptRow.source``)."""
-    routes, catch_all = build_tag_routes(config)
-    if catch_all is not None:
-        return
-    for row in rows:
-        if row.tag not in routes:
-            raise ConfigError(
-                "rewards",
-                f"no reward role claims tag {row.tag!r} of the prompt row {row.source}; add it to a "
-                "role's tag_included, or leave one role's tag_included empty to score every other tag",
-            )
-
-
-def role_classes(role: str) -> tuple[type[Cluster], type[Worker]]:
-    """The cluster and worker classes of a role: reward roles score, every other role runs a model."""
-    from roll.pipeline.workers.model_worker import ModelCluster, ModelWorker
-    from roll.pipeline.workers.reward_worker import RewardCluster, RewardWorker
-
-    return (RewardCluster, RewardWorker) if role.startswith("rewards.") else (ModelCluster, ModelWorker)
-
-
-def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
-    """Plan, data, workers (``startup.start_clusters``) and the model-update group; ``timer``
-    records the start-up phases (``startup/*`` metrics)."""
-    from roll.models.tokenizer import load_tokenizer
-    from roll.pipeline.rlvr.startup import offloaded_roles, refills_on_wake, start_clusters
-
-    timer = timer or StageTimer()
-    run_dir = Path(config.output_dir)
-    setup_logging(run_dir)
-    plan = plan_placement(config)
-    with timer("data"):
-        tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
-        sampler, val = load_data(config, tokenizer)
-    routes, default = build_tag_routes(config)
-    run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
-    run.val_prompts = val
-    if config.validation is not None:
-        run.val_generating_args = config.validation.generating_args
-        run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
-    run.colocated = offloaded_roles(config, plan)
-    run.refill_on_wake = refills_on_wake(config, run.colocated)
-    try:
-        start_clusters(run, timer)
-        with timer("model_update_setup"):
-            run.model_update = _build_model_update(run)
-    except BaseException:
-        shutdown(run, graceful=False)  # the caller has no run to shut down yet
-        raise
-    return run
-
-
-def _build_model_update(run: RLVRRun):
-    from roll.distributed.model_update.group import ModelUpdateGroup
-
-    group = ModelUpdateGroup(run.model("actor_train"), run.model("actor_infer"), run.config)
-    group.setup()
-    return group
-
-
-def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
-    """Stop every role's workers (``graceful``: let them leave their process groups first) and give
-    the devices back."""
-    if run is None:
-        return
-    for cluster in run.clusters.values():
-        try:
-            cluster.shutdown(graceful=graceful)
-        except Exception as exc:  # noqa: BLE001 - best effort while tearing down
-            logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
-    for host in run.hosts:  # those whose members never started (another role failed first)
-        host.kill()
-    if run.resources is not None:  # after a failure the driver is leaving: do not wait long
-        run.resources.destroy(timeout_s=30.0 if graceful else 1.0)

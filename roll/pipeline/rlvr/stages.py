@@ -14,7 +14,9 @@ import torch
 
 from roll.configs.strategies import get_strategy_spec
 from roll.core.batch import Batch
+from roll.core.roles import Role
 from roll.core.sampling import SamplingParams
+from roll.pipeline.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
 from roll.pipeline.rlvr.algorithms.losses import make_actor_loss_fn, make_critic_loss_fn
@@ -28,7 +30,6 @@ from roll.pipeline.rlvr.algorithms.metrics import (
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
 from roll.pipeline.rlvr.algorithms.policy_losses import READS_SCORES
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
-from roll.pipeline.rlvr.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -110,7 +111,7 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
         part.meta["reward_samples"] = len(part)  # the whole call's, for each worker's early stop
         scorer = run.reward(name)
         result = dp_call(scorer.dp_size, scorer.compute_rewards, part)
-        check_reward_result(f"rewards.{name}", run.config.rewards[name], result)
+        check_reward_result(Role.reward(name).key, run.config.rewards[name], result)
         scores[torch.as_tensor(rows)] = result["scores"]
         for key, flag in flags.items():
             if key in result:
@@ -121,16 +122,10 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
 
 
 def compute_reference_log_probs(run: RLVRRun, batch: Batch) -> Batch:
+    """``ref_log_probs`` [B, R] from the reference model (for the KL terms); nothing without one."""
     if "reference" not in run.clusters:
         return batch
-    reference = run.model("reference")
-    with on_devices(run, "reference"):
-        out = dp_call(
-            reference.dp_size,
-            lambda b: reference.compute_log_probs(b, output_key="ref_log_probs"),
-            _model_inputs(batch),
-        )
-    return batch.union(out)
+    return _log_probs(run, batch, "reference", "ref_log_probs")
 
 
 def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
@@ -139,12 +134,16 @@ def compute_old_log_probs(run: RLVRRun, batch: Batch) -> Batch:
     where ``old_log_probs_from_train`` says that gives the same values."""
     if old_log_probs_from_train(run, batch):
         return batch
-    actor = run.model("actor_train")
-    with on_devices(run, "actor_train"):
+    return _log_probs(run, batch, "actor_train", "old_log_probs")
+
+
+def _log_probs(run: RLVRRun, batch: Batch, role: str, output_key: str) -> Batch:
+    """The batch with ``output_key``: ``role``'s log-probs of the sampled responses, one forward
+    split over its data-parallel ranks while the role is on its devices."""
+    model = run.model(role)
+    with on_devices(run, role):
         out = dp_call(
-            actor.dp_size,
-            lambda b: actor.compute_log_probs(b, output_key="old_log_probs"),
-            _model_inputs(batch),
+            model.dp_size, lambda b: model.compute_log_probs(b, output_key=output_key), _model_inputs(batch)
         )
     return batch.union(out)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from roll.pipeline.rlvr.rewards.math_rule import math_rule_reward
+from roll.pipeline.rewards.math_rule import math_rule_reward
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ Each step draws ``per_device_train_batch_size x gradient_accumulation_steps x DP
 the mean negative log-likelihood of all their assistant tokens (one token mean over the step,
 whatever the micro-batches, ranks or packing). Every ``eval_steps`` the held-out loss
 (and, with ``generation_eval``, sampled accuracy) is logged. Checkpoints reuse the RLVR machinery
-(``roll.pipeline.rlvr.checkpoint``: manifest, atomic rename, verified resume) and hold the
+(``roll.pipeline.common.checkpoint``: manifest, atomic rename, verified resume) and hold the
 trainer's states, the sampler position and the RNG, so a resumed run continues bit-identically.
 """
 
@@ -19,10 +19,10 @@ import logging
 from pathlib import Path
 
 from roll.configs.sft_config import SFTPipelineConfig
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
-from roll.pipeline.rlvr.output_dir import claim_output_dir
-from roll.pipeline.rlvr.perf import StageTimer
-from roll.pipeline.rlvr.run import setup_logging
+from roll.pipeline.common.checkpoint import checkpoint_root, read_state, resolve_resume, save_checkpoint
+from roll.pipeline.common.output_dir import claim_output_dir
+from roll.pipeline.common.run_log import setup_logging
+from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.sft.chat_data import to_sft_batch
 from roll.pipeline.sft.run import SFTRun, build_sft_run, shutdown_sft_run
 from roll.pipeline.sft.stages import generation_accuracy, sft_loss, step_loss, validation_loss

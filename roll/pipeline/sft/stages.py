@@ -61,7 +61,7 @@ def generation_accuracy(run: SFTRun) -> float:
     ``generate`` from the trainer's current weights (exported to ``<output_dir>/.eval_model``)."""
     from transformers import AutoModelForCausalLM
 
-    from roll.pipeline.rlvr.rewards.registry import load_reward_fn
+    from roll.pipeline.rewards.registry import load_reward_fn
     from roll.pipeline.sft.evaluate import accuracy
 
     gen = run.config.generation_eval

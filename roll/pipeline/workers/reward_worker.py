@@ -24,7 +24,7 @@ from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import Dispatch, register
 from roll.distributed.executor.worker import Worker
 from roll.distributed.scheduler.cluster import Cluster
-from roll.pipeline.rlvr.rewards.registry import get_reward_spec, load_reward_fn
+from roll.pipeline.rewards.registry import get_reward_spec, load_reward_fn
 
 
 class RewardWorker(Worker):
@@ -37,7 +37,7 @@ class RewardWorker(Worker):
             self.create_strategy()
             self.strategy.initialize()
         else:
-            from roll.pipeline.rlvr.rewards.scoring import RewardScorer
+            from roll.pipeline.rewards.scoring import RewardScorer
 
             cfg = self.role_config
             self.scorer = RewardScorer(
@@ -49,7 +49,7 @@ class RewardWorker(Worker):
     def compute_rewards(self, batch: Batch) -> Batch:
         """``scores`` [B] for ``batch["response_text"]`` against ``batch["ground_truth"]``, with
         the per-sample error fields of the module docstring."""
-        from roll.pipeline.rlvr.rewards.scoring import ScoreResult, allowed_failures, checked_score
+        from roll.pipeline.rewards.scoring import ScoreResult, allowed_failures, checked_score
 
         cfg = self.role_config
         n = len(batch)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.run_config import RunConfig
 from roll.core.errors import StorageError
-from roll.pipeline.rlvr.checkpoint import checkpoint_root, step_dirs
+from roll.pipeline.common.checkpoint import checkpoint_root, step_dirs
 from roll.utils.atomic_io import disk_full_as
 
 logger = logging.getLogger("roll")
@@ -110,7 +110,7 @@ def _alive_elsewhere(holder: dict[str, Any]) -> bool:
     return True
 
 
-def existing_run_files(config: RLVRConfig) -> list[Path]:
+def existing_run_files(config: RunConfig) -> list[Path]:
     """What a previous run left in ``output_dir`` (and the checkpoint dir) that a fresh run would replace."""
     run_dir = Path(config.output_dir)
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
@@ -120,7 +120,7 @@ def existing_run_files(config: RLVRConfig) -> list[Path]:
     return found
 
 
-def claim_output_dir(config: RLVRConfig) -> OutputDirLock:
+def claim_output_dir(config: RunConfig) -> OutputDirLock:
     """Lock ``output_dir``; refuse a fresh run over an existing one unless ``overwrite_output_dir``
     (which then deletes the old run's metrics, model and checkpoints)."""
     lock = OutputDirLock(Path(config.output_dir))

@@ -1,7 +1,11 @@
-"""Starting a run's workers: every role's processes at once, their models in waves.
+"""Starting an RLVR run, top to bottom: ``build_run`` is the one entry, ``shutdown`` its inverse.
 
-    run.colocated = offloaded_roles(config, plan)
-    start_clusters(run, timer)   # fills run.clusters; timer gets ray, workers, initialize
+    launch/rlvr.py    prestart(config)             Ray, devices and host processes, on a thread
+    pipeline.py       run = build_run(config, timer)
+      build_run         plan, tokenizer, prompt data (data/routing.py), then:
+      start_clusters    take_prestart (or start Ray here), every role's workers, initialize in waves
+      model update      the trainer -> engine group, set up once
+    pipeline.py       the step loop over ``run``; finally shutdown(run)
 
 Worker processes of all roles start together: each one imports torch and its engine, which is most
 of a CPU run's start-up, and waiting for one role's ranks before asking for the next role's left
@@ -17,18 +21,76 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
-from roll.distributed.scheduler.placement import PlacementPlan
+from roll.core.roles import Role
+from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
+from roll.pipeline.common.run_log import setup_logging
+from roll.pipeline.common.timing import StageTimer
+from roll.pipeline.rlvr.data.routing import build_tag_routes, load_data
+from roll.pipeline.rlvr.run import RLVRRun
 
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import AsyncResult, Cluster
-    from roll.pipeline.rlvr.perf import StageTimer
     from roll.pipeline.rlvr.prestart import Hosted
-    from roll.pipeline.rlvr.run import RLVRRun
 
 logger = logging.getLogger("roll")
+
+
+def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
+    """Plan, data, workers (``start_clusters``) and the model-update group; ``timer`` records the
+    start-up phases (``startup/*`` metrics). A failure on the way stops what had started."""
+    from roll.models.tokenizer import load_tokenizer
+
+    timer = timer or StageTimer()
+    run_dir = Path(config.output_dir)
+    setup_logging(run_dir)
+    plan = plan_placement(config)
+    with timer("data"):
+        tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
+        sampler, val = load_data(config, tokenizer)
+    routes, default = build_tag_routes(config)
+    run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
+    run.val_prompts = val
+    if config.validation is not None:
+        run.val_generating_args = config.validation.generating_args
+        run.val_batch_size = config.validation.val_batch_size or config.rollout_batch_size
+    run.colocated = offloaded_roles(config, plan)
+    run.refill_on_wake = refills_on_wake(config, run.colocated)
+    try:
+        start_clusters(run, timer)
+        with timer("model_update_setup"):
+            run.model_update = _build_model_update(run)
+    except BaseException:
+        shutdown(run, graceful=False)  # the caller has no run to shut down yet
+        raise
+    return run
+
+
+def _build_model_update(run: RLVRRun):
+    from roll.distributed.model_update.group import ModelUpdateGroup
+
+    group = ModelUpdateGroup(run.model("actor_train"), run.model("actor_infer"), run.config)
+    group.setup()
+    return group
+
+
+def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
+    """Stop every role's workers (``graceful``: let them leave their process groups first) and give
+    the devices back."""
+    if run is None:
+        return
+    for cluster in run.clusters.values():
+        try:
+            cluster.shutdown(graceful=graceful)
+        except Exception as exc:  # noqa: BLE001 - best effort while tearing down
+            logger.warning("shutting down %s: %s", getattr(cluster, "role", "?"), exc)
+    for host in run.hosts:  # those whose members never started (another role failed first)
+        host.kill()
+    if run.resources is not None:  # after a failure the driver is leaving: do not wait long
+        run.resources.destroy(timeout_s=30.0 if graceful else 1.0)
 
 
 def on_cpu_slots(config: RLVRConfig) -> bool:
@@ -49,7 +111,7 @@ def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
 
     cpu = on_cpu_slots(config)
     roles = config.roles()
-    shared = {name for owners, _ in plan.shared for name in owners if not name.startswith("rewards.")}
+    shared = {name for owners, _ in plan.shared for name in owners if not Role.parse(name).is_reward}
 
     def offloads(name: str) -> bool:
         args = roles[name].strategy_args
@@ -146,7 +208,7 @@ def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:
     """One cluster per role, built on threads: each blocks until its ranks answer and have joined
     their process group, and Ray starts all the processes meanwhile. ``hosted``: the roles whose
     workers live in host processes (``prestart.start_hosts``), with their hosts by rank."""
-    from roll.pipeline.rlvr.run import role_classes
+    from roll.pipeline.workers.classes import role_classes
 
     roles = run.config.roles()
     hosted = hosted or {}
@@ -179,10 +241,11 @@ def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
     from roll.pipeline.workers.reward_worker import RewardWorker
     from roll.utils.lr_schedule import total_optimizer_steps
 
-    if name.startswith("rewards."):
+    role = Role.parse(name)
+    if role.is_reward:
         return run.clusters[name].async_call(RewardWorker.initialize)
     steps = None
-    if name in ("actor_train", "critic"):  # the LR schedule length, computed here once per role
+    if role.is_trainer:  # the LR schedule length, computed here once per role
         dp = run.plan.roles[name].parallel.dp
         steps = total_optimizer_steps(run.config, getattr(run.config, name).training_args, dp)
     return run.model(name).async_call(ModelWorker.initialize, steps)

@@ -31,7 +31,7 @@ class RewardSpec:
     check: str | None = None
 
 
-_R = "roll.pipeline.rlvr.rewards"
+_R = "roll.pipeline.rewards"
 REWARD_FUNCTIONS: dict[str, RewardSpec] = {
     spec.name: spec
     for spec in (

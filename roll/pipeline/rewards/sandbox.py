@@ -11,13 +11,13 @@ Backends (``SANDBOX_BACKENDS``, chosen by ``SandboxConfig.backend``):
 - ``bubblewrap`` (default): each program in its own user, mount, pid, network, ipc and uts
   namespaces made by bubblewrap, seeing only a read-only view of the Python interpreter, its
   standard library and the shared libraries, with a private size-bounded /tmp; a seccomp filter;
-  rlimits; every process killed at the end (``roll.pipeline.rlvr.rewards.sandbox_bwrap``). If the
+  rlimits; every process killed at the end (``roll.pipeline.rewards.sandbox_bwrap``). If the
   machine cannot make the namespaces, it refuses to start with the reason.
 - ``sandbox_fusion``: a SandboxFusion service's ``POST /run_code``; the service does the isolation
-  (``roll.pipeline.rlvr.rewards.sandbox_fusion``).
+  (``roll.pipeline.rewards.sandbox_fusion``).
 - ``unsafe_local``: a plain subprocess with rlimits and a Python audit hook, as roll ran before
   2026-11-27. Audit hooks are not a security boundary (a program can start processes and read every
-  file the host user can); it logs a warning (``roll.pipeline.rlvr.rewards.sandbox_local``).
+  file the host user can); it logs a warning (``roll.pipeline.rewards.sandbox_local``).
 
 A failure of the sandbox itself (bubblewrap missing or failing to set up, the service unreachable
 or answering with an error) raises ``SandboxError``: the reward counts it as a failure, not as a
@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import importlib
 
-from roll.pipeline.rlvr.rewards.sandbox_config import SANDBOX_BACKENDS, SandboxConfig
-from roll.pipeline.rlvr.rewards.sandbox_types import Limits, Sandbox, SandboxError, SandboxResult
+from roll.pipeline.rewards.sandbox_config import SANDBOX_BACKENDS, SandboxConfig
+from roll.pipeline.rewards.sandbox_types import Limits, Sandbox, SandboxError, SandboxResult
 
 __all__ = [
     "Limits",

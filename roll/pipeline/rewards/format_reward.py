@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from roll.pipeline.rlvr.rewards.math_rule import last_boxed
+from roll.pipeline.rewards.math_rule import last_boxed
 
 END_MARKERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
 

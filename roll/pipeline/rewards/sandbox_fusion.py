@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from roll.pipeline.rlvr.rewards.sandbox_config import SandboxConfig
-from roll.pipeline.rlvr.rewards.sandbox_types import Limits, SandboxError, SandboxResult
+from roll.pipeline.rewards.sandbox_config import SandboxConfig
+from roll.pipeline.rewards.sandbox_types import Limits, SandboxError, SandboxResult
 
 MAX_MESSAGE = 200
 

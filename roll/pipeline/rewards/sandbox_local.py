@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from roll.pipeline.rlvr.rewards.sandbox_config import SandboxConfig
-from roll.pipeline.rlvr.rewards.sandbox_types import Limits, SandboxResult
+from roll.pipeline.rewards.sandbox_config import SandboxConfig
+from roll.pipeline.rewards.sandbox_types import Limits, SandboxResult
 
 logger = logging.getLogger(__name__)
 WARNING = (

@@ -9,10 +9,10 @@ cases (outputs compared after stripping trailing whitespace per line) or ``{"tes
 assertions appended to the program (a case passes when the program exits 0).
 
 ``reward_type``: "soft" scores the fraction of cases passed, "hard" 1.0 only when all pass. Each
-case runs under ``time_limit_s`` and ``memory_mb`` (see ``roll.pipeline.rlvr.rewards.sandbox``);
+case runs under ``time_limit_s`` and ``memory_mb`` (see ``roll.pipeline.rewards.sandbox``);
 give the reward role a ``timeout_s`` above cases x time_limit_s / concurrency.
 
-``sandbox`` picks where programs run (``roll.pipeline.rlvr.rewards.sandbox_config``): bubblewrap
+``sandbox`` picks where programs run (``roll.pipeline.rewards.sandbox_config``): bubblewrap
 namespaces on this machine (default), a SandboxFusion service, or ``unsafe_local`` (no isolation,
 by explicit choice only). ``sandbox.concurrency`` test cases of one response run at once.
 ``check_code_sandbox_kwargs`` runs before launch: a machine that cannot make the bubblewrap
@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.pipeline.rlvr.rewards.sandbox import Limits, Sandbox, SandboxResult, backend_class, get_sandbox
-from roll.pipeline.rlvr.rewards.sandbox_config import SandboxConfig, parse_sandbox_config
+from roll.pipeline.rewards.sandbox import Limits, Sandbox, SandboxResult, backend_class, get_sandbox
+from roll.pipeline.rewards.sandbox_config import SandboxConfig, parse_sandbox_config
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

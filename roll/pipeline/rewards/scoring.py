@@ -20,7 +20,7 @@ killed (``ScoreResult.skipped``), so a hanging function costs one ``timeout_s``,
 
 ``score_batch`` does the same with one scorer kept per (reward, kwargs, timeout) in this process,
 so workers are started once per reward worker, not once per batch. ``reward_fn`` is a name from
-``roll.pipeline.rlvr.rewards.registry`` or a ``"package.module:function"`` path.
+``roll.pipeline.rewards.registry`` or a ``"package.module:function"`` path.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError, did_you_mean
 from roll.configs.role import DEFAULT_MAX_ABS_REWARD
-from roll.pipeline.rlvr.rewards.registry import REWARD_FUNCTIONS, get_reward_spec
+from roll.pipeline.rewards.registry import REWARD_FUNCTIONS, get_reward_spec
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from roll.configs.role import RewardConfig
 from roll.core.batch import Batch
 from roll.core.errors import RewardError
-from roll.pipeline.rlvr.rewards.scoring import allowed_failures
+from roll.pipeline.rewards.scoring import allowed_failures
 
 logger = logging.getLogger("roll")
 

@@ -1,4 +1,4 @@
-"""What every sandbox backend takes and returns (``roll.pipeline.rlvr.rewards.sandbox`` picks one)."""
+"""What every sandbox backend takes and returns (``roll.pipeline.rewards.sandbox`` picks one)."""
 
 from __future__ import annotations
 

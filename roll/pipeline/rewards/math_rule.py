@@ -11,7 +11,7 @@ number in the response. Both sides are normalised (surrounding ``$``, ``\\text{}
 commas, a trailing period, spaces, ``\\left``/``\\right``, ``\\dfrac``) and compared exactly, then as
 numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``, ``50%``), then symbolically with sympy on
 short, whitelisted expressions. Runaway sympy calls are bounded by the caller's per-sample time
-limit (see ``roll.pipeline.rlvr.rewards.scoring``).
+limit (see ``roll.pipeline.rewards.scoring``).
 """
 
 from __future__ import annotations

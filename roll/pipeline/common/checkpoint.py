@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.run_config import RunConfig
 from roll.core.errors import CheckpointError
-from roll.pipeline.rlvr.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
+from roll.pipeline.common.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
 from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
 
 __all__ = [
@@ -45,11 +45,11 @@ logger = logging.getLogger("roll")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def checkpoint_root(config: RLVRConfig) -> Path:
+def checkpoint_root(config: RunConfig) -> Path:
     return Path(config.checkpoint_config.output_dir or Path(config.output_dir) / "checkpoints")
 
 
-def checkpoint_roles(config: RLVRConfig) -> list[str]:
+def checkpoint_roles(config: RunConfig) -> list[str]:
     """The roles whose state a step checkpoint holds."""
     return ["actor_train"] + (["critic"] if config.critic is not None else [])
 
@@ -122,7 +122,7 @@ def latest_checkpoint(root: Path, roles: Iterable[str] = ("actor_train",)) -> Pa
     return None
 
 
-def resolve_resume(config: RLVRConfig) -> Path | None:
+def resolve_resume(config: RunConfig) -> Path | None:
     """Where to resume from: ``true`` = the newest valid one under the checkpoint dir, a path =
     that one, which must verify. Either way the result has been verified against its manifest."""
     value = config.resume_from_checkpoint

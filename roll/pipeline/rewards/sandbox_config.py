@@ -17,7 +17,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError, did_you_mean
 
-_R = "roll.pipeline.rlvr.rewards"
+_R = "roll.pipeline.rewards"
 # backend name -> "module:Class" taking the SandboxConfig (imported only when chosen).
 SANDBOX_BACKENDS: dict[str, str] = {
     "bubblewrap": f"{_R}.sandbox_bwrap:BubblewrapSandbox",

@@ -14,7 +14,7 @@ What each program gets, enforced by the kernel (bubblewrap sets it up, then exec
   and HOME, holding the program; / and /dev are read-only. No /etc, /home, /root beyond the
   interpreter, no /proc, nothing of the run's output_dir or the working directory;
 - no network: the new network namespace has only a loopback that is down;
-- the seccomp filter of ``roll.pipeline.rlvr.rewards.sandbox_seccomp`` (no new processes, no
+- the seccomp filter of ``roll.pipeline.rewards.sandbox_seccomp`` (no new processes, no
   ptrace, mount, namespaces, kexec, bpf, keyctl, sockets but AF_UNIX ...);
 - rlimits set before the program runs: CPU seconds, address space, file size (stdout included),
   open files, processes/threads, no core dumps; an empty environment and ``python -I -S``;
@@ -41,9 +41,9 @@ import sys
 import sysconfig
 import time
 
-from roll.pipeline.rlvr.rewards.sandbox_config import SandboxConfig
-from roll.pipeline.rlvr.rewards.sandbox_seccomp import SeccompUnavailable, seccomp_filter
-from roll.pipeline.rlvr.rewards.sandbox_types import Limits, SandboxError, SandboxResult
+from roll.pipeline.rewards.sandbox_config import SandboxConfig
+from roll.pipeline.rewards.sandbox_seccomp import SeccompUnavailable, seccomp_filter
+from roll.pipeline.rewards.sandbox_types import Limits, SandboxError, SandboxResult
 
 TMP_BYTES = 32 << 20  # the private /tmp (tmpfs pages are host memory, outside RLIMIT_AS)
 MAX_OPEN_FILES = 64
