@@ -15,8 +15,10 @@ Steps whose outputs exist are skipped (``--force`` redoes them). Prints the samp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from functools import partial
@@ -25,11 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from roll.pipeline.sft.sft import SFTConfig, encode_examples, train_sft  # noqa: E402
 
 from examples.tasks.python_programs import write_task  # noqa: E402
 from roll.pipeline.rewards.code_sandbox import code_sandbox_reward  # noqa: E402
 from roll.pipeline.sft.evaluate import accuracy  # noqa: E402
+from roll.pipeline.sft.pipeline import run_sft_pipeline  # noqa: E402
+from roll.pipeline.sft.warm_start import WARM_START_TRAINING, warm_start_config  # noqa: E402
 
 RESPONSE_LENGTH = 40  # the longest program is 30 tokens plus the end token
 
@@ -38,21 +41,29 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def warm_start(base: Path, rows: list[dict], out: Path, config: SFTConfig) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from roll.models.tiny import save_model_and_tokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    prompts = [r.get("messages") or r["prompt"] for r in rows]
-    examples = encode_examples(tokenizer, prompts, [r["target"] for r in rows])
+def warm_start(base: Path, rows: list[dict], out: Path, steps: int, seed: int, threads: int) -> None:
+    """``base`` trained on ``rows`` through the SFT pipeline (the default example's warm start at a
+    gentler 1e-3 with 10 warmup steps, so the arithmetic it already knows survives); the exported model
+    is copied to ``out`` and the run (metrics.jsonl) stays beside it in ``out``'s parent/sft_run."""
+    run_dir = out.parent / "sft_run"
+    sft_file = out.parent / "sft_rows.jsonl"
+    messages = [
+        {**r, "messages": r.get("messages") or [{"role": "user", "content": r["prompt"]}]} for r in rows
+    ]
+    sft_file.write_text("".join(json.dumps(r) + "\n" for r in messages))
+    config = warm_start_config(base, sft_file, run_dir, steps, seed, threads)
+    training = dataclasses.replace(WARM_START_TRAINING, learning_rate=1e-3, warmup_steps=10)
+    config.actor_train = dataclasses.replace(config.actor_train, training_args=training)
+    config.logging_steps = 50
     start = time.time()
-    losses = train_sft(model, examples, config, tokenizer.pad_token_id)
+    exported = run_sft_pipeline(config) / "hf_model"
+    losses = [row["train/loss"] for row in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in row]
     print(
-        f"warm start: {config.steps} steps in {time.time() - start:.0f} s, final loss {sum(losses[-10:]) / 10:.3f}"
+        f"warm start: {steps} steps in {time.time() - start:.0f} s, final loss {sum(losses[-10:]) / 10:.3f}"
     )
-    save_model_and_tokenizer(model, tokenizer, out)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(exported, out)
 
 
 def report(model_path: Path, code_val: list[dict], math_val: list[dict], seed: int) -> None:
@@ -92,10 +103,7 @@ def main() -> None:
         math = random.Random(args.seed).sample(read_jsonl(base / "data" / "sft.jsonl"), len(code))
         rows = code + math
         random.Random(args.seed).shuffle(rows)
-        config = SFTConfig(
-            steps=args.steps, learning_rate=1e-3, warmup_steps=10, seed=args.seed, log_every=50
-        )
-        warm_start(base / "sft_model", rows, model, config)
+        warm_start(base / "sft_model", rows, model, args.steps, args.seed, args.threads)
     report(model, read_jsonl(paths["val"]), read_jsonl(base / "data" / "val.jsonl")[:100], args.seed)
 
 
