@@ -29,7 +29,7 @@ from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
-from roll.models.megatron import convert  # noqa: E402
+from roll.models.megatron import convert, mcore_checkpoint  # noqa: E402
 
 SHAPE = dict(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=272, max_position_embeddings=64
@@ -152,17 +152,17 @@ def test_layout_the_model_cannot_split_names_the_flag(tmp_path: Path) -> None:
 
 def test_checkpoint_of_another_family_or_tp_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / convert.MANIFEST).write_text(
+    (tmp_path / "ck" / mcore_checkpoint.MANIFEST).write_text(
         '{"model_type": "mixtral", "layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": null}, "padded_vocab_size": 384}'
     )
     qwen = transformers.Qwen2Config(**SHAPE)
     with pytest.raises(ConfigError, match=r"roll_mcore.json holds a 'mixtral' model, not 'qwen2'"):
-        convert.check_compatible(tmp_path / "ck", qwen, convert.layout_config(1, 1, 1), "key")
+        mcore_checkpoint.check_compatible(tmp_path / "ck", qwen, convert.layout_config(1, 1, 1), "key")
     mixtral = transformers.MixtralConfig(**SHAPE)
     with pytest.raises(ConfigError, match=r"written for TP=1"):
-        convert.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
+        mcore_checkpoint.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
     with pytest.raises(ConfigError, match=r"no such file"):
-        convert.read_manifest(tmp_path)
+        mcore_checkpoint.read_manifest(tmp_path)
 
 
 @pytest.mark.slow
