@@ -8,14 +8,12 @@ one-line errors."""
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,6 +23,7 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from gloo_ranks import process_group  # noqa: E402
 from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
 
@@ -96,14 +95,11 @@ def _strategy_checks(scratch: str) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    compat.apply()
-    bad = []
-    try:
+    with process_group(rank, world_size, port, timeout=datetime.timedelta(seconds=120)):
+        compat.apply()
+        bad = []
         with cuda_on_cpu():
             for name, tp, pp, ep, vpp in LAYOUTS:
                 tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
@@ -126,8 +122,6 @@ def _worker(rank: int, port: int, scratch: str) -> None:
                     ]
             bad += _strategy_checks(scratch)
         Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ policy-gradient batch and loss, a strategy built for a layout, and a two-process
 ranks report problems as lines of text (empty = none).
 
 >>> path = save_tiny_qwen2(tmp_path / "model", layers=4)
->>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, port, *args)
+>>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, 2, port, *args)
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
@@ -29,7 +29,6 @@ from roll.core.batch import Batch  # noqa: E402
 from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron.hf_io import unwrap  # noqa: E402
-from roll.utils.ports import free_port  # noqa: E402
 
 
 def save_tiny_qwen2(path: Path, layers: int) -> str:
@@ -96,11 +95,11 @@ def raw_params(strategy) -> dict[str, torch.Tensor]:
 
 
 def run_two_ranks(worker: Callable, args: tuple, scratch: Path) -> list[str]:
-    """Spawn ``worker(rank, port, *args)`` on two CPU processes (CUDA hidden from them, so GPU machines
-    run these tests too); each writes its problems, one per line, to ``scratch/rank{r}.txt``. Returns
-    them prefixed with the rank."""
+    """Spawn ``worker(rank, 2, port, *args)`` on two CPU processes (``gloo_ranks.spawn_ranks``; CUDA
+    hidden from them, so GPU machines run these tests too); each writes its problems, one per line,
+    to ``scratch/rank{r}.txt``. Returns them prefixed with the rank."""
     with cuda_hidden():
-        mp.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
+        spawn_ranks(worker, 2, *args)
     return [
         f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
     ]
