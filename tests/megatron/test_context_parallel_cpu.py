@@ -11,7 +11,6 @@ by a capture of the gradients, so every run starts from the same weights.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,11 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
-from gloo_ranks import process_group, spawn_ranks  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from test_packing_cpu import capture_grads, compare, log_probs, ragged_batch, train_grads  # noqa: E402
-from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
 from roll.models.context_parallel import cp_packed_attention, zigzag_indices  # noqa: E402
 from roll.models.packed_attention import packed_attention  # noqa: E402
@@ -82,22 +80,13 @@ def check_strategy(path: str, base: dict | None = None) -> list[str]:
 
 
 def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port):
-        compat.apply()
-        bad = check_attention()
-        with cuda_on_cpu():
-            bad += check_strategy(path)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_attention() + check_strategy(path)
 
 
 def _four_rank_worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port):
-        compat.apply()
-        with cuda_on_cpu():
-            bad = check_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
 
 
 @pytest.mark.slow  # four processes: about 90 s on two cores

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
-from gloo_ranks import process_group  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
 from tiny_models import safetensors_dir, save_random_model  # noqa: E402
-from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.models.megatron import convert, mcore_checkpoint  # noqa: E402
@@ -96,32 +93,25 @@ def _strategy_checks(scratch: str) -> list[str]:
 
 
 def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port, timeout=datetime.timedelta(seconds=120)):
-        compat.apply()
-        bad = []
-        with cuda_on_cpu():
-            for name, tp, pp, ep, vpp in LAYOUTS:
-                tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
-                mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
-                source = convert.write_mcore(
-                    Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp)
-                )
-                largest = max(p.numel() * p.element_size() for _, p, _ in source.items.values())
-                if source.peak_bytes > largest:  # one parameter value at a time
-                    bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
-                convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
-                if rank == 0:
-                    original, again = _tensors(Path(scratch, name)), _tensors(back)
-                    if original.keys() != again.keys():
-                        bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
-                    bad += [
-                        f"{tag}: {n} differs"
-                        for n in original.keys() & again.keys()
-                        if not torch.equal(original[n], again[n])
-                    ]
-            bad += _strategy_checks(scratch)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=120)) as bad:
+        for name, tp, pp, ep, vpp in LAYOUTS:
+            tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
+            mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
+            source = convert.write_mcore(Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp))
+            largest = max(p.numel() * p.element_size() for _, p, _ in source.items.values())
+            if source.peak_bytes > largest:  # one parameter value at a time
+                bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
+            convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
+            if rank == 0:
+                original, again = _tensors(Path(scratch, name)), _tensors(back)
+                if original.keys() != again.keys():
+                    bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
+                bad += [
+                    f"{tag}: {n} differs"
+                    for n in original.keys() & again.keys()
+                    if not torch.equal(original[n], again[n])
+                ]
+        bad += _strategy_checks(scratch)
 
 
 @pytest.mark.slow

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -38,10 +37,10 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
-from gloo_ranks import process_group, spawn_ranks  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
-from two_rank_training import pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -325,12 +324,8 @@ def _training_checks(scratch: str) -> list[str]:
 
 
 def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port, timeout=datetime.timedelta(seconds=300)):
-        compat.apply()
-        with cuda_on_cpu():
-            bad = _converter_checks(scratch) + _training_checks(scratch)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=300)) as bad:
+        bad += _converter_checks(scratch) + _training_checks(scratch)
 
 
 @pytest.mark.slow

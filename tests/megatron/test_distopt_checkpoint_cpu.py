@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
-from gloo_ranks import process_group  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
-from two_rank_training import pg_batch, pg_loss, raw_params, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import (
+    megatron_rank,
+    pg_batch,
+    pg_loss,
+    raw_params,
+    run_two_ranks,
+    save_tiny_qwen2,
+    train_strategy,
+)  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.models.megatron.hf_io import export_hf_weights, unwrap  # noqa: E402
@@ -215,12 +219,8 @@ CHECKS = {"dense": _dense_checks, "moe": _moe_checks}
 
 
 def _worker(rank: int, world_size: int, port: int, checks: str, path: str, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port, timeout=datetime.timedelta(seconds=120)):
-        compat.apply()
-        with cuda_on_cpu():
-            bad = CHECKS[checks](path, scratch)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=120)) as bad:
+        bad += CHECKS[checks](path, scratch)
 
 
 def _run(checks: str, path: str, scratch: Path) -> None:

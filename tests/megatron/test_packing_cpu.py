@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
-from gloo_ranks import process_group  # noqa: E402
-from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
@@ -167,12 +163,8 @@ def check_dp2(path: str) -> list[str]:
 
 
 def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
-    warnings.filterwarnings("ignore")
-    with process_group(rank, world_size, port):
-        compat.apply()
-        with cuda_on_cpu():
-            bad = check_tp2(path) + check_dp2(path)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_tp2(path) + check_dp2(path)
 
 
 def test_packed_and_budgeted_match_padded(tmp_path: Path) -> None:

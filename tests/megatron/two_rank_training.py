@@ -2,14 +2,20 @@
 policy-gradient batch and loss, a strategy built for a layout, and a two-process gloo run whose
 ranks report problems as lines of text (empty = none).
 
+>>> def worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+...     with megatron_rank(rank, world_size, port, scratch) as bad:
+...         bad += my_checks(path)                                    # lines of text, [] = fine
 >>> path = save_tiny_qwen2(tmp_path / "model", layers=4)
 >>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, 2, port, *args)
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -20,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden  # noqa: E402
-from gloo_ranks import spawn_ranks  # noqa: E402
+from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from gloo_ranks import process_group, spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
@@ -103,3 +109,19 @@ def run_two_ranks(worker: Callable, args: tuple, scratch: Path) -> list[str]:
     return [
         f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
     ]
+
+
+@contextlib.contextmanager
+def megatron_rank(
+    rank: int, world_size: int, port: int, scratch: str, timeout: datetime.timedelta | None = None
+) -> Iterator[list[str]]:
+    """One rank of a megatron CPU test: warnings off, the default group (``gloo_ranks.process_group``),
+    megatron-core's CPU shims (``compat.apply``, ``cuda_on_cpu``) and a list the block appends its
+    problems to, written to ``scratch/rank{rank}.txt`` (what ``run_two_ranks`` reads) once it ends."""
+    warnings.filterwarnings("ignore")
+    with process_group(rank, world_size, port, timeout=timeout):
+        compat.apply()
+        problems: list[str] = []
+        with cuda_on_cpu():
+            yield problems
+        Path(scratch, f"rank{rank}.txt").write_text("\n".join(problems))
