@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from roll.models.megatron import convert
+from roll.models.megatron import convert, mcore_checkpoint
 from roll.pipeline.rlvr import pipeline
 
 
@@ -66,7 +66,9 @@ def test_a_complete_final_export_replaces_the_previous_one(tmp_path):
 def _mcore_dir(tmp_path: Path) -> Path:
     mcore = tmp_path / "mcore_ckpt"
     mcore.mkdir()
-    (mcore / convert.MANIFEST).write_text(json.dumps({"layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": None}}))
+    (mcore / mcore_checkpoint.MANIFEST).write_text(
+        json.dumps({"layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": None}})
+    )
     return mcore
 
 

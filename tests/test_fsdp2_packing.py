@@ -10,14 +10,13 @@ starts from the same weights.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_fsdp2_strategy import free_port, make_strategy
+from gloo_ranks import process_group, spawn_ranks
+from test_fsdp2_strategy import make_strategy
 from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 from torch.distributed.tensor import DTensor
 
@@ -149,37 +148,36 @@ def test_value_model_packed_equals_padded(model_dir, policy) -> None:
     assert_close(base, grads(critic, box, batch.split(3), loss, sequence_packing=True), "critic packed")
 
 
-def _two_rank_worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    strategy = make_strategy(model_dir, rank, 2)
-    box = capture_grads(strategy)
-    batch = ragged_batch()
-    result = {}
-    for mode in MODES:
-        for s, split in enumerate(EVEN):
-            mine = batch.index(split[rank])
-            result[f"{mode}/{s}"] = grads(strategy, box, mine.split(1), actor_fn(mode))
-            result[f"{mode}/{s}/budget"] = grads(
-                strategy, box, [mine], actor_fn(mode), sequence_packing=True, max_tokens_per_microbatch=24
-            )
-        for s, split in enumerate(UNEVEN):
-            mine = batch.index(split[rank])
-            result[f"{mode}/uneven{s}"] = grads(
-                strategy, box, mine.split(8), actor_fn(mode), max_tokens_per_microbatch=64
-            )
-    if rank == 0:
-        torch.save(result, f"{out}/grads.pt")
-    parts = rebudget([batch.index(UNEVEN[0][rank])], 24, dist.group.WORLD)  # 1 row vs 5 rows
-    rows = [p["row_id"].tolist() for p in parts]
-    torch.save(
-        {"rows": rows, "tokens": [int(p["attention_mask"].sum()) for p in parts]}, f"{out}/balance{rank}.pt"
-    )
-    dist.destroy_process_group()
+def _two_rank_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):  # the strategy joins
+        strategy = make_strategy(model_dir, rank, 2)
+        box = capture_grads(strategy)
+        batch = ragged_batch()
+        result = {}
+        for mode in MODES:
+            for s, split in enumerate(EVEN):
+                mine = batch.index(split[rank])
+                result[f"{mode}/{s}"] = grads(strategy, box, mine.split(1), actor_fn(mode))
+                result[f"{mode}/{s}/budget"] = grads(
+                    strategy, box, [mine], actor_fn(mode), sequence_packing=True, max_tokens_per_microbatch=24
+                )
+            for s, split in enumerate(UNEVEN):
+                mine = batch.index(split[rank])
+                result[f"{mode}/uneven{s}"] = grads(
+                    strategy, box, mine.split(8), actor_fn(mode), max_tokens_per_microbatch=64
+                )
+        if rank == 0:
+            torch.save(result, f"{out}/grads.pt")
+        parts = rebudget([batch.index(UNEVEN[0][rank])], 24, dist.group.WORLD)  # 1 row vs 5 rows
+        rows = [p["row_id"].tolist() for p in parts]
+        torch.save(
+            {"rows": rows, "tokens": [int(p["attention_mask"].sum()) for p in parts]},
+            f"{out}/balance{rank}.pt",
+        )
 
 
 def test_two_ranks_any_split_give_the_one_rank_gradient(policy, model_dir, tmp_path: Path) -> None:
-    mp.spawn(_two_rank_worker, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    spawn_ranks(_two_rank_worker, 2, str(model_dir), str(tmp_path))
     two = torch.load(tmp_path / "grads.pt", weights_only=True)
     box = capture_grads(policy)
     batch = ragged_batch()

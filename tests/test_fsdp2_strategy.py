@@ -3,14 +3,13 @@ weight export; a GPU run (marked gpu) in bf16 with mixed precision."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import process_group, spawn_ranks
 from tiny_models import build_tiny_model_dir, encode_prompts
 from transformers import AutoModelForCausalLM
 
@@ -19,7 +18,6 @@ from roll.core.batch import Batch
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch
 from roll.distributed.strategy.registry import load_strategy_class
-from roll.utils.ports import free_port
 
 torch.set_num_threads(1)
 STEPS = 4  # optimizer steps; the checkpoint is taken after STEPS // 2
@@ -86,36 +84,40 @@ def full_params(strategy) -> dict[str, torch.Tensor]:
 
 
 def _two_rank_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    micro = local_micro_batches(rank, world_size)
-    first = make_strategy(model_dir, rank, world_size)
-    losses = train(first, STEPS // 2, micro)
-    first.save_checkpoint(f"{out}/ckpt")
-    losses += train(first, STEPS - STEPS // 2, micro)
-    uninterrupted = full_params(first)
-    names = [(name, tuple(t.shape), t.dtype) for name, t in uninterrupted.items()]
-    first.save_hf_checkpoint(f"{out}/hf")
-    logps = first.compute_log_probs(global_batch().chunk(world_size)[rank])["log_probs"]
+    with process_group(rank, world_size, port, init=False):  # the strategy joins
+        micro = local_micro_batches(rank, world_size)
+        first = make_strategy(model_dir, rank, world_size)
+        losses = train(first, STEPS // 2, micro)
+        first.save_checkpoint(f"{out}/ckpt")
+        losses += train(first, STEPS - STEPS // 2, micro)
+        uninterrupted = full_params(first)
+        names = [(name, tuple(t.shape), t.dtype) for name, t in uninterrupted.items()]
+        first.save_hf_checkpoint(f"{out}/hf")
+        logps = first.compute_log_probs(global_batch().chunk(world_size)[rank])["log_probs"]
 
-    resumed = make_strategy(model_dir, rank, world_size)
-    resumed.load_checkpoint(f"{out}/ckpt")
-    assert resumed.step == STEPS // 2
-    train(resumed, STEPS - STEPS // 2, micro)
-    after_resume = full_params(resumed)
+        resumed = make_strategy(model_dir, rank, world_size)
+        resumed.load_checkpoint(f"{out}/ckpt")
+        assert resumed.step == STEPS // 2
+        train(resumed, STEPS - STEPS // 2, micro)
+        after_resume = full_params(resumed)
 
-    replicas = make_strategy(model_dir, rank, world_size, sharding="no_shard")
-    train(replicas, STEPS, micro)
-    no_shard = full_params(replicas)
-    if rank == 0:
-        result = {"losses": losses, "params": uninterrupted, "resumed": after_resume, "no_shard": no_shard}
-        torch.save(
-            {**result, "names": [(n, s, str(d)) for n, s, d in names], "logps0": logps}, f"{out}/result.pt"
-        )
-    else:
-        assert names == [] and after_resume == {} and no_shard == {}  # only rank 0 yields
-        torch.save({"losses": losses, "logps1": logps}, f"{out}/result_rank1.pt")
-    dist.destroy_process_group()
+        replicas = make_strategy(model_dir, rank, world_size, sharding="no_shard")
+        train(replicas, STEPS, micro)
+        no_shard = full_params(replicas)
+        if rank == 0:
+            result = {
+                "losses": losses,
+                "params": uninterrupted,
+                "resumed": after_resume,
+                "no_shard": no_shard,
+            }
+            torch.save(
+                {**result, "names": [(n, s, str(d)) for n, s, d in names], "logps0": logps},
+                f"{out}/result.pt",
+            )
+        else:
+            assert names == [] and after_resume == {} and no_shard == {}  # only rank 0 yields
+            torch.save({"losses": losses, "logps1": logps}, f"{out}/result_rank1.pt")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_rank_result(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_two_ranks")
-    mp.spawn(_two_rank_worker, args=(2, free_port(), str(model_dir), str(out)), nprocs=2)
+    spawn_ranks(_two_rank_worker, 2, str(model_dir), str(out))
     result = torch.load(out / "result.pt", weights_only=True)
     result["rank1"] = torch.load(out / "result_rank1.pt", weights_only=True)
     result["out"] = out
@@ -189,23 +191,20 @@ def _gather_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
     from roll.distributed.strategy.fsdp2_strategy import gather_dim0_shards
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    mesh = init_device_mesh("cpu", (world_size,))
-    gen = torch.Generator().manual_seed(0)
-    # Uneven splits (5 rows: 3 + 2), a rank with no rows (1 row), more dims.
-    fulls = [torch.randn(shape, generator=gen) for shape in ((5, 3), (1,), (4,), (7, 2, 2))]
-    shards = [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
-    gathered = gather_dim0_shards(shards, torch.device("cpu"), mesh.get_group())
-    assert all(torch.equal(g, f) for g, f in zip(gathered, fulls))
-    assert all(torch.equal(g, s.full_tensor()) for g, s in zip(gathered, shards))
-    Path(out, f"ok{rank}").touch()
-    dist.barrier()  # no rank tears gloo down while its peer still waits on the last message
-    dist.destroy_process_group()
+    with process_group(rank, world_size, port):
+        mesh = init_device_mesh("cpu", (world_size,))
+        gen = torch.Generator().manual_seed(0)
+        # Uneven splits (5 rows: 3 + 2), a rank with no rows (1 row), more dims.
+        fulls = [torch.randn(shape, generator=gen) for shape in ((5, 3), (1,), (4,), (7, 2, 2))]
+        shards = [distribute_tensor(full, mesh, [Shard(0)]) for full in fulls]
+        gathered = gather_dim0_shards(shards, torch.device("cpu"), mesh.get_group())
+        assert all(torch.equal(g, f) for g, f in zip(gathered, fulls))
+        assert all(torch.equal(g, s.full_tensor()) for g, s in zip(gathered, shards))
+        Path(out, f"ok{rank}").touch()
 
 
 def test_grouped_gather_of_uneven_shards_equals_full_tensor(tmp_path):
-    mp.spawn(_gather_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_gather_worker, 2, str(tmp_path))
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
@@ -267,23 +266,22 @@ def test_schedule_offload_load_weights_and_errors(model_dir, one_rank, tmp_path)
 
 # ------------------------------------------------------------------------------------------ GPU
 def _gpu_worker(rank: int, world_size: int, port: int, model_dir: str, out: str, config: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    strategy = make_strategy(model_dir, rank, world_size, device=f"cuda:{rank}", dtype="bf16", **config)
-    micro = local_micro_batches(rank, world_size)
-    losses = [strategy.train_step(micro, policy_loss)["loss"] for _ in range(4)]
-    strategy.offload_states()
-    strategy.reload_states()
-    losses.append(strategy.train_step(micro, policy_loss)["loss"])
-    strategy.save_checkpoint(f"{out}/ckpt")
-    before = full_params(strategy)
-    restored = make_strategy(model_dir, rank, world_size, device=f"cuda:{rank}", dtype="bf16", **config)
-    restored.load_checkpoint(f"{out}/ckpt")
-    after = full_params(restored)
-    if rank == 0:
-        assert all(t.dtype == torch.bfloat16 and t.is_cuda for t in before.values())
-        assert all(torch.equal(before[k], after[k]) for k in before)
-        torch.save({"losses": losses}, f"{out}/gpu_result.pt")
-    dist.destroy_process_group()
+    with process_group(rank, world_size, port, init=False):  # the strategy joins (nccl)
+        strategy = make_strategy(model_dir, rank, world_size, device=f"cuda:{rank}", dtype="bf16", **config)
+        micro = local_micro_batches(rank, world_size)
+        losses = [strategy.train_step(micro, policy_loss)["loss"] for _ in range(4)]
+        strategy.offload_states()
+        strategy.reload_states()
+        losses.append(strategy.train_step(micro, policy_loss)["loss"])
+        strategy.save_checkpoint(f"{out}/ckpt")
+        before = full_params(strategy)
+        restored = make_strategy(model_dir, rank, world_size, device=f"cuda:{rank}", dtype="bf16", **config)
+        restored.load_checkpoint(f"{out}/ckpt")
+        after = full_params(restored)
+        if rank == 0:
+            assert all(t.dtype == torch.bfloat16 and t.is_cuda for t in before.values())
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            torch.save({"losses": losses}, f"{out}/gpu_result.pt")
 
 
 @pytest.mark.gpu
@@ -296,39 +294,35 @@ def _gpu_worker(rank: int, world_size: int, port: int, model_dir: str, out: str,
 def test_fsdp2_on_gpus_bf16(model_dir, tmp_path, world_size, config):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    mp.spawn(
-        _gpu_worker, args=(world_size, free_port(), str(model_dir), str(tmp_path), config), nprocs=world_size
-    )
+    spawn_ranks(_gpu_worker, world_size, str(model_dir), str(tmp_path), config)
     losses = torch.load(tmp_path / "gpu_result.pt", weights_only=True)["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
 def _reduce_dtype_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
     """One step's reduced gradients with fp32 and bf16 gradient reduction, then bf16 training."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    micro = local_micro_batches(rank, world_size)
-    grads = {}
-    for reduce_dtype in ("fp32", "bf16"):
-        strategy = make_strategy(model_dir, rank, world_size, reduce_dtype=reduce_dtype)
-        clip = strategy._clip_gradients
+    with process_group(rank, world_size, port, init=False):  # the strategy joins
+        micro = local_micro_batches(rank, world_size)
+        grads = {}
+        for reduce_dtype in ("fp32", "bf16"):
+            strategy = make_strategy(model_dir, rank, world_size, reduce_dtype=reduce_dtype)
+            clip = strategy._clip_gradients
 
-        def record(clip=clip, strategy=strategy, key=reduce_dtype) -> float:
-            full = [p.grad.full_tensor().clone() for p in strategy.model.parameters()]
-            grads.setdefault(key, full)  # the first step's: both start from the same weights
-            return clip()
+            def record(clip=clip, strategy=strategy, key=reduce_dtype) -> float:
+                full = [p.grad.full_tensor().clone() for p in strategy.model.parameters()]
+                grads.setdefault(key, full)  # the first step's: both start from the same weights
+                return clip()
 
-        strategy._clip_gradients = record
-        losses = train(strategy, STEPS, micro)
-    if rank == 0:
-        torch.save({"grads": grads, "bf16_losses": losses}, f"{out}/reduce.pt")
-    dist.destroy_process_group()
+            strategy._clip_gradients = record
+            losses = train(strategy, STEPS, micro)
+        if rank == 0:
+            torch.save({"grads": grads, "bf16_losses": losses}, f"{out}/reduce.pt")
 
 
 def test_bf16_gradient_reduction_trains_close_to_fp32(model_dir, tmp_path):
     """fsdp2 reduce_dtype: bf16 (ROLL's reduce_dtype) on 2 gloo ranks: every gradient within 1% (in
     norm) of the fp32-reduced one, not identical to it (the bf16 path ran), and the loss falls."""
-    mp.spawn(_reduce_dtype_worker, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    spawn_ranks(_reduce_dtype_worker, 2, str(model_dir), str(tmp_path))
     result = torch.load(tmp_path / "reduce.pt", weights_only=True)
     fp32, bf16 = result["grads"]["fp32"], result["grads"]["bf16"]
     assert len(fp32) == len(bf16) > 0

@@ -9,7 +9,6 @@ import torch
 from roll.core.batch import Batch
 from roll.distributed.strategy.generation import (
     build_generation_batch,
-    make_position_ids,
     prompt_token_lists,
     sampling_temperature,
 )
@@ -25,11 +24,6 @@ def prompt_batch() -> Batch:
         {"tag": ["math", "code", "math"], "ground_truth": ["1", "2", "3"]},
         {"step": 7},
     )
-
-
-def test_make_position_ids_left_padding_and_trailing_padding():
-    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
-    assert make_position_ids(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5]]
 
 
 def test_prompt_token_lists_strips_left_padding():

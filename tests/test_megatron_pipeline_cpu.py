@@ -17,18 +17,16 @@ made it, else makes a quick one (5 warm-start steps: the test checks plumbing, n
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import shrunk_example, write_config
+from gloo_ranks import process_group, spawn_ranks
 
 from roll.configs.loader import load_config
 from roll.pipeline.rlvr.pipeline import run_pipeline
-from roll.utils.ports import free_port
 from roll.utils.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,54 +71,52 @@ def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
 def test_fused_parameter_split_across_buckets(example):
     """The pipeline's 1 MB buckets happen to cut between whole fused groups of this model, so cut
     one by hand: q_proj in one load_weights call, k_proj/v_proj two calls later."""
-    mp.spawn(_split_update_worker, args=(free_port(), str(example)), nprocs=1, join=True)
+    spawn_ranks(_split_update_worker, 1, str(example))
 
 
-def _split_update_worker(rank: int, port: int, example: str) -> None:
+def _split_update_worker(rank: int, world_size: int, port: int, example: str) -> None:
 
     sys.path.insert(0, str(REPO / "tests" / "megatron"))
     import compat
     from cuda_on_cpu import cuda_on_cpu
 
     from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
+    from roll.core.errors import CheckpointError
     from roll.core.worker_context import WorkerContext
     from roll.distributed.strategy.megatron_infer_strategy import MegatronInferStrategy
-    from roll.models.megatron.hf_io import CheckpointError, export_hf_weights
+    from roll.models.megatron.hf_io import export_hf_weights
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    compat.apply()
-    args = StrategyArgs("megatron_infer", strategy_config={"tensor_model_parallel_size": 1})
-    role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=str(Path(example) / "sft_model"), dtype="fp32"),
-        strategy_args=args,
-        device_mapping=[0],
-    )
-    with cuda_on_cpu():
-        strategy = MegatronInferStrategy(role, WorkerContext("actor_infer", 0, 1, 0, torch.device("cpu")))
-        strategy.initialize()
-        new = [(name, tensor + 0.01) for name, tensor in export_hf_weights(strategy.chunks)]
-        cut = [name for name, _ in new].index("model.layers.0.self_attn.k_proj.weight")
-        rest = new[cut:]
-        layer0 = [(n, t) for n, t in rest if ".layers.0." in n]
-        strategy.load_weights(iter(new[:cut]))
-        waiting = dict(strategy._loader.source.files)  # q_proj, copied once when it arrived
-        assert "model.layers.0.self_attn.q_proj.weight" in waiting
-        # Another link's bucket in between (a real update loads several links, each on its own
-        # CUDA stream): the held part must not be copied again there, on the other stream.
-        strategy.load_weights(iter([(n, t) for n, t in rest if ".layers.0." not in n]))
-        assert all(strategy._loader.source.files[n] is t for n, t in waiting.items())
-        strategy.load_weights(iter(layer0))
-        strategy.finish_model_update(1)
-        held = dict(export_hf_weights(strategy.chunks))
-        stale = [name for name, tensor in new if not torch.equal(held[name], tensor)]
-        assert not stale, f"not updated: {stale}"
-        # What a failed probe's verification pass compares with the trainer's stream.
-        shown = dict(strategy.iter_hf_weights())
-        assert shown.keys() == held.keys() and all(torch.equal(shown[k], held[k]) for k in held)
-        # An update that ends with a fused parameter incomplete is an error, not a stale weight.
-        strategy.load_weights(iter(new[:cut]))
-        with pytest.raises(CheckpointError, match="q_proj"):
-            strategy.finish_model_update(2)
-    torch.distributed.destroy_process_group()
+    with process_group(rank, world_size, port):
+        compat.apply()
+        args = StrategyArgs("megatron_infer", strategy_config={"tensor_model_parallel_size": 1})
+        role = RoleConfig(
+            model_args=ModelArgs(model_name_or_path=str(Path(example) / "sft_model"), dtype="fp32"),
+            strategy_args=args,
+            device_mapping=[0],
+        )
+        with cuda_on_cpu():
+            strategy = MegatronInferStrategy(role, WorkerContext("actor_infer", 0, 1, 0, torch.device("cpu")))
+            strategy.initialize()
+            new = [(name, tensor + 0.01) for name, tensor in export_hf_weights(strategy.chunks)]
+            cut = [name for name, _ in new].index("model.layers.0.self_attn.k_proj.weight")
+            rest = new[cut:]
+            layer0 = [(n, t) for n, t in rest if ".layers.0." in n]
+            strategy.load_weights(iter(new[:cut]))
+            waiting = dict(strategy._loader.source.files)  # q_proj, copied once when it arrived
+            assert "model.layers.0.self_attn.q_proj.weight" in waiting
+            # Another link's bucket in between (a real update loads several links, each on its own
+            # CUDA stream): the held part must not be copied again there, on the other stream.
+            strategy.load_weights(iter([(n, t) for n, t in rest if ".layers.0." not in n]))
+            assert all(strategy._loader.source.files[n] is t for n, t in waiting.items())
+            strategy.load_weights(iter(layer0))
+            strategy.finish_model_update(1)
+            held = dict(export_hf_weights(strategy.chunks))
+            stale = [name for name, tensor in new if not torch.equal(held[name], tensor)]
+            assert not stale, f"not updated: {stale}"
+            # What a failed probe's verification pass compares with the trainer's stream.
+            shown = dict(strategy.iter_hf_weights())
+            assert shown.keys() == held.keys() and all(torch.equal(shown[k], held[k]) for k in held)
+            # An update that ends with a fused parameter incomplete is an error, not a stale weight.
+            strategy.load_weights(iter(new[:cut]))
+            with pytest.raises(CheckpointError, match="q_proj"):
+                strategy.finish_model_update(2)

@@ -16,6 +16,7 @@ import tempfile
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo_ranks import process_group
 from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 
 from roll.configs.pipeline_config import RLVRConfig
@@ -327,10 +328,8 @@ def _megatron_sender(rank: int, port: int, cases: list[str], specs: dict, ckpts:
     import compat  # tests/megatron/compat.py: megatron-core on CPU
 
     device = member_device(rank, backend)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group(backend, rank=rank, world_size=2)
-    compat.apply()
-    try:
+    with process_group(rank, 2, port, backend=backend):  # the two trainer ranks; receivers stay out
+        compat.apply()
         for case in cases:
             family, layout = MEGATRON_CASES[case]
             ps.initialize_model_parallel(**layout)
@@ -341,8 +340,6 @@ def _megatron_sender(rank: int, port: int, cases: list[str], specs: dict, ckpts:
             link = Link.connect(specs[case][rank], "sender", device)
             BucketSender(link, device, bucket_bytes=16 << 10).send(export_hf_weights(chunks), version=1)
             ps.destroy_model_parallel()
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _megatron_member(

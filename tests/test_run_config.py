@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from roll.configs.errors import ConfigError
 from roll.configs.build import build_dataclass
+from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.run_config import RunConfig
 from roll.configs.sft_config import SFTPipelineConfig

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from roll.core.batch import Batch
+from roll.models.positions import cu_seqlens_from, packed_positions
 
 
 @dataclass
@@ -88,15 +89,15 @@ def pack_rows(
     length = round_up(total, multiple) if length is None else length
     if total > length or (length - total) % segment_multiple:
         raise ValueError(f"pack_rows: {total} tokens do not fit in a packed row of {length}")
-    offsets = torch.cumsum(segments, 0) - segments  # where each sequence starts in the packed row
+    offsets = cu_seqlens_from(segments)[:-1]  # where each sequence starts in the packed row
     rows = torch.arange(len(lengths)).repeat_interleave(lengths)
-    within = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[rows]
+    within = packed_positions(cu_seqlens_from(lengths), int(lengths.sum()))  # token's place in its run
     ids = torch.zeros(length, dtype=input_ids.dtype)
     ids[offsets[rows] + within] = input_ids[rows, (prompt_cols - prompt_len)[rows] + within]
     sizes = torch.cat([segments[segments > 0], torch.tensor([length - total])])
     sizes = sizes[sizes > 0]
-    position_ids = torch.cat([torch.arange(int(n)) for n in sizes])
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(sizes, 0)]).to(torch.int32)
+    cu_seqlens = cu_seqlens_from(sizes).to(torch.int32)
+    position_ids = packed_positions(cu_seqlens, length)
     window = offsets.unsqueeze(1) + prompt_len.unsqueeze(1) - 1 + torch.arange(width).unsqueeze(0)
     return PackedRow(
         input_ids=ids.unsqueeze(0),

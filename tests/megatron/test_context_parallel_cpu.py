@@ -10,9 +10,7 @@ by a capture of the gradients, so every run starts from the same weights.
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from test_packing_cpu import capture_grads, compare, log_probs, ragged_batch, train_grads  # noqa: E402
-from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
 from roll.models.context_parallel import cp_packed_attention, zigzag_indices  # noqa: E402
 from roll.models.packed_attention import packed_attention  # noqa: E402
@@ -81,45 +79,22 @@ def check_strategy(path: str, base: dict | None = None) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, path: str, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    compat.apply()
-    try:
-        bad = check_attention()
-        with cuda_on_cpu():
-            bad += check_strategy(path)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_attention() + check_strategy(path)
 
 
-def _four_rank_worker(rank: int, port: int, path: str, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    compat.apply()
-    try:
-        with cuda_on_cpu():
-            bad = check_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _four_rank_worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
 
 
 @pytest.mark.slow  # four processes: about 90 s on two cores
 def test_context_parallel_composes_with_tensor_parallel(tmp_path: Path) -> None:
     """TP2 + SP x CP2 against TP2 + SP x DP2 on four ranks."""
-    import torch.multiprocessing as mp
-
-    from roll.utils.ports import free_port
-
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
     with cuda_hidden():
-        mp.spawn(_four_rank_worker, args=(free_port(), path, str(tmp_path)), nprocs=4, join=True)
+        spawn_ranks(_four_rank_worker, 4, path, str(tmp_path))
     bad = [f"rank {r}: {x}" for r in range(4) for x in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
     assert not bad, "TP2 x CP2 differs from TP2 x DP2:\n" + "\n".join(bad)
 

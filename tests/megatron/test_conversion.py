@@ -16,7 +16,6 @@ one GPU per rank (world sizes above the GPU count are skipped).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -25,15 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 import compat  # noqa: E402  (tests/megatron/compat.py)
-
-from roll.utils.ports import free_port  # noqa: E402
+from gloo_ranks import process_group, spawn_ranks  # noqa: E402
 
 pytest.importorskip("megatron.core")
 
@@ -147,8 +145,7 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
 def test_round_trip_and_forward(world_size: int, checkpoints: dict[str, str], tmp_path: Path) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs (one per rank) on a CUDA machine")
-    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path))
-    mp.spawn(_worker, args=args, nprocs=world_size, join=True)
+    spawn_ranks(_worker, world_size, checkpoints, CASES[world_size], str(tmp_path))
 
 
 def test_transformer_engine_names() -> None:
@@ -195,17 +192,14 @@ def _worker(
     DeepSeek-V3 test passes its own)."""
     run_case = run_case or _run_case
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    compat.apply()
-    from megatron.core import parallel_state as ps
+    with process_group(rank, world, port, backend="nccl" if cuda else "gloo"):
+        compat.apply()
+        from megatron.core import parallel_state as ps
 
-    try:
         for i, case in enumerate(cases):
             try:
                 run_case(case, ckpts[case.family], Path(scratch) / f"case{i}")
@@ -213,8 +207,6 @@ def _worker(
                 raise AssertionError(f"rank {rank}, case {case}: {err}") from err
             finally:
                 ps.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
 
 
 def _device() -> torch.device:

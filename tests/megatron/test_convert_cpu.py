@@ -8,14 +8,11 @@ one-line errors."""
 from __future__ import annotations
 
 import datetime
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,13 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
 from tiny_models import safetensors_dir, save_random_model  # noqa: E402
-from two_rank_training import raw_params, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
-from roll.models.megatron import convert  # noqa: E402
+from roll.models.megatron import convert, mcore_checkpoint  # noqa: E402
 
 SHAPE = dict(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=272, max_position_embeddings=64
@@ -96,38 +92,26 @@ def _strategy_checks(scratch: str) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    compat.apply()
-    bad = []
-    try:
-        with cuda_on_cpu():
-            for name, tp, pp, ep, vpp in LAYOUTS:
-                tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
-                mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
-                source = convert.write_mcore(
-                    Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp)
-                )
-                largest = max(p.numel() * p.element_size() for _, p, _ in source.items.values())
-                if source.peak_bytes > largest:  # one parameter value at a time
-                    bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
-                convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
-                if rank == 0:
-                    original, again = _tensors(Path(scratch, name)), _tensors(back)
-                    if original.keys() != again.keys():
-                        bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
-                    bad += [
-                        f"{tag}: {n} differs"
-                        for n in original.keys() & again.keys()
-                        if not torch.equal(original[n], again[n])
-                    ]
-            bad += _strategy_checks(scratch)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=120)) as bad:
+        for name, tp, pp, ep, vpp in LAYOUTS:
+            tag = f"{name}-tp{tp}-pp{pp}-ep{ep}-vpp{vpp}"
+            mcore, back = Path(scratch, tag, "mcore"), Path(scratch, tag, "hf")
+            source = convert.write_mcore(Path(scratch, name), mcore, convert.layout_config(tp, pp, ep, vpp))
+            largest = max(p.numel() * p.element_size() for _, p, _ in source.items.values())
+            if source.peak_bytes > largest:  # one parameter value at a time
+                bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
+            convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
+            if rank == 0:
+                original, again = _tensors(Path(scratch, name)), _tensors(back)
+                if original.keys() != again.keys():
+                    bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
+                bad += [
+                    f"{tag}: {n} differs"
+                    for n in original.keys() & again.keys()
+                    if not torch.equal(original[n], again[n])
+                ]
+        bad += _strategy_checks(scratch)
 
 
 @pytest.mark.slow
@@ -152,17 +136,17 @@ def test_layout_the_model_cannot_split_names_the_flag(tmp_path: Path) -> None:
 
 def test_checkpoint_of_another_family_or_tp_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / convert.MANIFEST).write_text(
+    (tmp_path / "ck" / mcore_checkpoint.MANIFEST).write_text(
         '{"model_type": "mixtral", "layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": null}, "padded_vocab_size": 384}'
     )
     qwen = transformers.Qwen2Config(**SHAPE)
     with pytest.raises(ConfigError, match=r"roll_mcore.json holds a 'mixtral' model, not 'qwen2'"):
-        convert.check_compatible(tmp_path / "ck", qwen, convert.layout_config(1, 1, 1), "key")
+        mcore_checkpoint.check_compatible(tmp_path / "ck", qwen, convert.layout_config(1, 1, 1), "key")
     mixtral = transformers.MixtralConfig(**SHAPE)
     with pytest.raises(ConfigError, match=r"written for TP=1"):
-        convert.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
+        mcore_checkpoint.check_compatible(tmp_path / "ck", mixtral, convert.layout_config(2, 1, 1), "key")
     with pytest.raises(ConfigError, match=r"no such file"):
-        convert.read_manifest(tmp_path)
+        mcore_checkpoint.read_manifest(tmp_path)
 
 
 @pytest.mark.slow

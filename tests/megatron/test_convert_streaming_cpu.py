@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core")
 
 from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 
-from roll.models.megatron import convert, stream_export  # noqa: E402
+from roll.models.megatron import convert, mcore_checkpoint, stream_export  # noqa: E402
 from roll.models.megatron.hf_io import CheckpointError  # noqa: E402
 
 LAYERS = 8
@@ -88,7 +88,7 @@ def test_hf_to_mcore_holds_about_one_parameter(group, hf_dir: Path, tmp_path: Pa
     from_hf = build_model_chunks(hf_config, cfg, torch.float32)
     load_hf_weights(from_hf, hf_dir)
     from_mcore = build_model_chunks(hf_config, cfg, torch.float32)
-    convert.load_mcore_weights(from_mcore, tmp_path / "mcore")
+    mcore_checkpoint.load_mcore_weights(from_mcore, tmp_path / "mcore")
     expected, got = dict(from_hf[0].named_parameters()), dict(from_mcore[0].named_parameters())
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[n], got[n]) for n in expected)
@@ -133,7 +133,9 @@ def test_bad_input_is_one_line(group, hf_dir: Path, tmp_path: Path, capsys) -> N
     err = capsys.readouterr().err.strip()  # no manifest: names the file
     assert err.startswith("ConfigError: ") and "roll_mcore.json" in err and "\n" not in err
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / convert.MANIFEST).write_text('{"layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": null}}')
+    (tmp_path / "ck" / mcore_checkpoint.MANIFEST).write_text(
+        '{"layout": {"tp": 1, "pp": 1, "ep": 1, "vpp": null}}'
+    )
     args[2], args[-1] = str(tmp_path / "ck"), "lots"
     assert convert.main(args) == 2
     assert capsys.readouterr().err.strip().startswith("ConfigError: --max_shard_size: 'lots' is not a size")

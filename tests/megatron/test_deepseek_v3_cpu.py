@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -40,14 +37,14 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
-from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
-from two_rank_training import pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
 from roll.models.megatron import convert, families  # noqa: E402
-from roll.utils.ports import free_port  # noqa: E402
 
 YARN = {
     "rope_type": "yarn",
@@ -181,9 +178,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_logits_match_transformers_and_weights_round_trip(world_size, checkpoints, tmp_path) -> None:
-    args = (world_size, free_port(), checkpoints, CASES[world_size], str(tmp_path), _run_case)
     with cuda_hidden():
-        mp.spawn(conv._worker, args=args, nprocs=world_size, join=True)
+        spawn_ranks(conv._worker, world_size, checkpoints, CASES[world_size], str(tmp_path), _run_case)
 
 
 def test_yarn_and_the_expert_bias_matter(tmp_path) -> None:
@@ -327,18 +323,9 @@ def _training_checks(scratch: str) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
-    compat.apply()
-    try:
-        with cuda_on_cpu():
-            bad = _converter_checks(scratch) + _training_checks(scratch)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=300)) as bad:
+        bad += _converter_checks(scratch) + _training_checks(scratch)
 
 
 @pytest.mark.slow

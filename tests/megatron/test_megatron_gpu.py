@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,6 +46,7 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from gloo_ranks import process_group, spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
@@ -55,7 +55,6 @@ from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.logprobs import response_log_probs  # noqa: E402
-from roll.utils.ports import free_port  # noqa: E402
 
 FP32_MAX_DIFF = 1e-4
 BF16_MEAN_DIFF = 2e-2
@@ -435,19 +434,16 @@ def _init(rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, scratch: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _init(rank, world)
-    try:
+    with process_group(rank, world, port, init=False):  # _init joins (nccl or gloo) as torchrun does
+        _init(rank, world)
         results = run_all(Path(scratch), small=torch.cuda.is_available())
         if rank == 0:
             Path(out).write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(tmp_path: Path) -> dict:
     out = tmp_path / "results.json"
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path), str(out))
     return json.loads(out.read_text())
 
 

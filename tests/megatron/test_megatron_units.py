@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 pytest.importorskip("megatron.core")
+
+from gloo_ranks import process_group, spawn_ranks  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -42,27 +44,24 @@ def _plain(logits: torch.Tensor, targets: torch.Tensor, temperature: float, voca
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def _vocab_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    gen = torch.Generator().manual_seed(0)
-    full = torch.randn(3, 5, 16, generator=gen) * 3  # 16 padded columns, 13 real
-    targets = torch.randint(0, 13, (3, 5), generator=gen)
-    weights = torch.randn(2, 3, 5, generator=gen)
-    local = full[..., rank * 8 : (rank + 1) * 8].clone().requires_grad_(True)
-    logp, ent = vocab_parallel_logprobs_entropy(local, targets, dist.group.WORLD, 0.7, vocab_size=13)
-    (logp * weights[0] + ent * weights[1]).sum().backward()
-    grads = [torch.empty_like(local.grad) for _ in range(2)]
-    dist.all_gather(grads, local.grad)
-    if rank == 0:
-        torch.save({"logp": logp, "ent": ent, "grad": torch.cat(grads, -1)}, out)
-    dist.destroy_process_group()
+def _vocab_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    with process_group(rank, world_size, port):
+        gen = torch.Generator().manual_seed(0)
+        full = torch.randn(3, 5, 16, generator=gen) * 3  # 16 padded columns, 13 real
+        targets = torch.randint(0, 13, (3, 5), generator=gen)
+        weights = torch.randn(2, 3, 5, generator=gen)
+        local = full[..., rank * 8 : (rank + 1) * 8].clone().requires_grad_(True)
+        logp, ent = vocab_parallel_logprobs_entropy(local, targets, dist.group.WORLD, 0.7, vocab_size=13)
+        (logp * weights[0] + ent * weights[1]).sum().backward()
+        grads = [torch.empty_like(local.grad) for _ in range(2)]
+        dist.all_gather(grads, local.grad)
+        if rank == 0:
+            torch.save({"logp": logp, "ent": ent, "grad": torch.cat(grads, -1)}, out)
 
 
 def test_vocab_parallel_matches_plain_softmax(tmp_path: Path) -> None:
     out = str(tmp_path / "vp.pt")
-    mp.spawn(_vocab_worker, args=(free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_vocab_worker, 2, out)
     got = torch.load(out)
     gen = torch.Generator().manual_seed(0)
     full = (torch.randn(3, 5, 16, generator=gen) * 3).double().requires_grad_(True)

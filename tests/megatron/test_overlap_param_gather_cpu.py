@@ -16,9 +16,7 @@ finishes the same gather) is exercised with the distributed optimizer over DP=2 
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -31,10 +29,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from two_rank_training import pg_batch, pg_loss, raw_params, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import (
+    megatron_rank,
+    pg_batch,
+    pg_loss,
+    raw_params,
+    run_two_ranks,
+    save_tiny_qwen2,
+    train_strategy,
+)  # noqa: E402
 
 
 def _strategy(path: str, overlap: bool):
@@ -71,23 +75,14 @@ def _differences(base: dict, got: dict) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, path: str, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    compat.apply()
-    try:
-        with cuda_on_cpu():
-            base = _run(path, False, Path(scratch))
-            got = _run(path, True, Path(scratch))
-        bad = _differences(base, got)
+def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        base = _run(path, False, Path(scratch))
+        got = _run(path, True, Path(scratch))
+        bad += _differences(base, got)
         assert base["export1"] or rank != 0, "DP rank 0 exported nothing"
         changed = any(not torch.equal(base["raw1"][n], p) for n, p in base["raw2"].items())
         assert changed, "step 2 changed nothing: the comparison would be vacuous"
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_overlap_param_gather_reads_gathered_params(tmp_path: Path) -> None:

@@ -12,9 +12,7 @@ the reduced gradients, so every run starts from the same weights.
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,9 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
-from two_rank_training import run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
@@ -166,18 +162,9 @@ def check_dp2(path: str) -> list[str]:
     return bad
 
 
-def _worker(rank: int, port: int, path: str, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    compat.apply()
-    try:
-        with cuda_on_cpu():
-            bad = check_tp2(path) + check_dp2(path)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_tp2(path) + check_dp2(path)
 
 
 def test_packed_and_budgeted_match_padded(tmp_path: Path) -> None:

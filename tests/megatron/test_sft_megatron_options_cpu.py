@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import datetime
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -23,10 +21,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 pytest.importorskip("megatron.core")
 
-import compat  # noqa: E402
-from cuda_on_cpu import cuda_on_cpu  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
-from two_rank_training import pg_batch, pg_loss, raw_params, run_two_ranks, save_tiny_qwen2, train_strategy  # noqa: E402
+from two_rank_training import (
+    megatron_rank,
+    pg_batch,
+    pg_loss,
+    raw_params,
+    run_two_ranks,
+    save_tiny_qwen2,
+    train_strategy,
+)  # noqa: E402
 
 from roll.models.megatron.hf_io import unwrap  # noqa: E402
 
@@ -69,18 +73,9 @@ def _uneven_checks(path: str) -> list[str]:
 CHECKS = {"router": _router_checks, "uneven": _uneven_checks}
 
 
-def _worker(rank: int, port: int, checks: str, path: str, scratch: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    compat.apply()
-    try:
-        with cuda_on_cpu():
-            bad = CHECKS[checks](path)
-        Path(scratch, f"rank{rank}.txt").write_text("\n".join(bad))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int, port: int, checks: str, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=120)) as bad:
+        bad += CHECKS[checks](path)
 
 
 def _run(checks: str, path: str, scratch: Path) -> None:

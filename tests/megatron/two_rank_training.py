@@ -2,26 +2,32 @@
 policy-gradient batch and loss, a strategy built for a layout, and a two-process gloo run whose
 ranks report problems as lines of text (empty = none).
 
+>>> def worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+...     with megatron_rank(rank, world_size, port, scratch) as bad:
+...         bad += my_checks(path)                                    # lines of text, [] = fine
 >>> path = save_tiny_qwen2(tmp_path / "model", layers=4)
->>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, port, *args)
+>>> bad = run_two_ranks(worker, (path, str(tmp_path)), tmp_path)   # worker(rank, 2, port, *args)
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import compat  # noqa: E402
-from cuda_on_cpu import cuda_hidden  # noqa: E402
+from cuda_on_cpu import cuda_hidden, cuda_on_cpu  # noqa: E402
+from gloo_ranks import process_group, spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
@@ -29,7 +35,6 @@ from roll.core.batch import Batch  # noqa: E402
 from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
 from roll.models.megatron.hf_io import unwrap  # noqa: E402
-from roll.utils.ports import free_port  # noqa: E402
 
 
 def save_tiny_qwen2(path: Path, layers: int) -> str:
@@ -96,11 +101,27 @@ def raw_params(strategy) -> dict[str, torch.Tensor]:
 
 
 def run_two_ranks(worker: Callable, args: tuple, scratch: Path) -> list[str]:
-    """Spawn ``worker(rank, port, *args)`` on two CPU processes (CUDA hidden from them, so GPU machines
-    run these tests too); each writes its problems, one per line, to ``scratch/rank{r}.txt``. Returns
-    them prefixed with the rank."""
+    """Spawn ``worker(rank, 2, port, *args)`` on two CPU processes (``gloo_ranks.spawn_ranks``; CUDA
+    hidden from them, so GPU machines run these tests too); each writes its problems, one per line,
+    to ``scratch/rank{r}.txt``. Returns them prefixed with the rank."""
     with cuda_hidden():
-        mp.spawn(worker, args=(free_port(), *args), nprocs=2, join=True)
+        spawn_ranks(worker, 2, *args)
     return [
         f"rank {r}: {line}" for r in (0, 1) for line in (scratch / f"rank{r}.txt").read_text().splitlines()
     ]
+
+
+@contextlib.contextmanager
+def megatron_rank(
+    rank: int, world_size: int, port: int, scratch: str, timeout: datetime.timedelta | None = None
+) -> Iterator[list[str]]:
+    """One rank of a megatron CPU test: warnings off, the default group (``gloo_ranks.process_group``),
+    megatron-core's CPU shims (``compat.apply``, ``cuda_on_cpu``) and a list the block appends its
+    problems to, written to ``scratch/rank{rank}.txt`` (what ``run_two_ranks`` reads) once it ends."""
+    warnings.filterwarnings("ignore")
+    with process_group(rank, world_size, port, timeout=timeout):
+        compat.apply()
+        problems: list[str] = []
+        with cuda_on_cpu():
+            yield problems
+        Path(scratch, f"rank{rank}.txt").write_text("\n".join(problems))

@@ -24,6 +24,7 @@ from enum import Enum
 import torch
 
 from roll.core.batch import Batch
+from roll.models.positions import make_position_ids
 
 # Mean |log-prob difference| above which two forwards over equal weights are unusual, by dtype.
 # A log-prob sums rounding errors of every layer: bf16 keeps 8 mantissa bits (2^-8 = 3.9e-3 per
@@ -76,7 +77,7 @@ def build_probe_batch(
             "response_mask": response_mask,
             "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "position_ids": make_position_ids(attention_mask),
         }
     )
 

@@ -21,6 +21,7 @@ from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import TEMPERATURE_KEY
+from roll.models.positions import make_position_ids
 
 # Fields build_generation_batch writes; a prompt batch's own copies of these are replaced.
 GENERATED_FIELDS = (
@@ -33,11 +34,6 @@ GENERATED_FIELDS = (
     "position_ids",
     "infer_logprobs",
 )
-
-
-def make_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """cumsum(attention_mask) - 1, clamped at 0: left padding gets 0, real tokens count from 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def prompt_token_lists(batch: Batch) -> list[list[int]]:

@@ -23,25 +23,21 @@ collective over the default process group.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
+from roll.models.megatron.mcore_checkpoint import MANIFEST, SUBDIR, cpu_safe_sync, read_manifest
 from roll.utils.atomic_io import write_dir_durably
 
-MANIFEST = "roll_mcore.json"
 DEFAULT_MAX_SHARD = "2GB"
-SUBDIR = "mcore"
 LAYOUT_KEYS = {
     "tp": "tensor_model_parallel_size",
     "pp": "pipeline_model_parallel_size",
@@ -97,21 +93,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def _cpu_safe_sync() -> Iterator[None]:
-    """megatron-core's dist-checkpointing calls ``torch.cuda.synchronize()`` and puts a status flag
-    on ``torch.cuda.current_device()`` unconditionally; on a machine without CUDA there is nothing
-    to wait for and the flag goes to the CPU (for the save/load only)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    with (
-        mock.patch.object(torch.cuda, "synchronize", lambda *args, **kwargs: None),
-        mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")),
-    ):
-        yield
-
-
 def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) -> Any:
     """This rank's part of ``hf-to-mcore`` (collective). Returns the ``stream_save.HFSource`` that
     fed the writer (``peak_bytes``: the most parameter bytes this rank held at once)."""
@@ -123,7 +104,7 @@ def write_mcore(hf_dir: str | Path, out_dir: str | Path, cfg: MegatronConfig) ->
     chunks = meta_chunks(hf_config, cfg, dtype)
     out = Path(out_dir)
     (out / SUBDIR).mkdir(parents=True, exist_ok=True)
-    with _cpu_safe_sync():
+    with cpu_safe_sync():
         source = save_from_hf(chunks, hf_dir, out / SUBDIR)
     if torch.distributed.get_rank() == 0:
         _write_side_files(Path(hf_dir), out, hf_config, cfg, source.info.padded_vocab_size, dtype)
@@ -146,45 +127,6 @@ def _write_side_files(
         "megatron_config": asdict(cfg),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-
-
-def read_manifest(mcore_dir: str | Path) -> dict[str, Any]:
-    path = Path(mcore_dir) / MANIFEST
-    if not path.is_file():
-        raise ConfigError(str(path), "no such file: not a checkpoint written by `convert hf-to-mcore`")
-    return json.loads(path.read_text())
-
-
-def check_compatible(mcore_dir: str | Path, hf_config: Any, cfg: MegatronConfig, key: str) -> None:
-    """The checkpoint in ``mcore_dir`` must be of this model family and TP size (the padded vocab
-    depends on it); else one ConfigError naming ``key`` and the manifest."""
-    manifest = read_manifest(mcore_dir)
-    where = f"{Path(mcore_dir) / MANIFEST}"
-    if manifest["model_type"] != hf_config.model_type:
-        raise ConfigError(
-            key, f"{where} holds a {manifest['model_type']!r} model, not {hf_config.model_type!r}"
-        )
-    from roll.models.megatron.families import padded_vocab_size
-
-    if manifest["padded_vocab_size"] != padded_vocab_size(hf_config.vocab_size, cfg):
-        raise ConfigError(
-            key,
-            f"{where} was written for TP={manifest['layout']['tp']} (vocab padded to "
-            f"{manifest['padded_vocab_size']}); this layout pads to {padded_vocab_size(hf_config.vocab_size, cfg)}",
-        )
-
-
-def load_mcore_weights(chunks: list[Any], mcore_dir: str | Path) -> None:
-    """Fill this rank's chunks from the dist checkpoint under ``mcore_dir`` (collective; any PP / EP /
-    VPP layout of the same TP)."""
-    from megatron.core import dist_checkpointing
-
-    from roll.models.megatron.stream_save import sharded_state_dict
-
-    with _cpu_safe_sync():
-        state = dist_checkpointing.load(sharded_state_dict(chunks), str(Path(mcore_dir) / SUBDIR))
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state[f"model{i}"], strict=True)
 
 
 def whole_model_config(manifest: dict[str, Any]) -> MegatronConfig:
@@ -212,7 +154,7 @@ def read_mcore(
     cfg = whole_model_config(manifest)
     _init_parallel(cfg)
     chunks = meta_chunks(hf_config, cfg, getattr(torch, manifest["dtype"]))
-    with _cpu_safe_sync():
+    with cpu_safe_sync():
         parts = export_to_hf(chunks, Path(mcore_dir) / SUBDIR, out_dir, parse_size(max_shard_size))
     if torch.distributed.get_rank() == 0:
         hf_config.save_pretrained(out_dir)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.models.megatron.hf_fields import rope_parameters
 
 MODEL_PATH = "model_args.model_name_or_path"
 
@@ -34,13 +35,6 @@ def _refuse(key: str, value: Any, why: str) -> ConfigError:
         MODEL_PATH,
         f"config.json {key}={value!r} is not supported for deepseek_v3 by the Megatron strategies: {why}",
     )
-
-
-def _rope(hf: Any) -> dict[str, Any]:
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    return params
 
 
 def _yarn_kwargs(hf: Any, rope: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +67,7 @@ def _yarn_kwargs(hf: Any, rope: dict[str, Any]) -> dict[str, Any]:
 def mla_kwargs(hf: Any) -> dict[str, Any]:
     """MLATransformerConfig arguments for the attention of ``hf`` (ConfigError where unsupported)."""
     unsupported(hf)
-    rope = _rope(hf)
+    rope = rope_parameters(hf)
     kwargs: dict[str, Any] = {
         "multi_latent_attention": True,
         "q_lora_rank": hf.q_lora_rank or None,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
 from roll.models.megatron import weight_mapping as wm
+from roll.models.megatron.hf_fields import head_dim, rope_parameters
 
 MODEL_PATH = "model_args.model_name_or_path"
 STRATEGY_PATH = "strategy_args.strategy_config"
@@ -153,25 +154,13 @@ def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
 
 
 # ---------------------------------------------------------------------------- HF config fields
-def head_dim(hf: Any) -> int:
-    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-
-
-def _rope(hf: Any) -> dict[str, Any]:
-    """rope parameters from transformers 5 (``rope_parameters``) or 4 (``rope_theta``/``rope_scaling``)."""
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    return params
-
-
 # megatron-core's llama3 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def rope_kwargs(hf: Any) -> dict[str, Any]:
     """GPTModel's RoPE arguments; ConfigError for scalings megatron-core cannot reproduce."""
-    rope = _rope(hf)
+    rope = rope_parameters(hf)
     kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
     if get_family(hf).mla_kwargs is not None:
         return kwargs  # multi-latent attention applies its own RoPE (checked by its mla_kwargs)

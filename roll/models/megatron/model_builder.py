@@ -5,6 +5,7 @@ Weights are not initialised here (``perform_initialization=False``): ``hf_io.loa
 fills every parameter from the checkpoint next.
 
 >>> chunks = build_model_chunks(hf_config, megatron_cfg, torch.bfloat16)   # one per VPP stage
+>>> mark_tensor_parallel_params(chunks)                                   # what the skipped init would tag
 >>> load_hf_weights(chunks, model_dir)
 
 The layer spec comes from ``roll.models.megatron.layer_spec.build_layer_spec`` (TransformerEngine
@@ -207,3 +208,27 @@ def build_model_chunks(
         model.roll_hf_info = info
         chunks.append(model)
     return chunks
+
+
+def mark_tensor_parallel_params(chunks: list[torch.nn.Module]) -> None:
+    """Tag TP-sharded weights (``tensor_model_parallel``, ``partition_dim``) as megatron's init would.
+
+    megatron-core sets these in its weight initialisers, which ``perform_initialization=False``
+    skips (weights come from the checkpoint); without them the gradient norm counts every TP
+    shard of those weights on TP rank 0 only, so clipping and the reported norm come out wrong.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    for chunk in chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            dim = next((d for kind, d in dims if isinstance(module, kind)), None)
+            if dim is not None and isinstance(weight, torch.nn.Parameter):
+                if not getattr(weight, "tensor_model_parallel", False):
+                    set_tensor_model_parallel_attributes(weight, True, dim, 1)

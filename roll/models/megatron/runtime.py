@@ -45,7 +45,7 @@ def build_chunks(
 
     from roll.models.loading import model_path, torch_dtype
     from roll.models.megatron.hf_io import load_hf_weights
-    from roll.models.megatron.model_builder import build_model_chunks
+    from roll.models.megatron.model_builder import build_model_chunks, mark_tensor_parallel_params
 
     init_parallel(ctx, cfg)
     if not thd_rope.install():
@@ -64,7 +64,7 @@ def build_chunks(
     chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
     mark_tensor_parallel_params(chunks)
     if cfg.mcore_checkpoint:
-        from roll.models.megatron.convert import check_compatible, load_mcore_weights
+        from roll.models.megatron.mcore_checkpoint import check_compatible, load_mcore_weights
 
         check_compatible(
             cfg.mcore_checkpoint, hf_config, cfg, "strategy_args.strategy_config.mcore_checkpoint"
@@ -81,30 +81,6 @@ def _to_device(chunks: list[torch.nn.Module], ctx: WorkerContext) -> None:
     lazily by its own forward): put all of them on the worker's GPU before DDP/optimizer see them."""
     if ctx.is_cuda:
         move_params(chunks, torch.device("cuda", torch.cuda.current_device()))
-
-
-def mark_tensor_parallel_params(chunks: list[torch.nn.Module]) -> None:
-    """Tag TP-sharded weights (``tensor_model_parallel``, ``partition_dim``) as megatron's init would.
-
-    megatron-core sets these in its weight initialisers, which ``perform_initialization=False``
-    skips (weights come from the checkpoint); without them the gradient norm counts every TP
-    shard of those weights on TP rank 0 only, so clipping and the reported norm come out wrong.
-    """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
-    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
-    for chunk in chunks:
-        for module in chunk.modules():
-            weight = getattr(module, "weight", None)
-            dim = next((d for kind, d in dims if isinstance(module, kind)), None)
-            if dim is not None and isinstance(weight, torch.nn.Parameter):
-                if not getattr(weight, "tensor_model_parallel", False):
-                    set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 @torch.no_grad()

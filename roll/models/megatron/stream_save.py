@@ -60,8 +60,11 @@ def meta_chunks(hf_config: Any, cfg: Any, dtype: torch.dtype) -> list[Any]:
     device (``use_cpu_initialization``), so ``torch.device("meta")`` takes them; modules that name
     the CPU explicitly (roll's ``TorchNorm``) keep their small vectors in memory.
     """
-    from roll.models.megatron.model_builder import build_model_chunks, transformer_config_from_hf
-    from roll.models.megatron.runtime import mark_tensor_parallel_params
+    from roll.models.megatron.model_builder import (
+        build_model_chunks,
+        mark_tensor_parallel_params,
+        transformer_config_from_hf,
+    )
 
     config = transformer_config_from_hf(hf_config, cfg, dtype)
     config.use_cpu_initialization = True

@@ -20,16 +20,10 @@ from typing import Any
 
 import torch
 
+from roll.models.positions import packed_positions
+
 _ORIGINAL: dict[str, Any] = {}
 _EXPECTED = ("t", "cu_seqlens", "freqs", "rotary_interleaved", "multi_latent_attention", "mscale", "cp_group")
-
-
-def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total] position of each token inside its sequence (no host sync)."""
-    cu = cu_seqlens.to(torch.long)
-    index = torch.arange(total, device=cu.device)
-    segment = torch.searchsorted(cu[1:], index, right=True)
-    return index - cu[segment]
 
 
 # The last row's positions: every query and key of every layer of a micro-batch passes the same

@@ -26,6 +26,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.core.batch import Batch
+from roll.models.positions import make_position_ids
 
 
 @dataclass
@@ -152,6 +153,6 @@ def to_sft_batch(examples: Sequence[ChatExample], pad_token_id: int) -> Batch:
             "loss_mask": loss_mask,
             "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            "position_ids": make_position_ids(attention_mask),
         }
     )
