@@ -24,8 +24,9 @@ per-request API, so each sample can be aborted on its own)::
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
+from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.engine_sampling import sglang_sampling_params, vllm_sampling_kwargs
 from roll.models.logprobs import batch_temperature
 
@@ -190,6 +192,12 @@ class RequestRegistry:
     _to_abort: set[str] = field(default_factory=set)
     _aborted: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _calls: Iterator[int] = field(default_factory=itertools.count)
+
+    def new_prefix(self, ctx: WorkerContext) -> str:
+        """A fresh request-id prefix for one call on this worker (``actor_infer0-7``): the ids of
+        concurrent calls never clash."""
+        return f"{ctx.role}{ctx.rank}-{next(self._calls)}"
 
     def add(self, request_ids: Iterable[str]) -> None:
         with self._lock:

@@ -28,7 +28,6 @@ broadcasts tensor by tensor (see docs/strategies.md).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -75,7 +74,6 @@ class SGLangStrategy:
         self.registry = RequestRegistry()
         self.group_name: str | None = None
         self._lock = threading.Lock()  # Engine.generate runs the engine's loop: one call at a time
-        self._calls = itertools.count()
         self._released: set[str] = set()
         self._weights_stale = False
         self._needs_flush = False  # weights changed since the radix cache was last flushed
@@ -115,7 +113,7 @@ class SGLangStrategy:
         width = response_width(self.ctx, params)
         params = capped(params, width)
         prompts = prompt_token_lists(batch)
-        plan = RequestPlan(self._prefix(), len(prompts), params.n, per_sample=True)
+        plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=True)
         completions = self._generate(plan, prompts, params)
         return completions_to_batch(
             batch, completions, params.n, self.pad_token_id, width, params.logprobs, params.temperature
@@ -127,7 +125,7 @@ class SGLangStrategy:
         """``params.n`` samples of one prompt (``rid`` = ``<request_id>-0-<j>``); ``abort([request_id])``
         from another thread stops them, keeping what was generated (``finish_reason == "abort"``)."""
         params = capped(params, response_width(self.ctx, params))
-        plan = RequestPlan(request_id or self._prefix(), 1, params.n, per_sample=True)
+        plan = RequestPlan(request_id or self.registry.new_prefix(self.ctx), 1, params.n, per_sample=True)
         return self._generate(plan, [list(prompt_ids)], params)
 
     def abort(self, request_ids: list[str] | None = None) -> list[str]:
@@ -153,9 +151,6 @@ class SGLangStrategy:
             )
         rows = [sglang_input_logprobs(out, req) for out, req in zip(outputs, reqs)]
         return {"log_probs": rows_to_tensor(rows, batch["responses"].shape[1])}
-
-    def _prefix(self) -> str:
-        return f"{self.ctx.role}{self.ctx.rank}-{next(self._calls)}"
 
     def _generate(
         self, plan: RequestPlan, prompts: list[list[int]], params: SamplingParams

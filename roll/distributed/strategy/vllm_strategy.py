@@ -32,7 +32,6 @@ Model update (the receiver on this worker calls these; each is one ``collective_
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -88,7 +87,6 @@ class VLLMStrategy:
         self._vllm: Any = None
         self._lock = threading.Lock()  # one thread adds to / steps the engine at a time
         self._finished: dict[str, Any] = {}  # request id -> RequestOutput (or _ABORTED)
-        self._calls = itertools.count()
         self._asleep: set[str] = set()  # memory tags released by sleep: "weights", "kv_cache"
         self._weights_stale = False  # dummy or level-2-discarded weights: a model update must come first
 
@@ -119,7 +117,7 @@ class VLLMStrategy:
         width = response_width(self.ctx, params)
         params = capped(params, width)
         prompts = prompt_token_lists(batch)
-        plan = RequestPlan(self._prefix(), len(prompts), params.n, per_sample=False)
+        plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=False)
         requests = [
             (r.request_id, r.prompt_ids, self._sampling(r.sampling))
             for r in vllm_generate_requests(plan, prompts, params)
@@ -139,7 +137,7 @@ class VLLMStrategy:
         ``abort([request_id])`` from another thread stops them; aborted samples come back empty with
         ``finish_reason == "abort"``. Safe to call from several threads at once."""
         params = capped(params, response_width(self.ctx, params))
-        plan = RequestPlan(request_id or self._prefix(), 1, params.n, per_sample=True)
+        plan = RequestPlan(request_id or self.registry.new_prefix(self.ctx), 1, params.n, per_sample=True)
         requests = [
             (r.request_id, r.prompt_ids, self._sampling(r.sampling))
             for r in vllm_generate_requests(plan, [prompt_ids], params)
@@ -165,7 +163,7 @@ class VLLMStrategy:
         sampling = self._sampling(
             {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
         )
-        ids = RequestPlan(self._prefix(), len(reqs), 1, per_sample=False).request_ids()
+        ids = RequestPlan(self.registry.new_prefix(self.ctx), len(reqs), 1, per_sample=False).request_ids()
         outputs = self._run([(rid, req.token_ids, sampling) for rid, req in zip(ids, reqs)])
         if any(outputs[rid] is _ABORTED for rid in ids):
             raise RuntimeError(f"{self.ctx.role}: a scoring request was aborted")
@@ -173,9 +171,6 @@ class VLLMStrategy:
         return {"log_probs": rows_to_tensor(rows, batch["responses"].shape[1])}
 
     # ----------------------------------------------------------------------- the request loop
-    def _prefix(self) -> str:
-        return f"{self.ctx.role}{self.ctx.rank}-{next(self._calls)}"
-
     def _sampling(self, kwargs: dict[str, Any]) -> Any:
         final_only = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         return self._vllm.SamplingParams(**kwargs, output_kind=final_only)
