@@ -28,6 +28,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.run_config import RunConfig
 from roll.core.errors import CheckpointError
+from roll.core.roles import TRAINER_ROLES
 from roll.pipeline.common.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
 from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
 
@@ -50,8 +51,8 @@ def checkpoint_root(config: RunConfig) -> Path:
 
 
 def checkpoint_roles(config: RunConfig) -> list[str]:
-    """The roles whose state a step checkpoint holds."""
-    return ["actor_train"] + (["critic"] if config.critic is not None else [])
+    """The roles whose state a step checkpoint holds: the trainer roles the config has."""
+    return [name for name in TRAINER_ROLES if getattr(config, name, None) is not None]
 
 
 def save_checkpoint(
