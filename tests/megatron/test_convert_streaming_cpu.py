@@ -28,8 +28,8 @@ pytest.importorskip("megatron.core")
 
 from tiny_models import safetensors_dir, save_random_model  # noqa: E402
 
-from roll.models.megatron import convert, mcore_checkpoint, stream_export  # noqa: E402
 from roll.core.errors import CheckpointError  # noqa: E402
+from roll.models.megatron import convert, mcore_checkpoint, stream_export  # noqa: E402
 
 LAYERS = 8
 
