@@ -29,10 +29,10 @@ from roll.distributed.scheduler.placement import PlacementPlan
 from roll.distributed.strategy.base import ValueModelStrategy
 from roll.distributed.strategy.engine_options import (
     EngineOptions,
-    dataclass_field_names,
     sglang_engine_options,
     vllm_engine_options,
 )
+from roll.distributed.strategy.engine_startup import ENGINES, EngineKind, accepted_options
 from roll.distributed.strategy.generation import sampling_temperature
 from roll.distributed.strategy.registry import implements
 from roll.models.logprobs import transformers_detects_packing
@@ -147,7 +147,7 @@ def check_vllm_role(cfg: VLLMConfig, name: str, role: RoleConfig, config: RLVRCo
     from roll.distributed.strategy.vllm_strategy import EXTENSION
 
     options = vllm_engine_options(cfg, role, name, config.seed, EXTENSION)
-    _check_engine_options(options, "vllm", lambda m: m.EngineArgs, "vLLM")
+    _check_engine_options(options, ENGINES["vllm"])
 
 
 def check_sglang_role(cfg: SGLangConfig, name: str, role: RoleConfig, config: RLVRConfig) -> None:
@@ -159,17 +159,17 @@ def check_sglang_role(cfg: SGLangConfig, name: str, role: RoleConfig, config: RL
             f"'dummy' gives random weights and only actor_infer gets model updates; {name} needs real ones",
         )
     options = sglang_engine_options(cfg, role, name, config.seed)
-    _check_engine_options(options, "sglang.srt.server_args", lambda m: m.ServerArgs, "SGLang")
+    _check_engine_options(options, ENGINES["sglang"])
 
 
-def _check_engine_options(options: EngineOptions, module: str, args_cls: Any, engine: str) -> None:
+def _check_engine_options(options: EngineOptions, kind: EngineKind) -> None:
     """Every option is one the installed engine accepts, when the engine imports on the driver. A
     driver without it (the engine lives on the GPU nodes) leaves this to the worker's own check."""
     try:
-        accepted = dataclass_field_names(args_cls(importlib.import_module(module)))
+        accepted = accepted_options(kind)
     except Exception:  # not installed here, or fails to import: the worker that needs it reports it
         return
-    options.check(accepted, engine, module.split(".")[0])
+    options.check(accepted, kind.display, kind.package)
 
 
 def engines_missing_here(config: Any) -> list[ConfigError]:

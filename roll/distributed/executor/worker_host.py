@@ -107,15 +107,20 @@ class HostRef:
             self.kill()
 
     def kill(self) -> None:
-        """End the process. Nothing to do once Ray is down (``ray.kill`` would start a new Ray
-        and raise ActorHandleNotFoundError) or the actor is already gone."""
+        """End the process (``kill_actor``)."""
         self.killed = True
-        if not ray.is_initialized():
-            return
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except RayError:
-            pass
+        kill_actor(self.actor)
+
+
+def kill_actor(actor: Any) -> None:
+    """End an actor's process. Nothing to do once Ray is down (``ray.kill`` would start a new Ray
+    and raise ActorHandleNotFoundError) or the actor is already gone."""
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except RayError:
+        pass
 
 
 def start_host(

@@ -44,7 +44,7 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
-from roll.distributed.executor.worker_host import HostedWorker, HostRef
+from roll.distributed.executor.worker_host import HostedWorker, HostRef, kill_actor
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
@@ -80,7 +80,6 @@ class AsyncResult(Generic[T]):
         self.refs = refs
         self.ranks = ranks
         self.gather = gather
-        self.method = method
         self.deadline = Deadline.start(cluster.timeouts, method)
 
     def get(self) -> T:
@@ -132,7 +131,7 @@ def waiting_line(pending: list[ray.ObjectRef], owner: dict, waited_s: float) -> 
         ranks.setdefault(result, []).append(rank)
     parts = [
         f"{result.cluster.role} rank{'s' if len(r) > 1 else ''} {r if len(r) > 1 else r[0]} "
-        f"({result.method or 'call'}, {result.deadline.remaining():.0f} s left of {result.deadline.key})"
+        f"({result.deadline.method or 'call'}, {result.deadline.remaining():.0f} s left of {result.deadline.key})"
         for result, r in ranks.items()
     ]
     return f"still waiting after {waited_s:.0f} s for " + "; ".join(parts)
@@ -344,11 +343,8 @@ class Cluster:
         for worker in self.workers:
             if isinstance(worker, HostedWorker):
                 worker.release() if release else worker.kill()
-            elif ray.is_initialized():  # after ray.shutdown, ray.kill would start a new Ray
-                try:
-                    ray.kill(worker, no_restart=True)
-                except RayError:  # the actor is already gone
-                    pass
+            else:
+                kill_actor(worker)
         self.workers = []
 
 

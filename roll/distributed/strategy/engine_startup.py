@@ -46,6 +46,12 @@ class StartedEngine:
     pad_token_id: int | None
 
 
+def accepted_options(kind: EngineKind) -> set[str]:
+    """The option names the installed engine's argument class takes (imports the engine)."""
+    args_module, args_class = kind.args_class.split(":")
+    return dataclass_field_names(getattr(importlib.import_module(args_module), args_class))
+
+
 def start_engine(
     kind: EngineKind, options: Callable[[int], EngineOptions], role_config: RoleConfig, ctx: WorkerContext
 ) -> StartedEngine:
@@ -54,9 +60,7 @@ def start_engine(
     drivers without it: only this process is sure to have the engine that will run."""
     module = import_engine(kind.package, ctx.role, kind.package)
     built = options(ctx.seed + ctx.rank)
-    args_module, args_class = kind.args_class.split(":")
-    accepted = dataclass_field_names(getattr(importlib.import_module(args_module), args_class))
-    built.check(accepted, kind.display, kind.package)
+    built.check(accepted_options(kind), kind.display, kind.package)
     engine = getattr(module, kind.constructor)(**built.kwargs)
     margs = role_config.model_args
     pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id

@@ -112,7 +112,6 @@ class EngineReceiver:
         self.load = load
         self.reshare = reshare
         self.ipc = IpcCache()
-        self.group: Any = None
         self.transport: BroadcastTransport | None = None
         self.buffers: ReceiveBuffers | None = None
         self.sums: list[torch.Tensor] = []
@@ -121,13 +120,12 @@ class EngineReceiver:
     def join(self, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str) -> None:
         """Join the sender's broadcast group (its store at host:port) as ``rank``."""
         store = open_store(host, port, world_size, is_master=False)
-        self.group = new_group(backend, store, prefix, rank, world_size)
-        self.transport = BroadcastTransport(self.group, rank)
+        self.transport = BroadcastTransport(new_group(backend, store, prefix, rank, world_size), rank)
         self.buffers = ReceiveBuffers(self.device)
         self.sums = []
 
     def leave(self) -> None:
-        self.group = self.transport = self.buffers = None
+        self.transport = self.buffers = None
 
     def receive(self, meta: BucketMeta, verify: bool = False) -> None:
         """Receive the next broadcast bucket and load it, queued on the device without waiting;
