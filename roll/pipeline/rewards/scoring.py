@@ -88,9 +88,8 @@ class ScoreResult:
     errors: list[str] = field(default_factory=list)
     timeouts: list[bool] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
-
-    def failures(self) -> int:
-        return sum(bool(e) for e in self.errors) + sum(self.timeouts)
+    # Samples with an error or a timeout so far, counted as they come (checked after every result).
+    failed: int = 0
 
 
 def resolve_target(reward_fn: str, path: str = "reward_fn") -> str:
@@ -234,7 +233,7 @@ class RewardScorer:
         pending = deque(range(n))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample index, start time)
         while pending or busy:
-            if max_failures is not None and result.failures() > max_failures:
+            if max_failures is not None and result.failed > max_failures:
                 self._skip(pending, busy, result)
                 break
             for slot in range(len(self.workers)):
@@ -283,6 +282,7 @@ class RewardScorer:
             result.scores[index] = value
             if error:
                 self.stats["errors"] += 1
+                result.failed += 1
                 result.errors[index] = error
                 logger.debug("reward %s failed on sample %d: %s", self.target, index, error)
             del busy[slot]
@@ -291,6 +291,7 @@ class RewardScorer:
             if now - start >= self.timeout_s:
                 logger.debug("reward %s timed out (%.1f s) on sample %d", self.target, self.timeout_s, index)
                 self.stats["timeouts"] += 1
+                result.failed += 1
                 result.scores[index] = 0.0
                 result.timeouts[index] = True
                 self._drop(slot)

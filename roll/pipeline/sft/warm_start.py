@@ -27,11 +27,17 @@ WARM_START_TRAINING = TrainingArgs(
 
 
 def warm_start_config(
-    base: Path, sft_file: Path, run_dir: Path, steps: int, seed: int, threads: int
+    base: Path,
+    sft_file: Path,
+    run_dir: Path,
+    steps: int,
+    seed: int,
+    threads: int,
+    training: TrainingArgs = WARM_START_TRAINING,
 ) -> SFTPipelineConfig:
     role = RoleConfig(
         model_args=ModelArgs(model_name_or_path=str(base), dtype="fp32", disable_gradient_checkpointing=True),
-        training_args=WARM_START_TRAINING,
+        training_args=training,
         strategy_args=StrategyArgs("fsdp2_train", {"sharding": "no_shard", "mixed_precision": False}),
         device_mapping=[0],
         system_envs={"OMP_NUM_THREADS": str(threads)},
@@ -51,6 +57,16 @@ def warm_start_config(
     )
 
 
-def warm_start(base: Path, sft_file: Path, run_dir: Path, steps: int, seed: int, threads: int) -> Path:
-    """Train ``base`` on ``sft_file`` for ``steps`` steps; the exported model's directory."""
-    return run_sft_pipeline(warm_start_config(base, sft_file, run_dir, steps, seed, threads)) / "hf_model"
+def warm_start(
+    base: Path,
+    sft_file: Path,
+    run_dir: Path,
+    steps: int,
+    seed: int,
+    threads: int,
+    training: TrainingArgs = WARM_START_TRAINING,
+) -> Path:
+    """Train ``base`` on ``sft_file`` for ``steps`` steps (``training``: the default example's
+    settings unless given); the exported model's directory."""
+    config = warm_start_config(base, sft_file, run_dir, steps, seed, threads, training)
+    return run_sft_pipeline(config) / "hf_model"

@@ -80,8 +80,7 @@ def policy_loss(
         losses = losses * is_weights.detach().to(losses.dtype)
     loss = agg_loss(losses, mask, loss_agg_mode)
     with torch.no_grad():
-        log_ratio = terms.log_ratio()
-        ratio = torch.exp(log_ratio)
+        log_ratio, ratio = terms.log_ratio, terms.ratio
         valid_ratio = ratio[mask > 0]
         metrics["pg_loss"] = loss.item()
         metrics["approx_kl"] = masked_mean((ratio - 1) - log_ratio, mask).item()

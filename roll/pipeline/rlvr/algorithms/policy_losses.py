@@ -18,6 +18,7 @@ and ``sg`` = stop-gradient (docs/policy_losses.md has the papers and the options
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,8 +59,14 @@ class PolicyTerms:
     mask: torch.Tensor
     scores: torch.Tensor | None = None
 
+    @functools.cached_property
     def log_ratio(self) -> torch.Tensor:
         return (self.log_probs - self.old_log_probs).clamp(min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
+
+    @functools.cached_property
+    def ratio(self) -> torch.Tensor:
+        """exp(log_ratio), with gradient; computed once per micro-batch for the loss and its metrics."""
+        return torch.exp(self.log_ratio)
 
     def frac(self, condition: torch.Tensor) -> float:
         """Share of the valid tokens where ``condition`` holds."""
@@ -90,7 +97,7 @@ def _clipped(terms: PolicyTerms, ratio: torch.Tensor, opts: PolicyLossOptions) -
 
 
 def ppo_loss(terms: PolicyTerms, opts: PolicyLossOptions) -> LossTerms:
-    return _clipped(terms, torch.exp(terms.log_ratio()), opts)
+    return _clipped(terms, terms.ratio, opts)
 
 
 def gspo_loss(terms: PolicyTerms, opts: PolicyLossOptions) -> LossTerms:
@@ -105,7 +112,7 @@ def vanilla_loss(terms: PolicyTerms, opts: PolicyLossOptions) -> LossTerms:
 
 
 def _truncated(terms: PolicyTerms, low: float, high: float, prefix: str) -> tuple[torch.Tensor, dict]:
-    ratio = torch.exp(terms.log_ratio()).detach()
+    ratio = terms.ratio.detach()
     below, above = ratio < low, ratio > high
     metrics = {f"{prefix}_lower_clipfrac": terms.frac(below), f"{prefix}_upper_clipfrac": terms.frac(above)}
     return ratio.clamp(min=low, max=high), metrics
@@ -133,7 +140,7 @@ def cispo_loss(terms: PolicyTerms, opts: PolicyLossOptions) -> LossTerms:
     weight, metrics = _truncated(terms, low, high, "cispo")
     losses = -weight * terms.advantages * terms.log_probs
     if opts.cispo_use_unified_mask:
-        ratio, adv = torch.exp(terms.log_ratio()).detach(), terms.advantages
+        ratio, adv = terms.ratio.detach(), terms.advantages
         dropped = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
         losses = losses * (~dropped).to(losses.dtype)
         metrics["cispo_masked_frac"] = terms.frac(dropped)
