@@ -90,8 +90,9 @@ def pack_rows(
     if total > length or (length - total) % segment_multiple:
         raise ValueError(f"pack_rows: {total} tokens do not fit in a packed row of {length}")
     offsets = cu_seqlens_from(segments)[:-1]  # where each sequence starts in the packed row
+    tokens = int(lengths.sum())
     rows = torch.arange(len(lengths)).repeat_interleave(lengths)
-    within = packed_positions(cu_seqlens_from(lengths), int(lengths.sum()))  # token's place in its run
+    within = packed_positions(cu_seqlens_from(lengths), tokens)  # token's place in its run
     ids = torch.zeros(length, dtype=input_ids.dtype)
     ids[offsets[rows] + within] = input_ids[rows, (prompt_cols - prompt_len)[rows] + within]
     sizes = torch.cat([segments[segments > 0], torch.tensor([length - total])])
@@ -105,7 +106,7 @@ def pack_rows(
         cu_seqlens=cu_seqlens,
         max_seqlen=int(sizes.max()),
         window=window.clamp(0, length - 1),
-        num_tokens=int(lengths.sum()),
+        num_tokens=tokens,
     )
 
 

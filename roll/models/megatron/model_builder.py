@@ -4,8 +4,7 @@ The caller has initialised ``megatron.core.parallel_state`` (``roll.models.megat
 Weights are not initialised here (``perform_initialization=False``): ``hf_io.load_hf_weights``
 fills every parameter from the checkpoint next.
 
->>> chunks = build_model_chunks(hf_config, megatron_cfg, torch.bfloat16)   # one per VPP stage
->>> mark_tensor_parallel_params(chunks)                                   # what the skipped init would tag
+>>> chunks = build_model_chunks(hf_config, megatron_cfg, torch.bfloat16)   # one per VPP stage, TP weights tagged
 >>> load_hf_weights(chunks, model_dir)
 
 The layer spec comes from ``roll.models.megatron.layer_spec.build_layer_spec`` (TransformerEngine
@@ -207,6 +206,7 @@ def build_model_chunks(
         )
         model.roll_hf_info = info
         chunks.append(model)
+    mark_tensor_parallel_params(chunks)
     return chunks
 
 

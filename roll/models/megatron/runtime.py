@@ -45,7 +45,7 @@ def build_chunks(
 
     from roll.models.loading import model_path, torch_dtype
     from roll.models.megatron.hf_io import load_hf_weights
-    from roll.models.megatron.model_builder import build_model_chunks, mark_tensor_parallel_params
+    from roll.models.megatron.model_builder import build_model_chunks
 
     init_parallel(ctx, cfg)
     if not thd_rope.install():
@@ -55,14 +55,12 @@ def build_chunks(
     dtype = torch_dtype(role_config.model_args.dtype)
     if hf_config is not None:
         chunks = build_model_chunks(hf_config, cfg, dtype)
-        mark_tensor_parallel_params(chunks)
         _to_device(chunks, ctx)
         init_random_weights(chunks)
         return hf_config, chunks
     path = model_path(role_config.model_args)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role_config.model_args.trust_remote_code)
     chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
-    mark_tensor_parallel_params(chunks)
     if cfg.mcore_checkpoint:
         from roll.models.megatron.mcore_checkpoint import check_compatible, load_mcore_weights
 

@@ -62,16 +62,13 @@ def meta_chunks(hf_config: Any, cfg: Any, dtype: torch.dtype) -> list[Any]:
     """
     from roll.models.megatron.model_builder import (
         build_model_chunks,
-        mark_tensor_parallel_params,
         transformer_config_from_hf,
     )
 
     config = transformer_config_from_hf(hf_config, cfg, dtype)
     config.use_cpu_initialization = True
     with torch.device("meta"), _no_embedding_sync():
-        chunks = build_model_chunks(hf_config, cfg, dtype, transformer_config=config)
-    mark_tensor_parallel_params(chunks)
-    return chunks
+        return build_model_chunks(hf_config, cfg, dtype, transformer_config=config)
 
 
 def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
