@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.configs.rl_options import PolicyLossConfig
 from roll.configs.roll_compat_options import Problems
 from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
 from roll.configs.timeouts import WorkerTimeoutsConfig
@@ -317,16 +318,7 @@ def _apply_global_template(raw: dict[str, Any], notes: list[str]) -> None:
 
 
 # ROLL's options of the pg_variant losses (top level or actor_train) -> roll's policy_loss section.
-POLICY_LOSS_KEYS = (
-    "tis_lower_bound",
-    "tis_upper_bound",
-    "topr_positive_weight",
-    "topr_negative_weight",
-    "cispo_epsilon_low",
-    "cispo_epsilon_high",
-    "cispo_use_unified_mask",
-    "kimi15_tau",
-)
+POLICY_LOSS_KEYS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
 
 
 def _map_policy_loss(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
