@@ -30,7 +30,7 @@ from roll.configs.run_config import RunConfig
 from roll.core.errors import CheckpointError
 from roll.core.roles import TRAINER_ROLES
 from roll.pipeline.common.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
-from roll.utils.atomic_io import disk_full_message, fsync_tree, is_disk_full, replace_dir, write_file_durably
+from roll.utils.atomic_io import disk_full_message, is_disk_full, write_dir_durably, write_file_durably
 
 __all__ = [
     "checkpoint_root",
@@ -63,25 +63,21 @@ def save_checkpoint(
     max_to_keep: int | None = None,
 ) -> Path:
     """``save_roles(tmp_dir)`` makes every role write into ``tmp_dir/<role>``; then the driver's
-    state, fsync of everything, the manifest (last) and the rename. A failure removes the
+    state, the manifest (last), fsync of everything and the rename (``write_dir_durably``). A failure removes the
     temporary directory; a full disk is one ``CheckpointError`` line naming the file."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-step_{step}"
-    try:
-        tmp.mkdir()
-        save_roles(tmp)
-        write_file_durably(tmp / "pipeline_state.json", json.dumps(state, indent=1, allow_nan=False))
-        fsync_tree(tmp)
-        write_manifest(tmp)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(exc):
-            raise CheckpointError(disk_full_message(exc, tmp)) from exc
-        raise
     final = root / f"step_{step}"
-    replace_dir(tmp, final)
+    try:
+        with write_dir_durably(final) as tmp:  # fsynced, then renamed to final; removed on failure
+            save_roles(tmp)
+            write_file_durably(tmp / "pipeline_state.json", json.dumps(state, indent=1, allow_nan=False))
+            write_manifest(tmp)
+    except BaseException as exc:
+        if is_disk_full(exc):
+            raise CheckpointError(disk_full_message(exc, root / f".tmp-step_{step}")) from exc
+        raise
     _prune(root, max_to_keep)
     return final
 
