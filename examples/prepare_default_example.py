@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from examples.tasks.arithmetic import write_task  # noqa: E402
+from roll.configs.role import TrainingArgs  # noqa: E402
 from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer  # noqa: E402
 from roll.pipeline.sft.evaluate import accuracy  # noqa: E402
-from roll.pipeline.sft.warm_start import warm_start  # noqa: E402
+from roll.pipeline.sft.warm_start import WARM_START_TRAINING, warm_start  # noqa: E402
 
 RESPONSE_LENGTH = 32  # the longest worked solution is 31 tokens plus the end token
 
@@ -85,7 +86,14 @@ def make_base_model(out: Path, sft_rows: list[dict], train_rows: list[dict], see
 
 
 def make_sft_model(
-    out: Path, base: Path, sft_file: Path, steps: int, seed: int, threads: int, force: bool
+    out: Path,
+    base: Path,
+    sft_file: Path,
+    steps: int,
+    seed: int,
+    threads: int,
+    force: bool,
+    training: TrainingArgs = WARM_START_TRAINING,
 ) -> Path:
     """The warm start through the SFT pipeline (``roll.pipeline.sft.warm_start``); its run
     directory (metrics.jsonl, curves) stays under ``out/sft_run``."""
@@ -94,7 +102,7 @@ def make_sft_model(
         print(f"sft: {path} exists, skipping")
         return path
     start = time.time()
-    exported = warm_start(base, sft_file, out / "sft_run", steps, seed, threads)
+    exported = warm_start(base, sft_file, out / "sft_run", steps, seed, threads, training)
     losses = [
         row["train/loss"] for row in read_jsonl(out / "sft_run" / "metrics.jsonl") if "train/loss" in row
     ]

@@ -18,9 +18,7 @@ import argparse
 import dataclasses
 import json
 import random
-import shutil
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -28,42 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from examples.prepare_default_example import make_sft_model, read_jsonl  # noqa: E402
 from examples.tasks.python_programs import write_task  # noqa: E402
 from roll.pipeline.rewards.code_sandbox import code_sandbox_reward  # noqa: E402
 from roll.pipeline.sft.evaluate import accuracy  # noqa: E402
-from roll.pipeline.sft.pipeline import run_sft_pipeline  # noqa: E402
-from roll.pipeline.sft.warm_start import WARM_START_TRAINING, warm_start_config  # noqa: E402
+from roll.pipeline.sft.warm_start import WARM_START_TRAINING  # noqa: E402
 
 RESPONSE_LENGTH = 40  # the longest program is 30 tokens plus the end token
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+# The default example's warm start at a gentler rate, so the arithmetic the model already knows survives.
+MULTI_DOMAIN_TRAINING = dataclasses.replace(WARM_START_TRAINING, learning_rate=1e-3, warmup_steps=10)
 
 
-def warm_start(base: Path, rows: list[dict], out: Path, steps: int, seed: int, threads: int) -> None:
-    """``base`` trained on ``rows`` through the SFT pipeline (the default example's warm start at a
-    gentler 1e-3 with 10 warmup steps, so the arithmetic it already knows survives); the exported model
-    is copied to ``out`` and the run (metrics.jsonl) stays beside it in ``out``'s parent/sft_run."""
-    run_dir = out.parent / "sft_run"
-    sft_file = out.parent / "sft_rows.jsonl"
+def write_sft_rows(path: Path, rows: list[dict]) -> Path:
+    """The warm-start rows as the SFT pipeline reads them: code rows carry a ``prompt``, which
+    becomes their user turn."""
     messages = [
         {**r, "messages": r.get("messages") or [{"role": "user", "content": r["prompt"]}]} for r in rows
     ]
-    sft_file.write_text("".join(json.dumps(r) + "\n" for r in messages))
-    config = warm_start_config(base, sft_file, run_dir, steps, seed, threads)
-    training = dataclasses.replace(WARM_START_TRAINING, learning_rate=1e-3, warmup_steps=10)
-    config.actor_train = dataclasses.replace(config.actor_train, training_args=training)
-    config.logging_steps = 50
-    start = time.time()
-    exported = run_sft_pipeline(config) / "hf_model"
-    losses = [row["train/loss"] for row in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in row]
-    print(
-        f"warm start: {steps} steps in {time.time() - start:.0f} s, final loss {sum(losses[-10:]) / 10:.3f}"
-    )
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(exported, out)
+    path.write_text("".join(json.dumps(r) + "\n" for r in messages))
+    return path
 
 
 def report(model_path: Path, code_val: list[dict], math_val: list[dict], seed: int) -> None:
@@ -97,13 +80,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base, out = Path(args.base), Path(args.out)
     paths = write_task(out / "code", args.seed)
-    model = out / "sft_model"
-    if args.force or not (model / "config.json").exists():
-        code = read_jsonl(paths["sft"])
-        math = random.Random(args.seed).sample(read_jsonl(base / "data" / "sft.jsonl"), len(code))
-        rows = code + math
-        random.Random(args.seed).shuffle(rows)
-        warm_start(base / "sft_model", rows, model, args.steps, args.seed, args.threads)
+    code = read_jsonl(paths["sft"])
+    math = random.Random(args.seed).sample(read_jsonl(base / "data" / "sft.jsonl"), len(code))
+    rows = code + math
+    random.Random(args.seed).shuffle(rows)
+    sft_file = write_sft_rows(out / "sft_rows.jsonl", rows)
+    model = make_sft_model(
+        out,
+        base / "sft_model",
+        sft_file,
+        args.steps,
+        args.seed,
+        args.threads,
+        args.force,
+        MULTI_DOMAIN_TRAINING,
+    )
     report(model, read_jsonl(paths["val"]), read_jsonl(base / "data" / "val.jsonl")[:100], args.seed)
 
 
