@@ -143,6 +143,12 @@ class RoleConfig:
     system_envs: dict[str, str] = field(default_factory=dict)
 
 
+def strategy_options(role: RoleConfig) -> Any:
+    """The role's typed strategy options (``strategy_args.strategy_config``), or None for a role
+    without a strategy (a rule reward)."""
+    return role.strategy_args.strategy_config if role.strategy_args is not None else None
+
+
 # ``RewardConfig.max_abs_reward``'s default, also the bound of rule rewards scored outside a run.
 DEFAULT_MAX_ABS_REWARD = 1.0e6
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.role import DataArgs, RewardConfig, RoleConfig
+from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_options
 from roll.configs.strategy_configs import MegatronConfig, SGLangConfig, VLLMConfig
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.megatron.families import check_model_fits
@@ -70,7 +70,7 @@ def loads_model(role: RoleConfig) -> bool:
 def check_megatron_layout(name: str, role: RoleConfig) -> None:
     """A megatron role's parallel layout against its model (heads per TP rank, layers per pipeline
     stage, experts per EP rank), read from config.json as the worker would build it."""
-    cfg = role.strategy_args.strategy_config if role.strategy_args is not None else None
+    cfg = strategy_options(role)
     if not isinstance(cfg, MegatronConfig):
         return
     path = Path(role.model_args.model_name_or_path)
@@ -90,7 +90,7 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
 def check_engine_role_layout(name: str, role: RoleConfig) -> None:
     """A vLLM/SGLang role's tensor- and expert-parallel split against its model's heads and experts
     (config.json), before any engine starts (``engine_options.check_engine_tp`` / ``check_engine_ep``)."""
-    cfg = role.strategy_args.strategy_config if role.strategy_args is not None else None
+    cfg = strategy_options(role)
     if not isinstance(cfg, (VLLMConfig, SGLangConfig)):
         return
     path = f"{name}.strategy_args.strategy_config"

@@ -14,6 +14,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.role import strategy_options
 from roll.core.roles import TRAINER_ROLES, Role
 from roll.distributed.scheduler.placement import PlacementPlan
 from roll.planner.devices import device_capacity
@@ -94,7 +95,7 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
             continue
         for name in owners:
             args = roles[name].strategy_args
-            typed = args.strategy_config if args is not None else None
+            typed = strategy_options(roles[name])
             strategy = args.strategy_name if args is not None else ""
             if strategy == "vllm" and typed.sleep_level == 0:
                 raise ConfigError(

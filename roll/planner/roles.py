@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.role import RoleConfig
+from roll.configs.role import RoleConfig, strategy_options
 from roll.configs.strategies import get_strategy_spec
 from roll.distributed.scheduler.placement import RolePlan
 from roll.planner import memory as mem
@@ -109,7 +109,7 @@ def role_memory(
     """The prediction for one rank of ``name``, by the memory model its strategy's row names."""
     args = role.strategy_args
     strategy = args.strategy_name if args else "hf_infer"
-    cfg = args.strategy_config if args else None
+    cfg = strategy_options(role)
     work = workload(config, role, plan.parallel.dp)
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
     inputs = RoleInputs(name, role, cfg, config, plan, shape, work, dtype, capacity)

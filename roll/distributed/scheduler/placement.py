@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
-from roll.configs.role import RoleConfig
+from roll.configs.role import RoleConfig, strategy_options
 from roll.configs.strategy_configs import ParallelSizes
 
 
@@ -66,7 +66,7 @@ def plan_role(name: str, role: RoleConfig, devices_per_node: int) -> RolePlan:
         return RolePlan(
             name, args.strategy_name if args else None, (), workers, ParallelSizes(dp=world), cpu_only=True
         )
-    typed = args.strategy_config if args is not None else None
+    typed = strategy_options(role)
     per_worker = getattr(typed, "devices_per_worker", 1)
     devices = tuple(role.device_mapping)
     if len(devices) % per_worker:
