@@ -48,6 +48,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from roll.configs.loader import apply_overrides  # noqa: E402
 from roll.planner.model_shape import ModelShape, shape_from_config  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
 
@@ -540,13 +541,12 @@ def report(args, runs: list[SpeedRun], results: list[Measured], baseline: dict, 
     failures, slower = [], []
     for m in sorted(results, key=lambda m: [r.config for r in runs].index(m.config)):
         run = next(r for r in runs if r.config == m.config)
-        cfg = config_values(args.repo, run)
+        cfg = apply_overrides(config_values(args.repo, run), list(run.overrides))
         bounds = {}
         model_dir = (args.repo / cfg["pretrain"]).resolve()
         if m.tokens and (model_dir / "config.json").exists():
             shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
-            length = _override(run.overrides, "response_length", cfg.get("response_length", 0))
-            bounds = stage_bounds(shape, m.tokens, m.gpus, int(length), flops, hbm)
+            bounds = stage_bounds(shape, m.tokens, m.gpus, int(cfg.get("response_length", 0)), flops, hbm)
         print("\n".join(["", *run_table(m, baseline.get(m.config), bounds)]))
         if m.exit_code != 0:
             failures.append(f"FAILED {m.config}: exit {m.exit_code}: {m.error}")
@@ -555,14 +555,6 @@ def report(args, runs: list[SpeedRun], results: list[Measured], baseline: dict, 
             for line in regressions(m, baseline.get(m.config), args.tolerance, args.floor_s)
         ]
     return failures, slower
-
-
-def _override(overrides: tuple[str, ...], key: str, default):
-    for item in overrides:
-        name, _, value = item.partition("=")
-        if name == key:
-            return value
-    return default
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_speed import DATASHEETS  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
@@ -41,8 +44,8 @@ from roll.models.random_checkpoint import preset_config  # noqa: E402
 
 SEQ, PROMPT = 4096, 512
 MICRO_BATCHES = 8
-# Dense bf16 tensor-core peak without sparsity, TFLOP/s, from the vendor datasheets (SXM parts).
-DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+# Dense bf16 tensor-core peak without sparsity, TFLOP/s, from the vendor datasheets (gpu_speed's table).
+DATASHEET_BF16_TFLOPS = {name: flops / 1e12 for name, (flops, _) in DATASHEETS.items()}
 
 
 def qwen25_1p5b() -> transformers.PretrainedConfig:
