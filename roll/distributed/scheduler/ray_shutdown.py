@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import ray
 
@@ -33,14 +34,20 @@ def shutdown_ray(grace_s: float = RAY_SHUTDOWN_GRACE_S) -> bool:
     if not ray.is_initialized():
         return True
     node = getattr(ray._private.worker, "_global_node", None)  # the local Ray this driver started
-    thread = threading.Thread(target=_shutdown, name="roll-ray-shutdown", daemon=True)
-    thread.start()
-    thread.join(grace_s)
-    if not thread.is_alive():
+    if run_with_deadline(_shutdown, grace_s, "roll-ray-shutdown"):
         return True
     logger.debug("ray.shutdown() did not end within %g s; killing the local Ray processes", grace_s)
     _kill_processes(node)
     return False
+
+
+def run_with_deadline(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``; True when it finished. A call
+    still blocked (on a dead or dying Ray) is left running and does not keep the process alive."""
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def _shutdown() -> None:

@@ -39,6 +39,7 @@ from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.errors import PlacementError
 from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
+from roll.distributed.scheduler.ray_shutdown import run_with_deadline
 
 # We set CUDA_VISIBLE_DEVICES ourselves (from the bundle probe), so Ray must not.
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -339,14 +340,10 @@ class ResourceManager:
         groups, self.placement_groups = self.placement_groups, []
         if not groups or not gcs_reachable():
             return
-        remover = threading.Thread(
-            target=lambda: [remove_placement_group(group) for group in groups],
-            name="roll-pg-remove",
-            daemon=True,
+        removed = run_with_deadline(
+            lambda: [remove_placement_group(group) for group in groups], timeout_s, "roll-pg-remove"
         )
-        remover.start()
-        remover.join(timeout_s)
-        if remover.is_alive():
+        if not removed:
             logging.getLogger("roll").debug(
                 "placement groups not removed within %g s; leaving them", timeout_s
             )
