@@ -80,13 +80,18 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems
                 f"only {'/'.join(TP_STRATEGIES)} workers span devices (tensor_parallel_size)",
             )
         return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
+    config = _options_dict(args)
     tp = config.setdefault("tensor_parallel_size", value)
     if tp != value:
         problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
     else:
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
+
+
+def _options_dict(args: dict[str, Any]) -> dict[str, Any]:
+    """``args["strategy_config"]`` as a dict to add keys to (made empty when missing or null)."""
+    args["strategy_config"] = args.get("strategy_config") or {}
+    return args["strategy_config"]
 
 
 def _map_remove_padding(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
@@ -98,8 +103,7 @@ def _map_remove_padding(role: dict[str, Any], path: str, problems: Problems, not
         if value:
             problems.add(f"{path}={value!r}", f"roll packs rows in {', '.join(PACKING_STRATEGIES)} only")
         return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
+    config = _options_dict(args)
     remove_padding_to_packing(value, config, role_path, problems, notes)
 
 
@@ -202,8 +206,7 @@ def _map_packing(role: dict[str, Any], path: str, problems: Problems, notes: lis
     if args.get("strategy_name") not in PACKING_STRATEGIES:
         problems.add(f"{role_path} packing keys", f"roll packs in {', '.join(PACKING_STRATEGIES)} only")
         return
-    config = args.setdefault("strategy_config", {}) or {}
-    args["strategy_config"] = config
+    config = _options_dict(args)
     for key, value in wanted.items():
         if config.setdefault(key, value) != value:
             problems.add(f"{role_path}: {key}={value!r}", f"conflicts with strategy_config.{key}")
