@@ -300,13 +300,18 @@ def ensure_checkpoint(repo: Path, run: SpeedRun, log) -> None:
 
 
 def _env(repo: Path, devices: str) -> dict[str, str]:
+    """The run's environment on ``devices`` (indices among the GPUs this process sees: under
+    ``CUDA_VISIBLE_DEVICES=1`` index 0 is physical GPU 1, so two guards can share a host)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if visible and devices:
+        devices = ",".join(visible[int(i)] for i in devices.split(","))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def launch(
-    repo: Path, run: SpeedRun, steps: int, out: Path, devices: str
+    repo: Path, run: SpeedRun, steps: int, out: Path, devices: str, extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, list[str]]:
     overrides = [
         f"max_steps={steps}",
@@ -315,6 +320,7 @@ def launch(
         "eval_steps=0",
         "track_with=none",
         *run.overrides,
+        *extra,
     ]
     cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, *overrides]
     # A fresh run each time (older checkouts have no overwrite_output_dir).
@@ -377,6 +383,7 @@ def run_all(
     timeout: int,
     log,
     gpu: str = "",
+    extra: tuple[str, ...] = (),
 ):
     """Run ``runs``, each on the first free GPUs (all in turn unless ``parallel``)."""
     free = list(range(gpus))
@@ -387,7 +394,7 @@ def run_all(
             ensure_checkpoint(repo, run, log)
             mine, free = free[: run.gpus], free[run.gpus :]
             devices = ",".join(map(str, mine))
-            proc, overrides = launch(repo, run, steps, out, devices)
+            proc, overrides = launch(repo, run, steps, out, devices, extra)
             dry_run = start_dry_run(repo, run, overrides, gpu)
             log(f"started {run.config} on GPUs {devices}")
             active.append((run, proc, time.time(), mine, dry_run))
@@ -429,6 +436,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, default=None, help="default: baselines/<gpu>.json")
     parser.add_argument("--save", action="store_true", help="merge the finished runs into the baseline")
     parser.add_argument("--parallel", action="store_true", help="configs on disjoint GPUs at once")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="KEY=VALUE added to every run's overrides (repeatable); such runs are not the shipped configs",
+    )
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--floor_s", type=float, default=0.1)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
@@ -500,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             log,
             sheet,
+            tuple(args.override),
         )
     failures, slower = report(args, runs, results, baseline, gpu_name)
     if args.from_runs is None:

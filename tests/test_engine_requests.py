@@ -184,6 +184,30 @@ def test_vllm_engine_kwargs_pass_through_and_override():
     assert opts.sources["swap_space"] == "actor_infer.strategy_args.strategy_config.engine_kwargs.swap_space"
 
 
+def test_vllm_start_up_options_become_its_compilation_config():
+    # Default: no torch.compile, whole decode steps as CUDA graphs at powers of two up to 512.
+    kw = vllm_engine_options(VLLMConfig(), role("vllm", None), "actor_infer", 1, "E").kwargs
+    assert kw["compilation_config"] == {
+        "mode": "NONE",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+    }
+    compiled = VLLMConfig(torch_compile=True, cuda_graph_sizes=[64, 8, 8])
+    kw = vllm_engine_options(compiled, role("vllm", compiled), "actor_infer", 1, "E").kwargs
+    assert kw["compilation_config"] == {"mode": "VLLM_COMPILE", "cudagraph_capture_sizes": [8, 64]}
+    # enforce_eager: vLLM compiles and captures nothing, so roll sends no compilation_config.
+    eager = VLLMConfig(enforce_eager=True, torch_compile=True)
+    assert "compilation_config" not in vllm_engine_options(eager, role("vllm", eager), "r", 1, "E").kwargs
+    # vLLM's own compilation_config through engine_kwargs replaces roll's.
+    own = VLLMConfig(engine_kwargs={"compilation_config": 3})
+    opts = vllm_engine_options(own, role("vllm", own), "actor_infer", 1, "E")
+    assert opts.kwargs["compilation_config"] == 3
+    assert opts.sources["compilation_config"].endswith("engine_kwargs.compilation_config")
+    with pytest.raises(ConfigError) as err:
+        VLLMConfig(cuda_graph_sizes=[]).validate(1, "actor_infer.strategy_args.strategy_config")
+    assert err.value.path == "actor_infer.strategy_args.strategy_config.cuda_graph_sizes"
+
+
 def test_engine_kwargs_may_not_repeat_a_config_key():
     cfg = VLLMConfig(engine_kwargs={"tensor_parallel_size": 2})
     with pytest.raises(ConfigError) as err:

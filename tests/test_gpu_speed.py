@@ -124,3 +124,12 @@ def test_gpu_names_and_tables() -> None:
     assert "| train | 6.00 | 5.00 | 1.20x | 0.500 |" in table
     assert "**start-up to first step** | 50.00" in table
     assert "| (within the stages) actor_infer/reload | 0.25 |" in table
+
+
+def test_run_devices_are_indices_among_the_visible_gpus(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpu_speed._env(Path("/repo"), "1")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert gpu_speed._env(Path("/repo"), "0,1")["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_speed._env(Path("/repo"), "0,1")["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert gpu_speed._env(Path("/repo"), "")["CUDA_VISIBLE_DEVICES"] == ""  # the dry run: CUDA hidden

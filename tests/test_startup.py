@@ -12,7 +12,7 @@ import pytest
 from roll.configs.device_mapping import parse_device_mapping
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
-from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig
+from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, VLLMConfig
 from roll.distributed.scheduler.placement import plan_placement
 from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import start
@@ -34,18 +34,44 @@ def config(device: str = "cpu", trainer: str = "fsdp2_train", **roles) -> RLVRCo
     return RLVRConfig(device=device, num_gpus_per_node=4, rewards=rewards, **roles)
 
 
-def test_roles_sharing_a_device_initialize_one_after_another_in_config_order():
-    cfg = config(
-        actor_infer=role("2-3", "hf_infer", HFInferConfig()),
-        reference=role("1-2", "hf_infer", HFInferConfig()),
-    )
-    plan = plan_placement(cfg)
-    names = list(cfg.roles())
-    # actor_infer shares nothing with actor_train: together; reference shares with both: after them.
-    assert init_waves(plan, names) == [["actor_train", "actor_infer", "rewards.math"], ["reference"]]
+def test_only_engines_initialize_alone_on_their_devices_and_first():
+    names = ["actor_train", "actor_infer", "reference", "rewards.math"]
+    # No engine sizes memory from free memory: every role at once, colocated or not.
     colocated = plan_placement(config())
-    assert init_waves(colocated, names) == [["actor_train", "rewards.math"], ["actor_infer"], ["reference"]]
+    assert init_waves(colocated, names) == [names]
     assert init_waves(colocated, names, all_at_once=True) == [names]
+    # A colocated vLLM engine first and alone on its devices (with the CPU-only reward), then the
+    # trainer and the reference together.
+    vllm = plan_placement(config(actor_infer=role("0-1", "vllm", VLLMConfig())))
+    assert init_waves(vllm, names) == [["actor_infer", "rewards.math"], ["actor_train", "reference"]]
+    # Disaggregated: the engine shares no device, so everything initializes at once.
+    disagg = plan_placement(
+        config(
+            actor_train=role("0-1", "fsdp2_train", FSDP2Config()),
+            actor_infer=role("2-3", "vllm", VLLMConfig()),
+            reference=role("0-1", "hf_infer", HFInferConfig()),
+        )
+    )
+    assert init_waves(disagg, names) == [["actor_infer", "actor_train", "reference", "rewards.math"]]
+    # Engines that share no device initialize together; a role sharing a device with one waits.
+    judge = config(
+        actor_infer=role("0-1", "vllm", VLLMConfig()),
+        reference=role("1-2", "hf_infer", HFInferConfig()),
+        actor_train=role("2-3", "vllm", VLLMConfig()),
+    )
+    waves = init_waves(plan_placement(judge), names)
+    assert waves == [["actor_train", "actor_infer", "rewards.math"], ["reference"]]
+    overlapping = config(
+        actor_infer=role("0-1", "vllm", VLLMConfig()),
+        actor_train=role("1-2", "vllm", VLLMConfig()),
+        reference=role("2-3", "hf_infer", HFInferConfig()),
+    )
+    # actor_train (an engine here, first in ``names``) before actor_infer, with which it shares
+    # device 1; the reference shares device 2 only with actor_train, so it joins actor_infer's wave.
+    assert init_waves(plan_placement(overlapping), names) == [
+        ["actor_train", "rewards.math"],
+        ["actor_infer", "reference"],
+    ]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ class FakeEngineArgs:
     worker_extension_cls: str = ""
     distributed_executor_backend: str | None = None
     logprobs_mode: str = "raw_logprobs"
+    compilation_config: Any = None
     swap_space: float = 4
 
 

@@ -75,6 +75,13 @@ class StrategySpec:
     # Whether the strategy's collectives run on torch.distributed's default group. One process has
     # one such group, so a shared process holds at most one role that uses it.
     uses_default_group: bool = True
+    # Whether the strategy sizes its device memory from what is free when it starts (vLLM profiles
+    # ``gpu_memory_utilization``, SGLang ``mem_fraction_static``): on a device shared with other
+    # roles it must initialize alone (``roll.pipeline.rlvr.start.init_waves``).
+    sizes_from_free_memory: bool = False
+    # Modules a GPU worker of this strategy imports on a background thread as soon as it starts, so
+    # the engine's import (~12 s for vLLM) overlaps the other roles' start-up instead of adding to it.
+    preload: tuple[str, ...] = ()
 
     def build_options(self, data: Any) -> Any:
         """``data`` (a mapping, None or an ``options`` object) as an ``options`` object, built
@@ -148,6 +155,8 @@ STRATEGIES: dict[str, StrategySpec] = {
             role_process_group=False,
             engine_versions=("0.24", "0.25"),
             protocols=("FinishesModelUpdate", "SharedBucketEngine", "BroadcastBucketEngine"),
+            sizes_from_free_memory=True,
+            preload=("vllm.entrypoints.llm",),
         ),
         StrategySpec(
             "sglang",
@@ -160,6 +169,8 @@ STRATEGIES: dict[str, StrategySpec] = {
             role_process_group=False,
             engine_versions=("0.5.16", "0.6"),
             protocols=("FinishesModelUpdate", "SharedBucketEngine"),
+            sizes_from_free_memory=True,
+            preload=("sglang",),
         ),
     )
 }

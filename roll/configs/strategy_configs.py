@@ -273,11 +273,22 @@ class VLLMConfig(_EngineTensorParallel):
     max_num_batched_tokens: int | None = bounded(None, ge=1)
     enforce_eager: bool = False
     enable_chunked_prefill: bool | None = None
+    # Start-up against decode speed (docs/strategies.md "Start-up"). ``torch_compile: false`` skips
+    # vLLM's torch.compile/inductor pass and captures decode steps as full CUDA graphs instead
+    # (prefill runs eager); true is vLLM's own default (compiled pieces, piecewise + full graphs).
+    torch_compile: bool = False
+    # Decode batch sizes captured as CUDA graphs (a batch runs in the next larger one); None: the
+    # powers of two up to 512. vLLM's own default captures about 50 sizes, most of its graph time.
+    cuda_graph_sizes: list[int] | None = bounded(None, ge=1)
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
+        if self.cuda_graph_sizes == []:
+            raise ConfigError(
+                f"{path}.cuda_graph_sizes", "is empty: list batch sizes, or null for the default"
+            )
 
 
 @dataclass

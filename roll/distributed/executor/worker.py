@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -38,11 +39,13 @@ import ray
 import torch
 import torch.distributed as dist
 
+from roll.configs.strategies import STRATEGIES
 from roll.core.worker_context import WorkerContext
 from roll.distributed.executor.dispatch import Dispatch, DPRank, register
 from roll.distributed.strategy.registry import load_strategy_class
 from roll.utils.memory import DeviceMemoryMonitor, memory_stats
 from roll.utils.ports import free_port
+from roll.utils.preload import preload
 from roll.utils.process_group import init_default_group
 
 if TYPE_CHECKING:
@@ -97,6 +100,9 @@ class Worker:
         torch.manual_seed(seed + rank)
         self.strategy = None
         self.memory_monitor = DeviceMemoryMonitor(self.ctx.device) if self.ctx.is_cuda else None
+        # An engine's import (StrategySpec.preload) starts now and overlaps the other roles' start-up;
+        # create_strategy waits for it, so the two threads never import at the same time.
+        self._preloading = self._start_preload() if self.ctx.is_cuda else None
 
     def _pick_device(self, kind: str) -> torch.device:
         if kind != "cuda":
@@ -141,8 +147,16 @@ class Worker:
         args = self.role_config.strategy_args
         if args is None:
             raise ValueError(f"{self.role} has no strategy_args, so it has no strategy to create")
+        if self._preloading is not None:
+            self._preloading.join()
+            self._preloading = None
         strategy_cls = load_strategy_class(args.strategy_name, f"{self.role}.strategy_args.strategy_name")
         self.strategy = strategy_cls(self.role_config, self.ctx)
+
+    def _start_preload(self) -> threading.Thread | None:
+        args = getattr(self.role_config, "strategy_args", None)  # reward roles may have none
+        spec = STRATEGIES.get(args.strategy_name) if args is not None else None
+        return preload(spec.preload) if spec is not None else None
 
     @register(Dispatch.ONE_TO_ALL)
     def dp_layout(self) -> DPRank:

@@ -107,7 +107,27 @@ def _model_options(
     }
 
 
-VLLM_OVERRIDABLE = {"worker_extension_cls", "distributed_executor_backend", "logprobs_mode"}
+VLLM_OVERRIDABLE = {
+    "worker_extension_cls",
+    "distributed_executor_backend",
+    "logprobs_mode",
+    "compilation_config",
+}
+# ``cuda_graph_sizes: null``: decode batches are padded up to the next power of two.
+DEFAULT_CUDA_GRAPH_SIZES = [1 << i for i in range(10)]  # 1 ... 512
+
+
+def vllm_compilation_config(cfg: VLLMConfig) -> dict[str, Any] | None:
+    """vLLM's ``compilation_config`` for ``torch_compile`` / ``cuda_graph_sizes`` (None when
+    ``enforce_eager``: vLLM then compiles and captures nothing). Without torch.compile vLLM can
+    only capture whole decode steps (``FULL_DECODE_ONLY``; piecewise graphs need the compiled
+    pieces); with it, vLLM's default mode (full graphs for decode, piecewise for mixed batches)."""
+    if cfg.enforce_eager:
+        return None
+    sizes = sorted(set(cfg.cuda_graph_sizes or DEFAULT_CUDA_GRAPH_SIZES))
+    if cfg.torch_compile:
+        return {"mode": "VLLM_COMPILE", "cudagraph_capture_sizes": sizes}
+    return {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes}
 
 
 def vllm_engine_options(
@@ -139,6 +159,9 @@ def vllm_engine_options(
         "enable_chunked_prefill",
     ):
         derived[key] = (getattr(cfg, key), f"{path}.{key}")
+    compilation = vllm_compilation_config(cfg)
+    if compilation is not None:
+        derived["compilation_config"] = (compilation, f"{path}.torch_compile")
     # Sampled-token log-probs of the distribution actually sampled from (after temperature/top-k/top-p),
     # like hf_infer's infer_logprobs; vLLM's own default is the raw model distribution.
     derived["logprobs_mode"] = ("processed_logprobs", f"{path}.engine_kwargs")

@@ -9,11 +9,13 @@
 
 Worker processes of all roles start together: each one imports torch and its engine, which is most
 of a CPU run's start-up, and waiting for one role's ranks before asking for the next role's left
-cores idle. ``initialize`` (model load, engine start) then runs at once for roles that share no
-device; roles that do share one initialize one after another in config order, as they always did,
-because a GPU engine sizes its memory from what is free when it starts (vLLM profiles
-``gpu_memory_utilization``). CPU slots size nothing from free memory, so there every role
-initializes at once. Colocated roles are offloaded after all have initialized, as before.
+cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
+GPU engine that shares a device: an engine sizes its memory from what is free when it starts
+(vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
+the roles sharing them initialize together after it (``init_waves``). A GPU engine worker starts
+importing its engine when it is constructed (``StrategySpec.preload``), beside the other roles'
+start. CPU slots size nothing from free memory, so there every role initializes at once.
+Colocated roles are offloaded after all have initialized.
 """
 
 from __future__ import annotations
@@ -130,24 +132,46 @@ def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
 
 
 def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:
-    """Roles grouped into waves that initialize together: a role joins the first wave after the
-    last one holding a role that shares a device with it, so roles sharing a device keep the order
-    of ``names`` and never initialize together. CPU-only roles (rule rewards) share nothing.
-    ``all_at_once``: one wave."""
+    """Roles grouped into waves that initialize together. Only an engine that sizes its memory
+    from what is free when it starts (``StrategySpec.sizes_from_free_memory``: vLLM, SGLang) must
+    not initialize beside a role on its devices: engines come first, in the order of ``names``,
+    each in the first wave after the last one holding a role that shares a device with it; every
+    other role then joins the first wave after the last engine it shares a device with, so trainers,
+    reference models and rewards initialize together. The device peak is the one of initializing
+    them in turn: nothing is offloaded before every role has initialized. CPU-only roles (rule
+    rewards) share nothing. ``all_at_once``: one wave."""
+    from roll.configs.strategies import STRATEGIES
+
     names = list(names)
     if all_at_once:
         return [names]
-    waves: list[tuple[list[str], set[int]]] = []
-    for name in names:
+
+    def sizes_from_free(name: str) -> bool:
+        spec = STRATEGIES.get(plan.roles[name].strategy_name or "")
+        return spec is not None and spec.sizes_from_free_memory
+
+    engines = [name for name in names if sizes_from_free(name)]
+    waves: list[tuple[list[str], set[int], set[int]]] = []  # members, all devices, engines' devices
+    for name in engines + [name for name in names if name not in engines]:
         role = plan.roles[name]
         devices = set() if role.cpu_only else set(role.devices)
-        after = max((i for i, (_, used) in enumerate(waves) if used & devices), default=-1)
+        engine = name in engines
+        after = max(
+            (
+                i
+                for i, (_, used, by_engines) in enumerate(waves)
+                if (used if engine else by_engines) & devices
+            ),
+            default=-1,
+        )
         if after + 1 == len(waves):
-            waves.append(([], set()))
-        members, used = waves[after + 1]
+            waves.append(([], set(), set()))
+        members, used, by_engines = waves[after + 1]
         members.append(name)
         used.update(devices)
-    return [members for members, _ in waves]
+        if engine:
+            by_engines.update(devices)
+    return [members for members, _, _ in waves]
 
 
 def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
