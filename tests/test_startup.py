@@ -17,7 +17,7 @@ from roll.distributed.scheduler.placement import plan_placement
 from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import start
 from roll.pipeline.rlvr.perf import startup_metrics
-from roll.pipeline.rlvr.start import init_waves, offloaded_roles
+from roll.pipeline.rlvr.start import init_waves, offloaded_roles, offloads_after_waves
 
 
 def role(mapping: str, strategy: str, typed) -> RoleConfig:
@@ -72,6 +72,31 @@ def test_only_engines_initialize_alone_on_their_devices_and_first():
         ["actor_train", "rewards.math"],
         ["actor_infer", "reference"],
     ]
+
+
+def test_a_colocated_role_leaves_its_devices_before_a_later_wave_uses_them():
+    names = ["actor_train", "actor_infer", "reference", "rewards.math"]
+    plan = plan_placement(config(actor_infer=role("0-1", "vllm", VLLMConfig())))
+    waves = init_waves(plan, names)
+    colocated = {"actor_train", "actor_infer", "reference"}
+    # The engine sleeps before the trainer and the reference load; they go after the last wave.
+    assert offloads_after_waves(plan, waves, colocated) == [["actor_infer"], ["actor_train", "reference"]]
+    # A role of an early wave that no later wave touches is offloaded with the last wave.
+    mixed = plan_placement(
+        config(
+            actor_infer=role("0-1", "vllm", VLLMConfig()),
+            reference=role("2-3", "hf_infer", HFInferConfig()),
+            actor_train=role("0-1", "fsdp2_train", FSDP2Config()),
+        )
+    )
+    waves = init_waves(mixed, names)
+    assert waves == [["actor_infer", "reference", "rewards.math"], ["actor_train"]]
+    assert offloads_after_waves(mixed, waves, {"actor_infer", "actor_train", "reference"}) == [
+        ["actor_infer"],
+        ["actor_train", "reference"],
+    ]
+    # One wave (CPU slots): everything colocated goes once it is done; nothing else is offloaded.
+    assert offloads_after_waves(plan, [names], {"actor_train"}) == [["actor_train"]]
 
 
 @pytest.mark.parametrize(
