@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from roll.planner.report import memory_report
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
-        if not args.dry_run and config.device == "cpu":
+        if not args.dry_run:
             prestart(config)  # Ray and the workers start while the checks import (docs/architecture_ray.md)
         plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
