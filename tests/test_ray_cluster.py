@@ -478,6 +478,9 @@ def test_each_rank_must_run_on_the_node_its_devices_were_reserved_on():
         "node 0: 10.0.0.1 (Ray node n0) cpu ids 0,0: no workers",
         "node 1: 10.0.0.2 (Ray node n1) cpu ids 0,1: reference ranks 0-1",
     ]
+    # A CPU-only role's rank (placed by Ray) is named by the node it reported.
+    assert rm.name_node("n1") == "node 1 (10.0.0.2)"
+    assert rm.name_node("n7") == "Ray node n7"
 
 
 def test_dp_layout_checks():

@@ -314,6 +314,16 @@ class ResourceManager:
                     f"{want.node_id})"
                 )
 
+    def name_node(self, node_id: str) -> str:
+        """``node 1 (10.0.0.2)`` for a Ray node of the plan, ``Ray node <id>`` for any other (a
+        CPU-only role may run on a node that holds no reserved devices)."""
+        per_node = self.plan.devices_per_node
+        for node in range(self.plan.num_nodes):
+            slot = self.slots[node * per_node]
+            if slot.node_id == node_id:
+                return f"node {node} ({slot.node_ip})"
+        return f"Ray node {node_id}"
+
     def describe(self, roles: dict[str, RolePlan] | None = None) -> str:
         """One line per node: its IP, Ray node id and the Ray GPU ids of its device slots, and the
         ranks of each of ``roles`` (default: the plan's) that run there."""

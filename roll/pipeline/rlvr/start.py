@@ -226,7 +226,9 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
 def check_worker_nodes(run: RLVRRun) -> None:
     """Every device-holding worker runs on the Ray node its plan's node was reserved on (each rank
     reports its own node id; ``ResourceManager.check_worker_nodes``), and run.log says which ranks
-    run where (on the console too when the run spans nodes)."""
+    run where (on the console too when the run spans nodes). When it does, a CPU-only role's ranks
+    (rule rewards: Ray places them) learn their nodes too, so a dead node is named whichever role's
+    call meets the death first."""
     from roll.distributed.executor.worker import Worker
     from roll.distributed.scheduler.cluster import get_all
 
@@ -234,6 +236,14 @@ def check_worker_nodes(run: RLVRRun) -> None:
     answers = get_all(*(run.clusters[name].async_call(Worker.ping) for name in placed))
     for role_plan, pings in zip(placed.values(), answers):
         run.resources.check_worker_nodes(role_plan, [p["node_id"] for p in pings])
+    if run.plan.num_nodes > 1:
+        unplaced = [name for name in run.clusters if name not in placed]
+        for name, pings in zip(
+            unplaced, get_all(*(run.clusters[name].async_call(Worker.ping) for name in unplaced))
+        ):
+            run.clusters[name].nodes = {
+                rank: run.resources.name_node(p["node_id"]) for rank, p in enumerate(pings)
+            }
     level = logging.INFO if run.plan.num_nodes > 1 else logging.DEBUG
     for line in run.resources.describe(placed).splitlines():
         logger.log(level, "placement: %s", line)
