@@ -121,7 +121,7 @@ class RLVRConfig(RunConfig):
     # 0: synchronous. See roll/pipeline/rlvr/rollout_source.py.
     async_generation_ratio: int = bounded(0, ge=0, le=1, note="0: synchronous, 1: one step ahead")
     # Write every step's rollouts to rollout_dump.dir (mode: dump), or train on the ones there
-    # instead of generating (mode: replay); roll/configs/rollout_dump.py, docs/rollout_dump.md.
+    # instead of generating (mode: replay); roll/configs/rollout_dump.py, docs/dapo_off_policy_async.md.
     rollout_dump: RolloutDumpConfig = field(default_factory=RolloutDumpConfig)
 
     # Model update (trainer -> inference engines).

@@ -4,7 +4,7 @@ instead of generating (alibaba/ROLL's ``rollout_mock``, for precision alignment 
     rollout_dump: {mode: dump, dir: ./output/rollout_dumps/baseline}     # run 1: generate and keep
     rollout_dump: {mode: replay, dir: ./output/rollout_dumps/baseline}   # run 2: train on the same data
 
-What is written and checked: roll/pipeline/rlvr/rollout_dump.py and docs/rollout_dump.md.
+What is written and checked: roll/pipeline/rlvr/rollout_dump.py and docs/dapo_off_policy_async.md.
 """
 
 from __future__ import annotations
