@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_async_rollouts import FakeSampler  # noqa: E402
 from test_pipeline_e2e import comparable, config_dict, load, write_data  # noqa: E402
+from test_roll_examples import EXAMPLES, roll_workdir  # noqa: E402, F401 (a fixture)
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
@@ -22,6 +25,8 @@ from roll.configs.loader import load_config  # noqa: E402
 from roll.configs.roll_compat import translate_roll_keys  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.errors import RolloutDumpError  # noqa: E402
+from roll.launch.rlvr import main  # noqa: E402
+from roll.pipeline.common.timing import StageTimer  # noqa: E402
 from roll.pipeline.rlvr import rollout_source, stages  # noqa: E402
 from roll.pipeline.rlvr.rollout_dump import MANIFEST, RolloutDump, check_dump_dir  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
@@ -244,6 +249,56 @@ def test_roll_rollout_mock_refused(mock, words):
     with pytest.raises(ConfigError) as exc:
         translate_roll_keys({"rollout_mock": mock})
     assert words in str(exc.value)
+
+
+def test_a_resumed_dump_continues_the_manifest(tmp_path):
+    dump_steps(tmp_path / "d", 2)
+    dump = RolloutDump.open(cfg(tmp_path / "d", "dump", "resume_from_checkpoint=true"), FakeTokenizer())
+    dump.write(2, *sample_batch(7))  # the step after the checkpoint, written again
+    dump.write(3, *sample_batch(3))
+    replay = RolloutDump.open(cfg(tmp_path / "d", "replay", "max_steps=3"), FakeTokenizer())
+    assert_same_batch(replay.read(1)[0], sample_batch(1)[0])
+    assert_same_batch(replay.read(2)[0], sample_batch(7)[0])
+    assert_same_batch(replay.read(3)[0], sample_batch(3)[0])
+
+
+def test_replay_one_step_ahead_reads_each_step_once(tmp_path):
+    dump_steps(tmp_path / "d", 3)
+    config = cfg(tmp_path / "d", "replay", "max_steps=3", "async_generation_ratio=1")
+    run = SimpleNamespace(config=config, tokenizer=FakeTokenizer(), sampler=FakeSampler(), weight_version=0)
+    source = rollout_source.RolloutSource(run)
+    try:
+        for step in (1, 2, 3):
+            timer = StageTimer()
+            batch, metrics = source.take(step, timer)
+            assert_same_batch(batch, sample_batch(step)[0])
+            assert metrics == sample_batch(step)[1]
+            source.settle()
+    finally:
+        source.close()
+
+
+def test_launch_refuses_a_roll_dump_over_an_old_one_and_a_replay_without_dump(request, monkeypatch, capsys):
+    workdir = request.getfixturevalue("roll_workdir")  # test_roll_examples' model dirs and data
+    monkeypatch.chdir(workdir)
+    name = "qwen2.5-7B-rlvr_megatron__rlvr_rollout_mock_dump.yaml"
+    old = workdir / "old_dump"
+    old.mkdir()
+    (old / "step_1.json").write_text("{}")
+    for overrides, words in (
+        (
+            [f"rollout_mock.dump_dir={old}"],
+            f"ConfigError: rollout_dump.dir: {old} already holds files (step_1.json)",
+        ),
+        (
+            ["rollout_mock.mode=mock", "rollout_mock.dump_dir=none_here"],
+            "ConfigError: rollout_dump.dir: none_here: no such",
+        ),
+    ):
+        code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run", *overrides])
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ConfigError")]
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(words), errors
+    assert (old / "step_1.json").read_text() == "{}"
 
 
 # --- the pipeline on CPU: dump, then replay ----------------------------------------------------
