@@ -21,6 +21,7 @@ from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.role import GeneratingArgs  # noqa: E402
+from roll.configs.rollout_dump import RolloutDumpConfig  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.launch.checks import check_before_launch  # noqa: E402
 from roll.pipeline.common.timing import StageTimer  # noqa: E402
@@ -51,7 +52,7 @@ def fake_run(async_ratio: int, max_steps: int = 3) -> SimpleNamespace:
     args = GeneratingArgs(max_new_tokens=4)
     config = SimpleNamespace(
         async_generation_ratio=async_ratio, max_steps=max_steps, seed=0,
-        actor_infer=SimpleNamespace(generating_args=args),
+        actor_infer=SimpleNamespace(generating_args=args), rollout_dump=RolloutDumpConfig(),
     )  # fmt: skip
     return SimpleNamespace(config=config, sampler=FakeSampler(), weight_version=0)
 

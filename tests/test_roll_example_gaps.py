@@ -189,7 +189,6 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
             "actor_train: {strategy_args: {strategy_name: fsdp2_train, strategy_config: {ep_size: 8}}}",
             "ep_size=8 (ROLL shards MoE experts",
         ),
-        ("rollout_mock: {enable: true, mode: dump}", "ROLL dumps or replays rollouts"),
         ("rewards: {j: {judge_model_type: cluster}}", "judge_model_type='cluster' (ROLL: api asks"),
         (
             "rewards: {d: {worker_cls: x.DetectionRewardWorker}}",

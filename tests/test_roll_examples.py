@@ -51,7 +51,6 @@ REFUSED = {
     "qwen2.5-7B-rlvr_megatron__rlvr_fsdp2_sp2.yaml": "ulysses_size=2 (ROLL splits each sequence",
     "qwen3-30BA3B-rlvr_fsdp2__rlvr_config.yaml": "ulysses_size=2 (ROLL splits each sequence",
     "qwen3-30BA3B-rlvr_fsdp2__rlvr_config_ep.yaml": "ep_size=8 (ROLL shards MoE experts",
-    "qwen2.5-7B-rlvr_megatron__rlvr_rollout_mock_dump.yaml": "rollout_mock=",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config.yaml": "model_type 'qwen3_next'",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config_amd.yaml": "model_type 'qwen3_next'",
     "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml": "DetectionRewardWorker (ROLL scores object-detection",

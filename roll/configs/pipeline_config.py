@@ -13,6 +13,7 @@ from roll.configs.rl_options import (
     PolicyLossConfig,
 )
 from roll.configs.role import DataArgs, GeneratingArgs, RewardConfig, RoleConfig
+from roll.configs.rollout_dump import RolloutDumpConfig
 from roll.configs.run_config import RunConfig
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
@@ -119,6 +120,9 @@ class RLVRConfig(RunConfig):
     # 1: generate step k+1 while step k trains (staleness bound 1; disaggregated actor_infer only).
     # 0: synchronous. See roll/pipeline/rlvr/rollout_source.py.
     async_generation_ratio: int = bounded(0, ge=0, le=1, note="0: synchronous, 1: one step ahead")
+    # Write every step's rollouts to rollout_dump.dir (mode: dump), or train on the ones there
+    # instead of generating (mode: replay); roll/configs/rollout_dump.py, docs/dapo_off_policy_async.md.
+    rollout_dump: RolloutDumpConfig = field(default_factory=RolloutDumpConfig)
 
     # Model update (trainer -> inference engines).
     model_update_frequency: int = bounded(1, ge=1)

@@ -22,6 +22,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.rl_options import PolicyLossConfig
 from roll.configs.roll_compat_options import Problems
 from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
+from roll.configs.roll_compat_rollout import map_rollout_mock
 from roll.configs.timeouts import WorkerTimeoutsConfig
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
@@ -52,9 +53,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "LLMJudgeRewardWorker refuses cluster too); roll's llm_judge scores with the role's own engine: "
         "write inference",
         (None, "inference"),
-    ),
-    "rollout_mock": Unsupported(
-        "ROLL dumps or replays rollouts to align precision between runs; roll has no rollout dump: remove it"
     ),
     "rewards.*.reward_type": Unsupported(
         "remove it; only code_sandbox, ifeval, multiple_choice take one", ()
@@ -146,6 +144,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             if isinstance(reward.get("strategy_args"), dict):
                 map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
     _map_rpc_timeout(raw, problems, notes)
+    map_rollout_mock(raw, problems, notes)
     drop_offload_nccl(raw, "offload_nccl", notes)
     _walk(raw, "", problems, notes)
     for role in ROLES:

@@ -23,3 +23,11 @@ class CheckpointError(StorageError):
 
 class RewardError(RuntimeError):
     """A reward role failed on too many samples: names the role, the function and one example error."""
+
+
+class RolloutDumpError(StorageError):
+    """A rollout dump (``rollout_dump``) that cannot be written or read back: names the file and what
+    is wrong with it.
+
+    >>> raise RolloutDumpError("dumps/v1/step_3.safetensors: sha256 differs from manifest.json (corrupted)")
+    """

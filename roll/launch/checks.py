@@ -12,8 +12,8 @@ Order, each stage raising one ``ConfigError`` naming the key:
 1. named values against the tables that implement them (roll.launch.named_values);
 2. every role against the strategy registry, its strategy options and engine (roll.launch.roles);
 3. the placement plan and the rules across keys (roll.launch.rules);
-4. with ``files``: the model directories, prompt files, tag routes, reward options and the
-   checkpoint to resume from (roll.launch.files).
+4. with ``files``: the model directories, prompt files, tag routes, reward options, the
+   checkpoint to resume from and the rollout dump to write or replay (roll.launch.files).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checks of what a loaded config points at, run before anything starts, for ``--dry_run`` and a
 real launch alike: model and tokenizer directories, prompt files, tag routing to reward roles,
-reward-function options, and the checkpoint to resume from.
+reward-function options, the checkpoint to resume from, and the rollout dump to write or replay.
 
     check_files(config)             # after the checks of the values (roll.launch.checks)
 
@@ -27,6 +27,7 @@ from roll.pipeline.rewards.scoring import check_reward_kwargs
 from roll.pipeline.rlvr.data.dataset import BadRow, read_rows, resolve_files
 from roll.pipeline.rlvr.data.routing import build_tag_routes, reward_role_tags
 from roll.pipeline.rlvr.data.sampler import check_domain_probs
+from roll.pipeline.rlvr.rollout_dump import check_dump_dir
 
 # Files one of which a directory needs for ``AutoTokenizer.from_pretrained`` to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -58,6 +59,7 @@ def check_files(config: RLVRConfig) -> None:
     check_reward_options(config)
     if config.resume_from_checkpoint not in (False, None, ""):
         resolve_resume(config)
+    check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 
 
 def loads_model(role: RoleConfig) -> bool:

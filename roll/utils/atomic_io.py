@@ -44,12 +44,12 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-def write_file_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: fsync, rename, fsync the directory.
-    A reader sees the old content or the new one, never a part."""
+def write_file_durably(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (str, or bytes written as they are) to ``path`` through a temporary file:
+    fsync, rename, fsync the directory. A reader sees the old content or the new one, never a part."""
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        with tmp.open("w") as f:
+        with tmp.open("wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

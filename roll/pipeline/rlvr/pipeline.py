@@ -45,6 +45,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
             # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
+            # (rollout_dump: written to its dir, or read from there instead in replay mode)
             batch, sampling_metrics = rollouts.take(step, timer)
             with timer("reference"):
                 batch = stages.compute_reference_log_probs(run, batch)

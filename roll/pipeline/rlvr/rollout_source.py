@@ -16,6 +16,10 @@ and reward times of a background step appear as ``time/generate`` and ``time/rew
 
 A checkpoint saved while step k + 1 is in flight records the sampler position before its prompts,
 so a resume draws the same prompts (generated then with the newer weights).
+
+``rollout_dump.mode: dump`` writes each step's rollouts and sampling metrics once collected;
+``replay`` reads them instead (timed as ``time/replay``): no prompt is drawn, actor_infer generates
+nothing and no reward role scores (roll/pipeline/rlvr/rollout_dump.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.pipeline.common.timing import StageTimer
+from roll.pipeline.rlvr.rollout_dump import RolloutDump
 from roll.pipeline.rlvr.rollouts import collect_rollouts
 from roll.pipeline.rlvr.run import RLVRRun
 
@@ -37,6 +42,7 @@ class RolloutSource:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if self.ahead else None
         self.pending: dict[int, Future] = {}
         self.sampler_before: dict[int, Any] = {}
+        self.dump = RolloutDump.open(run.config, run.tokenizer) if run.config.rollout_dump.enabled else None
 
     def params(self, step: int) -> SamplingParams:
         args = self.run.config.actor_infer.generating_args
@@ -45,7 +51,7 @@ class RolloutSource:
     def take(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
         """Step ``step``'s rollouts and sampling metrics (see the module doc)."""
         if not self.ahead:
-            return collect_rollouts(self.run, step, self.params(step), timer)
+            return self.collect(step, timer)
         future = self.pending.get(step) or self._submit(step)
         with timer("wait_rollouts"):
             batch, metrics, times = future.result()
@@ -53,6 +59,17 @@ class RolloutSource:
         timer.background.update(times)
         if step < self.run.config.max_steps:
             self._submit(step + 1)
+        return batch, metrics
+
+    def collect(self, step: int, timer: StageTimer) -> tuple[Batch, dict[str, float]]:
+        """Step ``step``'s rollouts, generated now (and dumped) or read from the dump."""
+        if self.dump is not None and self.dump.mode == "replay":
+            with timer("replay"):
+                return self.dump.read(step)
+        batch, metrics = collect_rollouts(self.run, step, self.params(step), timer)
+        if self.dump is not None:
+            with timer("dump"):
+                self.dump.write(step, batch, metrics)
         return batch, metrics
 
     def settle(self) -> None:
@@ -73,7 +90,7 @@ class RolloutSource:
 
         def work() -> tuple[Batch, dict[str, float], dict[str, float]]:
             timer = StageTimer()
-            batch, metrics = collect_rollouts(self.run, step, self.params(step), timer)
+            batch, metrics = self.collect(step, timer)
             return batch, metrics, timer.times
 
         self.pending[step] = self.pool.submit(work)
