@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from gloo_ranks import process_group, spawn_ranks
-from test_fsdp2_strategy import global_batch, local_micro_batches, train
+from test_fsdp2_strategy import global_batch, local_micro_batches, train, value_loss
 from tiny_models import build_tiny_model_dir
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -174,3 +174,45 @@ def test_log_probs_after_training_are_the_merged_model_s(one_rank):
     with torch.no_grad():
         merged = response_log_probs(model, global_batch(), temperature=0.9)["log_probs"]
     assert torch.allclose(one_rank["logps"], merged, atol=1e-5)
+
+
+def _critic_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):
+        critic = make_lora_strategy(model_dir, rank, world_size, model_type="value")
+        trainable = [n for n, p in critic.model.named_parameters() if p.requires_grad]
+        before = wrapped_state(critic)
+        critic.train_step(local_micro_batches(rank, world_size), value_loss)
+        after = wrapped_state(critic)
+        changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+        # HF names load into the frozen base weights; the adapters keep their values.
+        weight = "model.layers.0.self_attn.q_proj.weight"
+        critic.load_weights(
+            iter([(weight, torch.zeros_like(after[weight.replace(".weight", ".base.weight")]))])
+        )
+        loaded = wrapped_state(critic)
+        torch.save(
+            {
+                "trainable": trainable,
+                "changed": changed,
+                "base_zeroed": bool(
+                    torch.count_nonzero(loaded["model.layers.0.self_attn.q_proj.base.weight"]) == 0
+                ),
+                "adapter_kept": torch.equal(
+                    loaded["model.layers.0.self_attn.q_proj.lora_B"],
+                    after["model.layers.0.self_attn.q_proj.lora_B"],
+                ),
+            },
+            f"{out}/critic.pt",
+        )
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_new_value_head(model_dir, tmp_path):
+    spawn_ranks(_critic_worker, 1, str(model_dir), str(tmp_path))
+    result = torch.load(tmp_path / "critic.pt", weights_only=True)
+    adapters = [n for n in result["trainable"] if n.endswith(("lora_A", "lora_B"))]
+    assert len(adapters) == 12 and set(result["trainable"]) - set(adapters) == {
+        "value_head.weight",
+        "value_head.bias",
+    }
+    assert set(result["changed"]) <= set(result["trainable"]) and "value_head.weight" in result["changed"]
+    assert result["base_zeroed"] and result["adapter_kept"]

@@ -139,7 +139,7 @@ class FSDP2TrainStrategy:
             args.lora_dropout,
             layers=decoder_layers(model),
             seed=self.ctx.seed,
-            keep_trainable=(HEAD_PREFIX,) if self.is_value_model else (),
+            keep_trainable=(HEAD_PREFIX,) if isinstance(model, ValueModel) else (),
             path=f"{self.ctx.role}.model_args.lora_target",
         )
         self.lora_scales = lora_scales(model)
