@@ -24,6 +24,11 @@ Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models
 re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
 gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
 
+LoRA (``model_args.lora_rank``, ``roll.models.lora``): adapters replace the targeted linear modules
+before sharding and only they (and a critic's value head) reach AdamW; ``iter_hf_weights`` and the
+HF export merge them into the base weights under the original names, and checkpoints hold only the
+trainable parameters and their optimizer state (docs/strategies.md "LoRA").
+
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
