@@ -32,10 +32,44 @@ class ModelArgs:
     attn_implementation: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
     flash_attn: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
     trust_remote_code: bool = False
+    # LoRA (fsdp2_train only; roll.models.lora): module-name suffixes of the decoder layers' linear
+    # modules to adapt ("q_proj,v_proj" or a list; "all-linear": every one), the adapters' rank
+    # (None: train every parameter), alpha (None: the rank, i.e. scale 1) and input dropout.
+    lora_target: list[str] | None = None
+    lora_rank: int | None = bounded(None, ge=1)
+    lora_alpha: float | None = bounded(None, gt=0)
+    lora_dropout: float = bounded(0.0, ge=0, lt=1)
+
+    def __post_init__(self) -> None:
+        if self.lora_target is not None:  # ROLL writes one comma-separated string
+            self.lora_target = [t.strip() for item in self.lora_target for t in item.split(",") if t.strip()]
+        if self.lora_rank is None:
+            for key in ("lora_target", "lora_alpha"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{key}: is set but lora_rank is not; set lora_rank (e.g. 8) or remove it"
+                    )
+            if self.lora_dropout:
+                raise ValueError(
+                    "lora_dropout: is set but lora_rank is not; set lora_rank (e.g. 8) or remove it"
+                )
+        elif not self.lora_target:
+            raise ValueError(
+                "lora_target: is required with lora_rank: module-name suffixes such as q_proj,v_proj, or all-linear"
+            )
 
     @property
     def is_value_model(self) -> bool:
         return self.model_type is not None  # every named type is a value model (MODEL_TYPES)
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_rank is not None
+
+    def lora_keys_set(self) -> list[str]:
+        """The lora_* keys given a value (not their defaults)."""
+        defaults = {"lora_target": None, "lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0}
+        return [key for key, default in defaults.items() if getattr(self, key) != default]
 
 
 @dataclass

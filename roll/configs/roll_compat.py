@@ -20,6 +20,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.rl_options import PolicyLossConfig
+from roll.configs.roll_compat_lora import map_lora
 from roll.configs.roll_compat_options import Problems
 from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
 from roll.configs.roll_compat_rollout import map_rollout_mock
@@ -74,15 +75,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
-    **{
-        f"{where}{key}": Unsupported(
-            "ROLL trains LoRA adapters on the frozen model; roll trains all parameters: remove the lora_* "
-            "keys to train the full model",
-            (None,),
-        )
-        for where in ("", "*.model_args.")
-        for key in ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
-    },
     "*.model_args.ulysses_size": Unsupported(
         "ROLL splits each sequence over N devices (Ulysses attention) in fsdp2; roll's fsdp2 does not: "
         "remove it, or use megatron_train with context_parallel_size: N",
@@ -150,6 +142,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for role in ROLES:
         if isinstance(raw.get(role), dict):
             map_role(raw[role], role, problems, notes)
+    map_lora(raw, roll_file, problems, notes)
     if problems.items:
         where = f"{source}: " if source else ""
         raise ConfigError(

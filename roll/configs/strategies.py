@@ -82,6 +82,9 @@ class StrategySpec:
     # Modules a GPU worker of this strategy imports on a background thread as soon as it starts, so
     # the engine's import (~12 s for vLLM) overlaps the other roles' start-up instead of adding to it.
     preload: tuple[str, ...] = ()
+    # Whether the strategy trains LoRA adapters when ``model_args.lora_rank`` is set (roll.models.lora)
+    # and exports merged weights; any other strategy refuses the lora_* keys before launch.
+    trains_lora: bool = False
 
     def build_options(self, data: Any) -> Any:
         """``data`` (a mapping, None or an ``options`` object) as an ``options`` object, built
@@ -120,6 +123,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             protocols=("ValueModelStrategy",),
             records_train_log_probs=True,
             shares_process_on_cpu=True,
+            trains_lora=True,
         ),
         StrategySpec(
             "megatron_train",

@@ -17,7 +17,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import RewardConfig, RoleConfig
-from roll.configs.strategies import check_engine_version, get_strategy_spec
+from roll.configs.strategies import STRATEGIES, StrategySpec, check_engine_version, get_strategy_spec
 from roll.configs.strategy_configs import (
     FSDP2Config,
     PackingOptions,
@@ -64,6 +64,7 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
             f"{name}.strategy_args.strategy_name",
             f"{spec.name!r} cannot generate; use hf_infer, megatron_infer, vllm or sglang",
         )
+    _check_lora(name, role, spec)
     cfg_path = f"{name}.strategy_args.strategy_config"
     typed = role.strategy_args.strategy_config
     typed.validate(len(role.device_mapping), cfg_path)
@@ -90,6 +91,32 @@ def check_role(name: str, role: RoleConfig, config: Any) -> None:
     if not role.model_args.model_name_or_path:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path", "is required (a Hugging Face checkpoint directory)"
+        )
+
+
+def _check_lora(name: str, role: RoleConfig, spec: StrategySpec) -> None:
+    """LoRA keys only on a trainer role whose strategy trains adapters (``StrategySpec.trains_lora``).
+    Inference roles get merged weights from the trainer (actor_infer) or are the frozen base model
+    (reference, model rewards), so a lora_* key there asks for nothing."""
+    keys = role.model_args.lora_keys_set()
+    if not keys:
+        return
+    key = f"{name}.model_args.{keys[0]}"
+    if name not in TRAINER_ROLES:
+        what = (
+            "receives the trainer's merged weights (W + scale * B @ A)"
+            if name == "actor_infer"
+            else "is not trained"
+        )
+        raise ConfigError(
+            key, f"{name} {what}; remove the lora_* keys here and set them on actor_train (fsdp2_train)"
+        )
+    if not spec.trains_lora:
+        trains = [s.name for s in STRATEGIES.values() if s.trains_lora]
+        raise ConfigError(
+            key,
+            f"{spec.name!r} cannot train LoRA adapters; use {' or '.join(trains)} for LoRA, or remove "
+            "the lora_* keys to train every parameter",
         )
 
 

@@ -159,18 +159,28 @@ def megatron_train(
 
 
 def fsdp2_train(
-    shape: ModelShape, world: int, dtype_bytes: int, tokens: int, recompute: bool, sharded: bool, mixed: bool
+    shape: ModelShape,
+    world: int,
+    dtype_bytes: int,
+    tokens: int,
+    recompute: bool,
+    sharded: bool,
+    mixed: bool,
+    lora: int = 0,
 ) -> dict[str, int]:
     """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``world``
-    (mixed precision) plus two layers of gathered compute-dtype params."""
-    params = shape.total_params()
+    (mixed precision) plus two layers of gathered compute-dtype params. With ``lora`` adapter
+    parameters (``ModelShape.lora_params``) the params are the base model's plus the adapters, and
+    only the adapters have grads and optimizer state."""
+    params = shape.total_params() + lora
+    trained = lora or params
     shards = world if sharded else 1
     state = 4 if mixed else dtype_bytes
     layer = (shape.layer_dense_params() + shape.expert_params()) // max(shape.layers, 1)
     return {
         "params": state * params // shards + (2 * layer * dtype_bytes if sharded else 0),
-        "grads": state * params // shards,
-        "optimizer": 2 * state * params // shards,
+        "grads": state * trained // shards,
+        "optimizer": 2 * state * trained // shards,
         "activations": activations(shape, tokens, recompute=recompute),
         "logits": logit_bytes(shape, tokens, train=True),
     }

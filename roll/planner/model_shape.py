@@ -106,6 +106,25 @@ class ModelShape:
     def total_params(self) -> int:
         return self.embedding_params() + self.layer_dense_params() + self.expert_params()
 
+    def lora_params(self, targets: list[str], rank: int) -> int:
+        """LoRA A and B (rank x (in + out)) on every decoder-layer linear module whose name ends with
+        one of ``targets`` ("all-linear": all of them); a name not below counts as hidden x hidden."""
+        h, q, kv, ffn = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        dense_layers = self.layers - self.moe_layers
+        mlp = {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        names = [*attention, *mlp] if "all-linear" in targets else targets
+        count = 0
+        for name in names:
+            if name in attention:
+                count += self.layers * sum(attention[name])
+            elif name in mlp:
+                experts = self.moe_layers * self.experts * (h + self.moe_ffn)  # every expert's copy
+                count += dense_layers * sum(mlp[name]) + experts
+            else:
+                count += self.layers * 2 * h
+        return rank * count
+
 
 def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelShape:
     """A ``ModelShape`` from the dict of a ``config.json``; ConfigError for an unknown family."""

@@ -179,8 +179,10 @@ def _fsdp2_train(x: RoleInputs) -> Prediction:
     cfg, shape = x.cfg, x.shape
     recompute = not x.role.model_args.disable_gradient_checkpointing
     sharded = cfg.sharding == "full_shard"
+    args = x.role.model_args
+    lora = shape.lora_params(args.lora_target, args.lora_rank) if args.uses_lora else 0
     parts = mem.fsdp2_train(
-        shape, x.plan.world_size, x.dtype, x.work.train_tokens, recompute, sharded, cfg.mixed_precision
+        shape, x.plan.world_size, x.dtype, x.work.train_tokens, recompute, sharded, cfg.mixed_precision, lora
     )
     if cfg.cpu_offload:  # shards live in host memory; two gathered layers on the device
         parts |= {"grads": 0, "optimizer": 0}

@@ -24,6 +24,11 @@ Micro-batches run as packed rows by default (``sequence_packing``; ``roll.models
 re-formed by ``max_tokens_per_microbatch`` when set, and each loss is weighted so that the step's
 gradient is that of the whole mini-batch's loss (``roll.models.microbatch``; docs/packing.md).
 
+LoRA (``model_args.lora_rank``, ``roll.models.lora``): adapters replace the targeted linear modules
+before sharding and only they (and a critic's value head) reach AdamW; ``iter_hf_weights`` and the
+HF export merge them into the base weights under the original names, and checkpoints hold only the
+trainable parameters and their optimizer state (docs/strategies.md "LoRA").
+
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
@@ -39,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -58,8 +63,9 @@ from roll.core.worker_context import WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
+from roll.models.lora import apply_lora, hf_name, lora_scales, merged_stream
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
-from roll.models.value_model import ValueModel, check_output_kind, response_values
+from roll.models.value_model import HEAD_PREFIX, ValueModel, check_output_kind, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
@@ -85,6 +91,8 @@ class FSDP2TrainStrategy:
         self.total_steps: int | None = None
         # Set while a linear/cosine schedule lacks its length (ctx.total_optimizer_steps is None).
         self._schedule_error: str | None = None
+        # alpha / rank per LoRA module name; empty without lora_rank (roll.models.lora).
+        self.lora_scales: dict[str, float] = {}
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -101,12 +109,14 @@ class FSDP2TrainStrategy:
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
+        if model_args.uses_lora:
+            self._apply_lora(model)
         self.mesh = self._build_mesh()
         self.model = self._shard(model)
         self.model.train()
         args = self.role_config.training_args
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
@@ -120,6 +130,24 @@ class FSDP2TrainStrategy:
             self._set_schedule_length(self.ctx.total_optimizer_steps)
         except ValueError as exc:  # linear/cosine without a length: reported by the first train_step
             self._schedule_error = str(exc)
+
+    def _apply_lora(self, model: torch.nn.Module) -> None:
+        """LoRA adapters on ``lora_target`` of the decoder layers, before sharding; everything else
+        frozen but a critic's value head (new, so it must learn). A is drawn from the run's seed, the
+        same on every rank."""
+        args = self.role_config.model_args
+        apply_lora(
+            model,
+            args.lora_target,
+            args.lora_rank,
+            args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank),
+            args.lora_dropout,
+            layers=decoder_layers(model),
+            seed=self.ctx.seed,
+            keep_trainable=(HEAD_PREFIX,) if isinstance(model, ValueModel) else (),
+            path=f"{self.ctx.role}.model_args.lora_target",
+        )
+        self.lora_scales = lora_scales(model)
 
     def _build_mesh(self) -> DeviceMesh:
         device_type = self.ctx.device.type
@@ -281,27 +309,34 @@ class FSDP2TrainStrategy:
         cast to ``model_args.dtype``. The shards are all-gathered a group at a time (one collective
         per ``GATHER_GROUP_BYTES`` of one dtype, not one per tensor: ~40 gloo round trips fewer for
         a small model on CPU), so EVERY rank must exhaust the iterator; only rank 0 yields (on its
-        device), the other ranks yield nothing."""
+        device), the other ranks yield nothing. With LoRA the names are the original model's and
+        each target's weight is merged (W + scale * B @ A, in fp32 before the cast), so receivers
+        need nothing LoRA-specific."""
         dtype = torch_dtype(self.role_config.model_args.dtype)
+        fulls = self._iter_full_state()
+        if self.lora_scales:
+            fulls = merged_stream(fulls, self.lora_scales)
+        for name, full in fulls:
+            yield name, full.to(dtype)
+
+    def _iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state_dict name, full tensor in its master dtype), gathered by groups; rank 0 only."""
         group: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in self.model.state_dict().items():
             nbytes = tensor.numel() * tensor.element_size()
             if group and (size + nbytes > GATHER_GROUP_BYTES or tensor.dtype != group[0][1].dtype):
-                yield from self._yield_full(group, dtype)
+                yield from self._yield_full(group)
                 group, size = [], 0
             group.append((name, tensor))
             size += nbytes
         if group:
-            yield from self._yield_full(group, dtype)
+            yield from self._yield_full(group)
 
-    def _yield_full(
-        self, group: list[tuple[str, torch.Tensor]], dtype: torch.dtype
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _yield_full(self, group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         fulls = self._full_tensors([tensor for _, tensor in group])
         if self.ctx.rank == 0:
-            for (name, _), full in zip(group, fulls):
-                yield name, full.to(dtype)
+            yield from zip([name for name, _ in group], fulls)
 
     def _full_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full copies of ``tensors`` on every rank: the dim-0 shards of the 1-D mesh
@@ -341,10 +376,13 @@ class FSDP2TrainStrategy:
         return tensor.full_tensor().detach()
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors (the same on every rank) into this rank's shards."""
+        """Copy full HF-named tensors (the same on every rank) into this rank's shards. With LoRA,
+        a target's weight goes to its frozen base weight (the adapters are unchanged)."""
         targets = self.model.state_dict()
+        wrapped = {hf_name(name, set(self.lora_scales)): name for name in targets}
         with torch.no_grad():
             for name, full in named_tensors:
+                name = wrapped.get(name, name)
                 if name not in targets:
                     raise KeyError(
                         f"load_weights: unknown tensor {name!r} ({len(targets)} names in the model)"
@@ -391,7 +429,7 @@ class FSDP2TrainStrategy:
         LR scheduler (``trainer_state.json``). The process RNG is the worker's to save (see
         ``ModelWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._checkpoint_state(self._state_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if self.ctx.rank == 0:
             state = {
@@ -402,17 +440,38 @@ class FSDP2TrainStrategy:
             Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
         dist.barrier()
 
+    def _state_options(self) -> StateDictOptions:
+        """With LoRA a checkpoint holds the trainable parameters (adapters, a critic's head) and
+        their optimizer state; the frozen base comes from ``model_name_or_path`` again on resume, so
+        loading sets only those (not strict; ``dcp.load`` already fails on a missing adapter)."""
+        lora = bool(self.lora_scales)
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _checkpoint_state(self, options: StateDictOptions) -> tuple[dict, dict]:
+        """Model and optimizer state dicts to save or load. torch keeps a tied LM head of a frozen
+        embedding under ``ignore_frozen_params`` (it is no parameter name of its own): dropped too."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if options.ignore_frozen_params:
+            trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {name: t for name, t in model_sd.items() if name in trained}
+        return model_sd, optim_sd
+
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (same world size); training then continues
         bit-identically on CPU."""
         trainer_file = Path(path, TRAINER_STATE)
         if not trainer_file.is_file():
             raise FileNotFoundError(f"{path!r} is not an fsdp2_train checkpoint (no {TRAINER_STATE})")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model_sd, optim_sd = self._checkpoint_state(options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
         trainer = json.loads(trainer_file.read_text())
         self.scheduler.load_state_dict(trainer["scheduler"])
