@@ -4,6 +4,9 @@ adapters and optimizer state and resumes bit-identically."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
+from roll.core.errors import CheckpointError
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
 
@@ -216,3 +220,44 @@ def test_a_lora_critic_trains_its_adapters_and_its_new_value_head(model_dir, tmp
     }
     assert set(result["changed"]) <= set(result["trainable"]) and "value_head.weight" in result["changed"]
     assert result["base_zeroed"] and result["adapter_kept"]
+
+
+def _mismatch_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):
+        make_lora_strategy(model_dir, rank, world_size).save_checkpoint(f"{out}/ckpt")
+        full = RoleConfig(
+            model_args=ModelArgs(model_name_or_path=model_dir, dtype="fp32"),
+            training_args=TrainingArgs(learning_rate=1e-2),
+            strategy_args=StrategyArgs("fsdp2_train", {}),
+        )
+        ctx = WorkerContext("actor_train", rank, world_size, rank, torch.device("cpu"), seed=42)
+        candidates = {"full": load_strategy_class("fsdp2_train")(full, ctx)}
+        candidates["full"].initialize()
+        wider = RoleConfig(
+            model_args=ModelArgs(
+                model_name_or_path=model_dir, dtype="fp32", lora_target=TARGETS, lora_rank=8
+            ),
+            training_args=TrainingArgs(learning_rate=1e-2),
+            strategy_args=StrategyArgs("fsdp2_train", {}),
+        )
+        candidates["rank 8"] = load_strategy_class("fsdp2_train")(wider, ctx)
+        candidates["rank 8"].initialize()
+        errors = {}
+        for name, strategy in candidates.items():
+            try:
+                strategy.load_checkpoint(f"{out}/ckpt")
+            except CheckpointError as exc:
+                errors[name] = str(exc)
+        (Path(out) / "errors.json").write_text(json.dumps(errors))
+
+
+def test_a_checkpoint_saved_with_other_lora_keys_is_refused_in_one_line(model_dir, tmp_path):
+    spawn_ranks(_mismatch_worker, 1, str(model_dir), str(tmp_path))
+    errors = json.loads((tmp_path / "errors.json").read_text())
+    assert set(errors) == {"full", "rank 8"}
+    for error in errors.values():
+        assert "\n" not in error and error.startswith(
+            f"{tmp_path}/ckpt/trainer_state.json: saved with LoRA rank 4"
+        )
+    assert "asks for off (every weight trained)" in errors["full"]
+    assert "asks for rank 8 on 6 modules" in errors["rank 8"]

@@ -40,6 +40,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config
 from roll.core.batch import Batch
+from roll.core.errors import CheckpointError
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
 from roll.models.hf_checkpoint import write_hf_checkpoint
@@ -436,9 +438,17 @@ class FSDP2TrainStrategy:
                 "step": self.step,
                 "total_steps": self.total_steps,
                 "scheduler": self.scheduler.state_dict(),
+                "lora": self._lora_layout(),
             }
             Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
         dist.barrier()
+
+    def _lora_layout(self) -> dict[str, Any] | None:
+        """What a checkpoint's tensors depend on: the adapted module names and their rank (None
+        without LoRA)."""
+        if not self.lora_scales:
+            return None
+        return {"rank": self.role_config.model_args.lora_rank, "modules": sorted(self.lora_scales)}
 
     def _state_options(self) -> StateDictOptions:
         """With LoRA a checkpoint holds the trainable parameters (adapters, a critic's head) and
@@ -462,6 +472,14 @@ class FSDP2TrainStrategy:
         trainer_file = Path(path, TRAINER_STATE)
         if not trainer_file.is_file():
             raise FileNotFoundError(f"{path!r} is not an fsdp2_train checkpoint (no {TRAINER_STATE})")
+        trainer = json.loads(trainer_file.read_text())
+        saved, now = trainer.get("lora"), self._lora_layout()
+        if saved != now:  # a LoRA checkpoint holds only the adapters, a full one every weight
+            raise CheckpointError(
+                f"{trainer_file}: saved with LoRA {_describe_lora(saved)} but "
+                f"{self.ctx.role}.model_args asks for {_describe_lora(now)}; resume with the lora_* keys "
+                "the checkpoint was saved with"
+            )
         options = self._state_options()
         model_sd, optim_sd = self._checkpoint_state(options)
         state = {"model": model_sd, "optim": optim_sd}
@@ -473,7 +491,6 @@ class FSDP2TrainStrategy:
             optim_state_dict=state["optim"],
             options=options,
         )
-        trainer = json.loads(trainer_file.read_text())
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.step = trainer["step"]
         if trainer["total_steps"] is not None:
@@ -516,3 +533,9 @@ def gather_dim0_shards(
 def _no_lambdas(value: object) -> None:
     """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
     return None
+
+
+def _describe_lora(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "off (every weight trained)"
+    return f"rank {layout['rank']} on {len(layout['modules'])} modules"
