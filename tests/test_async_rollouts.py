@@ -11,13 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import ray
 import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
-from tiny_models import build_tiny_model_dir  # noqa: E402
+from test_pipeline_e2e import config_dict, load, pipeline_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.role import GeneratingArgs  # noqa: E402
@@ -31,13 +29,7 @@ from roll.utils.tracking import read_metrics  # noqa: E402
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("async")
-    model = build_tiny_model_dir(tmp / "model", seed=0)
-    write_data(tmp / "train.jsonl", 8)
-    write_data(tmp / "val.jsonl", 3, offset=50)
-    yield tmp, model
-    if ray.is_initialized():
-        ray.shutdown()
+    yield from pipeline_dir(tmp_path_factory, "async")
 
 
 class FakeSampler:

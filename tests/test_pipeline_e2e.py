@@ -106,15 +106,21 @@ def load(tmp: Path, name: str, cfg: dict):
     return load_config(path)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
+def pipeline_dir(tmp_path_factory, name: str):
+    """A module's run directory: a tiny model, 8 training and 3 validation prompts (yields
+    ``(dir, model)``; Ray, if a test started it, is shut down after the module)."""
+    tmp = tmp_path_factory.mktemp(name)
     model = build_tiny_model_dir(tmp / "model", seed=0)
     write_data(tmp / "train.jsonl", 8)
     write_data(tmp / "val.jsonl", 3, offset=50)
     yield tmp, model
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    yield from pipeline_dir(tmp_path_factory, "e2e")
 
 
 def comparable(row: dict) -> dict:

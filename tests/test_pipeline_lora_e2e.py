@@ -8,13 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_e2e import config_dict, load, write_data  # noqa: E402
-from tiny_models import build_tiny_model_dir  # noqa: E402
+from test_pipeline_e2e import config_dict, load, pipeline_dir  # noqa: E402
 
 from roll.pipeline.rlvr.pipeline import run_pipeline  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
@@ -24,13 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e_lora")
-    model = build_tiny_model_dir(tmp / "model", seed=0)
-    write_data(tmp / "train.jsonl", 8)
-    write_data(tmp / "val.jsonl", 3, offset=50)
-    yield tmp, model
-    if ray.is_initialized():
-        ray.shutdown()
+    yield from pipeline_dir(tmp_path_factory, "e2e_lora")
 
 
 def test_lora_run_updates_the_engine_with_merged_weights(setup):

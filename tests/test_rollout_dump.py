@@ -11,14 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_async_rollouts import FakeSampler  # noqa: E402
-from test_pipeline_e2e import comparable, config_dict, load, write_data  # noqa: E402
+from test_pipeline_e2e import comparable, config_dict, load, pipeline_dir  # noqa: E402
 from test_roll_examples import EXAMPLES, roll_workdir  # noqa: E402, F401 (a fixture)
-from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.loader import load_config  # noqa: E402
@@ -306,13 +304,7 @@ def test_launch_refuses_a_roll_dump_over_an_old_one_and_a_replay_without_dump(re
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dump")
-    model = build_tiny_model_dir(tmp / "model", seed=0)
-    write_data(tmp / "train.jsonl", 8)
-    write_data(tmp / "val.jsonl", 3, offset=50)
-    yield tmp, model
-    if ray.is_initialized():
-        ray.shutdown()
+    yield from pipeline_dir(tmp_path_factory, "dump")
 
 
 def record_batches(monkeypatch) -> list[tuple[Batch, dict]]:
