@@ -11,15 +11,25 @@ from torch import nn
 from roll.configs.errors import ConfigError
 from roll.models.loading import decoder_layers
 from roll.models.lora import (
+    ADAPTER_NAMES,
     LoRALinear,
-    adapter_state_dict,
     apply_lora,
     hf_name,
-    merged_state_dict,
+    lora_scales,
+    merge,
     merged_stream,
 )
 
 torch.set_num_threads(1)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain wrapped model's state_dict as the un-wrapped model's, LoRA targets merged."""
+    return {name: t.detach() for name, t in merged_stream(model.state_dict().items(), lora_scales(model))}
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in model.state_dict().items() if n.rsplit(".", 1)[-1] in ADAPTER_NAMES}
 
 
 def _layer(rank: int = 3, alpha: float = 6.0) -> tuple[nn.Linear, LoRALinear]:
@@ -51,7 +61,7 @@ def test_merged_weight_is_w_plus_scale_b_a():
     reference, lora = _layer(rank=3, alpha=6.0)
     with torch.no_grad():
         lora.lora_B.normal_()
-    merged = lora.merged_weight()
+    merged = merge(lora.base.weight, lora.lora_A, lora.lora_B, lora.scale)
     assert torch.allclose(merged, reference.weight + 2.0 * lora.lora_B @ lora.lora_A, atol=1e-6)
     x = torch.randn(3, 5)
     assert torch.allclose(lora(x), nn.functional.linear(x, merged, reference.bias), atol=1e-5)

@@ -7,8 +7,7 @@ computes exactly what it computed before::
     y = base(x) + (dropout(x) @ A.T @ B.T) * alpha / rank
 
 >>> wrapped = apply_lora(model, ["q_proj", "v_proj"], rank=8, alpha=16.0)   # names of the wrapped modules
->>> merged = merged_state_dict(model)        # original HF names, W + alpha / rank * B @ A
->>> adapters = adapter_state_dict(model)     # "...q_proj.lora_A" / "...q_proj.lora_B"
+>>> merged = dict(merged_stream(model.state_dict().items(), lora_scales(model)))  # HF names, W + alpha/rank * B @ A
 
 Every parameter but the adapters (and ``keep_trainable`` prefixes, e.g. a critic's fresh value
 head) is frozen. ``hf_name`` maps a wrapped model's state_dict name back to the original one
@@ -59,10 +58,6 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.T @ self.lora_B.T
         return self.base(x) + (update * self.scale).to(x.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A (detached), computed in fp32 and cast back to W's dtype."""
-        return merge(self.base.weight, self.lora_A, self.lora_B, self.scale)
 
 
 def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -133,11 +128,6 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def is_adapter(name: str) -> bool:
-    """Whether a state_dict / parameter name is a LoRA A or B matrix."""
-    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
-
-
 def hf_name(name: str, wrapped: set[str]) -> str:
     """The original name of a wrapped model's state_dict entry: ``<module>.base.<tensor>`` of a
     wrapped ``<module>`` is ``<module>.<tensor>``; other names are unchanged."""
@@ -161,8 +151,9 @@ def merged_stream(
     target's weight is held until its A and B have arrived (a module's own A, B come before its
     ``base`` in state_dict order, so normally nothing waits)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    wrapped = set(scales)
     for name, tensor in named:
-        original = hf_name(name, set(scales))
+        original = hf_name(name, wrapped)
         module, _, leaf = original.rpartition(".")
         if module not in scales or leaf not in (*ADAPTER_NAMES, "weight"):
             yield original, tensor
@@ -176,14 +167,3 @@ def merged_stream(
         raise ValueError(
             f"merged_stream: incomplete LoRA modules {sorted(pending)[:3]} (weight, lora_A, lora_B)"
         )
-
-
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict as the un-wrapped model would have it, with each LoRA target's
-    weight merged (W + scale * B @ A); no adapter entries. Plain (unsharded) models only."""
-    return {name: t.detach() for name, t in merged_stream(model.state_dict().items(), lora_scales(model))}
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA A and B matrices by state_dict name."""
-    return {name: t.detach() for name, t in model.state_dict().items() if is_adapter(name)}

@@ -381,7 +381,8 @@ class FSDP2TrainStrategy:
         """Copy full HF-named tensors (the same on every rank) into this rank's shards. With LoRA,
         a target's weight goes to its frozen base weight (the adapters are unchanged)."""
         targets = self.model.state_dict()
-        wrapped = {hf_name(name, set(self.lora_scales)): name for name in targets}
+        adapted = set(self.lora_scales)
+        wrapped = {hf_name(name, adapted): name for name in targets}
         with torch.no_grad():
             for name, full in named_tensors:
                 name = wrapped.get(name, name)
