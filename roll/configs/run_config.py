@@ -35,6 +35,15 @@ class CheckpointConfig:
     max_to_keep: int | None = bounded(None, ge=1)
 
 
+# ``resume_from_checkpoint`` values that mean a fresh run (YAML false, or the words from a CLI override).
+RESUME_OFF = (False, None, "", "false", "False")
+
+
+def resume_requested(value: str | bool | None) -> bool:
+    """Whether a ``resume_from_checkpoint`` value asks for a resume (true, "latest" or a path)."""
+    return value not in RESUME_OFF
+
+
 @dataclass
 class RunConfig:
     """The run-level keys of every pipeline's YAML file, and the one role every run trains."""

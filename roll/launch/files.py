@@ -17,6 +17,7 @@ from pathlib import Path
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_options
+from roll.configs.run_config import resume_requested
 from roll.configs.strategy_configs import MegatronConfig, SGLangConfig, VLLMConfig
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.megatron.families import check_model_fits
@@ -57,7 +58,7 @@ def check_files(config: RLVRConfig) -> None:
         role_tags = reward_role_tags(config, train)
         check_domain_probs(probs, sorted(train), "actor_train.data_args.domain_interleave_probs", role_tags)
     check_reward_options(config)
-    if config.resume_from_checkpoint not in (False, None, ""):
+    if resume_requested(config.resume_from_checkpoint):
         resolve_resume(config)
     check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.run_config import RunConfig
+from roll.configs.run_config import RunConfig, resume_requested
 from roll.core.errors import CheckpointError
 from roll.core.roles import TRAINER_ROLES
 from roll.pipeline.common.checkpoint_manifest import MANIFEST, read_state, verify_checkpoint, write_manifest
@@ -122,9 +122,9 @@ def latest_checkpoint(root: Path, roles: Iterable[str] = ("actor_train",)) -> Pa
 def resolve_resume(config: RunConfig) -> Path | None:
     """Where to resume from: ``true`` = the newest valid one under the checkpoint dir, a path =
     that one, which must verify. Either way the result has been verified against its manifest."""
-    value = config.resume_from_checkpoint
-    if value is False or value in ("", "false", "False", None):
+    if not resume_requested(config.resume_from_checkpoint):
         return None
+    value = config.resume_from_checkpoint
     roles = checkpoint_roles(config)
     if value is True or value in ("true", "True", "latest"):
         found = latest_checkpoint(checkpoint_root(config), roles)

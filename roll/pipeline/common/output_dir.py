@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.configs.run_config import RunConfig
+from roll.configs.run_config import RunConfig, resume_requested
 from roll.core.errors import StorageError
 from roll.pipeline.common.checkpoint import checkpoint_root, step_dirs
 from roll.utils.atomic_io import disk_full_as
@@ -125,8 +125,7 @@ def claim_output_dir(config: RunConfig) -> OutputDirLock:
     (which then deletes the old run's metrics, model and checkpoints)."""
     lock = OutputDirLock(Path(config.output_dir))
     lock.acquire()
-    resuming = config.resume_from_checkpoint not in (False, None, "", "false", "False")
-    found = [] if resuming else existing_run_files(config)
+    found = [] if resume_requested(config.resume_from_checkpoint) else existing_run_files(config)
     if found and not config.overwrite_output_dir:
         lock.release()
         shown = ", ".join(str(p) for p in found[:3]) + (

@@ -37,6 +37,7 @@ from safetensors.torch import save as save_tensors
 import roll
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
+from roll.configs.run_config import resume_requested
 from roll.core.batch import Batch
 from roll.core.errors import RolloutDumpError
 from roll.utils.atomic_io import disk_full_as, write_file_durably
@@ -71,10 +72,6 @@ def tokenizer_values(tokenizer: Any) -> dict[str, Any]:
     return {"tokenizer.vocab_size": len(vocab), "tokenizer.vocab_sha256": digest}
 
 
-def resumes(config: RLVRConfig) -> bool:
-    return config.resume_from_checkpoint not in (False, None, "", "false", "False")
-
-
 def check_dump_dir(config: RLVRConfig) -> dict[str, Any] | None:
     """The pre-launch check of ``rollout_dump`` (also run when a dump opens); returns the manifest
     of an existing dump, None for a fresh one. One ConfigError naming the key (see the two checks
@@ -92,7 +89,7 @@ def _check_dump_target(config: RLVRConfig, root: Path) -> dict[str, Any] | None:
     there (made with the same values); anything else is refused before a file is touched."""
     if not root.is_dir() or not any(root.iterdir()):
         return None
-    if not resumes(config):
+    if not resume_requested(config.resume_from_checkpoint):
         raise ConfigError(
             KEY,
             f"{root} already holds files ({_describe(root)}); point rollout_dump.dir at a new "
