@@ -35,6 +35,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 import roll
+from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.run_config import resume_requested
@@ -110,7 +111,7 @@ def _check_replay_source(config: RLVRConfig, root: Path) -> dict[str, Any]:
     steps = sorted(int(k) for k in manifest["steps"])
     missing = [k for k in range(1, config.max_steps + 1) if str(k) not in manifest["steps"]]
     if missing:
-        held = f"steps {_ranges(steps)}" if steps else "no steps"
+        held = f"steps {format_device_ids(steps)}" if steps else "no steps"
         raise ConfigError(
             "max_steps",
             f"{config.max_steps}, but {root} holds {held} (step {missing[0]} is missing); set max_steps "
@@ -170,11 +171,11 @@ class RolloutDump:
         if not config.rollout_dump.enabled:
             return None
         root = Path(config.rollout_dump.dir)
-        existing = check_dump_dir(config)
-        values = config_values(config) | tokenizer_values(tokenizer)
+        existing = check_dump_dir(config)  # the config's values checked there already
+        tokens = tokenizer_values(tokenizer)
         if existing is not None:
-            check_matches(existing, values, root)
-        dump = cls(root, config.rollout_dump.mode, existing or _new_manifest(values))
+            check_matches(existing, tokens, root)
+        dump = cls(root, config.rollout_dump.mode, existing or _new_manifest(config_values(config) | tokens))
         if dump.mode == "dump" and existing is None:
             with disk_full_as(RolloutDumpError, root / MANIFEST):
                 root.mkdir(parents=True, exist_ok=True)
@@ -286,11 +287,3 @@ def _contiguous(steps: list[int]) -> int:
     while last + 1 in steps:
         last += 1
     return last
-
-
-def _ranges(steps: list[int]) -> str:
-    return (
-        f"{steps[0]}-{steps[-1]}"
-        if steps == list(range(steps[0], steps[-1] + 1))
-        else ", ".join(map(str, steps))
-    )
