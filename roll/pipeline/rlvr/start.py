@@ -232,19 +232,18 @@ def check_worker_nodes(run: RLVRRun) -> None:
     from roll.distributed.executor.worker import Worker
     from roll.distributed.scheduler.cluster import get_all
 
-    placed = {name: run.plan.roles[name] for name in run.clusters if not run.plan.roles[name].cpu_only}
-    answers = get_all(*(run.clusters[name].async_call(Worker.ping) for name in placed))
-    for role_plan, pings in zip(placed.values(), answers):
-        run.resources.check_worker_nodes(role_plan, [p["node_id"] for p in pings])
-    if run.plan.num_nodes > 1:
-        unplaced = [name for name in run.clusters if name not in placed]
-        for name, pings in zip(
-            unplaced, get_all(*(run.clusters[name].async_call(Worker.ping) for name in unplaced))
-        ):
+    multinode = run.plan.num_nodes > 1
+    asked = [name for name in run.clusters if multinode or not run.plan.roles[name].cpu_only]
+    placed = {name: run.plan.roles[name] for name in asked if not run.plan.roles[name].cpu_only}
+    answers = get_all(*(run.clusters[name].async_call(Worker.ping) for name in asked))
+    for name, pings in zip(asked, answers):  # one round for every role asked
+        if name in placed:
+            run.resources.check_worker_nodes(placed[name], [p["node_id"] for p in pings])
+        else:
             run.clusters[name].nodes = {
                 rank: run.resources.name_node(p["node_id"]) for rank, p in enumerate(pings)
             }
-    level = logging.INFO if run.plan.num_nodes > 1 else logging.DEBUG
+    level = logging.INFO if multinode else logging.DEBUG
     for line in run.resources.describe(placed).splitlines():
         logger.log(level, "placement: %s", line)
 
