@@ -5,7 +5,10 @@ that build such lines. Errors of a running job (a file, a checkpoint, a reward r
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -24,6 +27,18 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """Return ' (did you mean 'x'?)' for the closest candidate, or '' when none is close."""
     match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def table_entry(table: Mapping[str, T], name: str, path: str, kind: str) -> T:
+    """``table[name]``; an unknown name is one ConfigError on ``path``: ``unknown <kind> 'x' (did
+    you mean ...); valid names: ...``."""
+    entry = table.get(name)
+    if entry is None:
+        raise ConfigError(
+            path,
+            f"unknown {kind} {name!r}{did_you_mean(str(name), table)}; valid names: {', '.join(sorted(table))}",
+        )
+    return entry
 
 
 def join_path(prefix: str, key: str | int) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from roll.configs.build import build_dataclass
-from roll.configs.errors import ConfigError, did_you_mean
+from roll.configs.errors import ConfigError, table_entry
 from roll.configs.roll_compat_options import map_fsdp2, map_megatron
 from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, SGLangConfig, VLLMConfig
 
@@ -182,14 +182,7 @@ STRATEGIES: dict[str, StrategySpec] = {
 
 def get_strategy_spec(name: str, path: str = "strategy_args.strategy_name") -> StrategySpec:
     """The row of ``name``; an unknown name is a ConfigError on ``path`` listing the valid ones."""
-    spec = STRATEGIES.get(name)
-    if spec is None:
-        raise ConfigError(
-            path,
-            f"unknown strategy {name!r}{did_you_mean(str(name), STRATEGIES)}; "
-            f"valid names: {', '.join(sorted(STRATEGIES))}",
-        )
-    return spec
+    return table_entry(STRATEGIES, name, path, "strategy")
 
 
 def check_engine_version(spec: StrategySpec, path: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from roll.configs.errors import ConfigError, did_you_mean
+from roll.configs.errors import table_entry
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,7 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
 
 
 def get_reward_spec(name: str, path: str = "reward_fn") -> RewardSpec:
-    spec = REWARD_FUNCTIONS.get(name)
-    if spec is None:
-        raise ConfigError(
-            path,
-            f"unknown reward {name!r}{did_you_mean(name, REWARD_FUNCTIONS)}; "
-            f"valid names: {', '.join(sorted(REWARD_FUNCTIONS))}",
-        )
-    return spec
+    return table_entry(REWARD_FUNCTIONS, name, path, "reward")
 
 
 def check_reward_machine(name: str, reward_kwargs: dict, path: str) -> None:
