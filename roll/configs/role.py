@@ -21,6 +21,10 @@ MODEL_TYPES = "roll.models.model_options:MODEL_TYPES"
 LR_SCHEDULES = "roll.utils.lr_schedule:DECAYS"
 
 
+# ``lora_target`` value meaning every nn.Linear of the decoder layers (never the LM head).
+LORA_ALL_LINEAR = "all-linear"
+
+
 @dataclass
 class ModelArgs:
     model_name_or_path: str | None = None

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from roll.configs.errors import ConfigError
+from roll.configs.role import LORA_ALL_LINEAR as ALL_LINEAR
 
-# ``lora_target`` value meaning every nn.Linear of the decoder layers (never the LM head).
-ALL_LINEAR = "all-linear"
 BASE = "base"
 ADAPTER_NAMES = ("lora_A", "lora_B")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.configs.role import LORA_ALL_LINEAR
 
 # model_type -> (q/k/v bias, RMSNorm per query/key head, MoE field names or None).
 FAMILY_TRAITS: dict[str, tuple[bool, bool, str | None]] = {
@@ -113,7 +114,7 @@ class ModelShape:
         dense_layers = self.layers - self.moe_layers
         mlp = {"gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
         attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-        names = [*attention, *mlp] if "all-linear" in targets else targets
+        names = [*attention, *mlp] if LORA_ALL_LINEAR in targets else targets
         count = 0
         for name in names:
             if name in attention:
