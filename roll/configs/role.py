@@ -7,7 +7,7 @@ the options class of the strategy's row (see ``roll.configs.strategies``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from roll.configs.ranges import bounded, one_of
@@ -72,8 +72,11 @@ class ModelArgs:
 
     def lora_keys_set(self) -> list[str]:
         """The lora_* keys given a value (not their defaults)."""
-        defaults = {"lora_target": None, "lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0}
-        return [key for key, default in defaults.items() if getattr(self, key) != default]
+        return [f.name for f in fields(self) if f.name in LORA_KEYS and getattr(self, f.name) != f.default]
+
+
+# ModelArgs' LoRA fields (what a ROLL file may carry on any role).
+LORA_KEYS = tuple(f.name for f in fields(ModelArgs) if f.name.startswith("lora_"))
 
 
 @dataclass

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from roll.configs.role import LORA_KEYS
 from roll.configs.roll_compat_options import Problems
 from roll.configs.strategies import STRATEGIES
 
-LORA_KEYS = ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
 NO_MEGATRON_LORA = (
     "ROLL trains LoRA adapters on the frozen Megatron model; roll has no Megatron LoRA: use "
