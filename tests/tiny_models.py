@@ -113,3 +113,15 @@ def safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
+def tensor_differences(tag: str, original: dict, again: dict) -> list[str]:
+    """What a round trip changed: differing name sets, then each tensor not bit-equal."""
+    bad = []
+    if original.keys() != again.keys():
+        bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
+    return bad + [
+        f"{tag}: {n} differs"
+        for n in original.keys() & again.keys()
+        if not torch.equal(original[n], again[n])
+    ]

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 pytest.importorskip("megatron.core")
 
 from cuda_on_cpu import cuda_hidden  # noqa: E402
-from tiny_models import safetensors_dir, save_random_model  # noqa: E402
+from tiny_models import safetensors_dir, save_random_model, tensor_differences  # noqa: E402
 from two_rank_training import megatron_rank, raw_params, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
@@ -103,14 +103,7 @@ def _worker(rank: int, world_size: int, port: int, scratch: str) -> None:
                 bad.append(f"{tag}: held {source.peak_bytes} bytes at once, largest parameter {largest}")
             convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts
             if rank == 0:
-                original, again = _tensors(Path(scratch, name)), _tensors(back)
-                if original.keys() != again.keys():
-                    bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
-                bad += [
-                    f"{tag}: {n} differs"
-                    for n in original.keys() & again.keys()
-                    if not torch.equal(original[n], again[n])
-                ]
+                bad += tensor_differences(tag, _tensors(Path(scratch, name)), _tensors(back))
         bad += _strategy_checks(scratch)
 
 

@@ -39,7 +39,7 @@ import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
 from cuda_on_cpu import cuda_hidden  # noqa: E402
 from gloo_ranks import spawn_ranks  # noqa: E402
-from tiny_models import build_tiny_tokenizer  # noqa: E402
+from tiny_models import build_tiny_tokenizer, safetensors_dir, tensor_differences  # noqa: E402
 from two_rank_training import megatron_rank, pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
@@ -200,8 +200,7 @@ def test_yarn_and_the_expert_bias_matter(tmp_path) -> None:
 
 
 # -------------------------------------------------------------------- converter + training
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return {n: t for f in sorted(directory.glob("*.safetensors")) for n, t in load_file(f).items()}
+_tensors = safetensors_dir
 
 
 def add_mtp_layer(path: Path) -> list[str]:
@@ -228,14 +227,7 @@ def _converter_checks(scratch: str) -> list[str]:
         convert.write_mcore(src, mcore, convert.layout_config(tp, pp, ep))
         convert.read_mcore(mcore, back)
         if dist.get_rank() == 0:
-            again = _tensors(back)
-            if original.keys() != again.keys():
-                bad.append(f"{tag}: names differ: {sorted(original.keys() ^ again.keys())[:4]}")
-            bad += [
-                f"{tag}: {n} differs"
-                for n in original.keys() & again.keys()
-                if not torch.equal(original[n], again[n])
-            ]
+            bad += tensor_differences(tag, original, _tensors(back))
     return bad
 
 
