@@ -178,8 +178,11 @@ def one_step(run: SimpleNamespace, rows: int = 8) -> Batch:
     return batch
 
 
-def test_auto_skips_the_pass_and_takes_the_train_forwards_log_probs():
-    run = fake_run(rl_config())
+@pytest.mark.parametrize("strategy", ["fsdp2_train", "megatron_train"])
+def test_auto_skips_the_pass_and_takes_the_train_forwards_log_probs(strategy):
+    config = rl_config()
+    config = replace(config, actor_train=replace(config.actor_train, strategy_args=StrategyArgs(strategy)))
+    run = fake_run(config)
     batch = one_step(run)
     assert run.model("actor_train").calls == ["train_step_with_log_probs"]
     assert batch["old_log_probs"].unique().tolist() == [-2.0] and "entropy" in batch
@@ -201,10 +204,6 @@ def per_rank_steps(**training) -> RLVRConfig:
         per_rank_steps(per_device_train_batch_size=2, gradient_accumulation_steps=1),  # 4 rows/rank: 2 steps
         rl_config(add_token_level_kl=True),
         rl_config(overlong=OverlongConfig(filter=True)),
-        replace(
-            rl_config(),
-            actor_train=replace(rl_config().actor_train, strategy_args=StrategyArgs("megatron_train")),
-        ),
     ],
     ids=[
         "always",
@@ -212,7 +211,6 @@ def per_rank_steps(**training) -> RLVRConfig:
         "two_optimizer_steps",
         "kl_in_reward",
         "overlong_filter",
-        "megatron_train",
     ],
 )
 def test_the_pass_runs_where_the_train_forward_is_not_the_same(config):

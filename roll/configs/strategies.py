@@ -135,6 +135,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             extra="megatron",
             requires=("megatron.core",),
             protocols=("FinishesModelUpdate",),
+            records_train_log_probs=True,
             offloads_on_cpu=True,
         ),
         StrategySpec(
