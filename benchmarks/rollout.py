@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--enforce_eager", action="store_true", help="engine rows without CUDA graphs (and vLLM's compile)"
     )
+    parser.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="vLLM rows with torch.compile (the strategy's torch_compile: true)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row, write JSON
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -93,6 +98,7 @@ def vllm_config(args: argparse.Namespace) -> dict:
     return dict(
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        torch_compile=args.torch_compile,
         sleep_level=0,
         max_model_len=args.prompt_len + args.new_tokens + 16,
     )
