@@ -14,6 +14,7 @@ from roll.configs.loader import load_config
 from roll.configs.roll_compat import translate_roll_keys
 from roll.distributed.scheduler.placement import plan_placement
 from roll.launch.checks import check_before_launch
+from roll.launch.files import check_ulysses_layout
 from roll.models.random_checkpoint import preset_config
 from roll.models.ulysses import check_heads
 from roll.planner.memory import fsdp2_train
@@ -62,6 +63,26 @@ def test_heads_must_split_over_the_group_and_kv_heads_replicate_by_whole_factors
     config.num_key_value_heads = 4
     with pytest.raises(ConfigError, match="6 neither divides the model's 4 KV heads"):
         check_heads(config, 6, KEY)
+
+
+def test_the_pre_launch_check_reads_the_heads_from_config_json(tmp_path):
+    tiny_qwen2_config().to_json_file(tmp_path / "config.json")  # 4 heads, 2 KV heads
+    for size, ok in ((2, True), (4, True), (3, False)):  # 6 devices: every size divides them
+        config = load_config(
+            MINIMAL,
+            [
+                f"pretrain={tmp_path}",
+                "actor_train.device_mapping=0-5",
+                "num_gpus_per_node=6",
+                f"{KEY}={size}",
+            ],
+        )
+        if ok:
+            check_ulysses_layout("actor_train", config.actor_train)
+            continue
+        with pytest.raises(ConfigError, match="3 does not divide the model's 4 attention heads") as info:
+            check_ulysses_layout("actor_train", config.actor_train)
+        assert info.value.path == KEY
 
 
 # ----------------------------------------------------------------------------- planner
