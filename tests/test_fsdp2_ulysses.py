@@ -57,6 +57,15 @@ def record_first_gradients(strategy) -> dict[str, torch.Tensor]:
     return grads
 
 
+def values(model_dir: str, rank: int, world_size: int, packing: bool, ulysses: int = 1) -> torch.Tensor:
+    """A critic's values of this DP rank's rows."""
+    critic = make_strategy(
+        model_dir, rank, world_size, model_type="value", sequence_packing=packing, ulysses_size=ulysses
+    )
+    dp_rank, dp_size, _ = critic.dp_layout()
+    return critic.compute_values(rows().chunk(dp_size)[dp_rank])
+
+
 def _ulysses_worker(rank: int, world_size: int, port: int, model_dir: str, out: str, ulysses: int) -> None:
     with process_group(rank, world_size, port, init=False):  # the strategy joins
         result = {}
@@ -71,6 +80,7 @@ def _ulysses_worker(rank: int, world_size: int, port: int, model_dir: str, out: 
                 rank % ulysses == 0,
             )
             result[packing] = {**run(strategy, dp_rank, dp_size), "dp_rank": dp_rank}
+            result[packing]["values"] = values(model_dir, rank, world_size, packing, ulysses)
         torch.save(result, f"{out}/rank{rank}.pt")
 
 
@@ -83,10 +93,10 @@ def model_dir(tmp_path_factory):
 def unsplit(model_dir):
     """One rank without Ulysses, padded and packed, in this process."""
     owns_group = not dist.is_initialized()
-    result = {
-        packing: run(make_strategy(model_dir, 0, 1, sequence_packing=packing), 0, 1)
-        for packing in (False, True)
-    }
+    result = {}
+    for packing in (False, True):
+        result[packing] = run(make_strategy(model_dir, 0, 1, sequence_packing=packing), 0, 1)
+        result[packing]["values"] = values(model_dir, 0, 1, packing)
     yield result
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -97,7 +107,7 @@ def check_against_unsplit(out, world_size: int, ulysses: int, reference: dict) -
     dp_size = world_size // ulysses
     for packing, ref in reference.items():
         got = [r[packing] for r in ranks]
-        for key in ("log_probs", "entropy"):
+        for key in ("log_probs", "entropy", "values"):
             # every rank of a group holds its DP rank's rows whole
             whole = torch.cat([got[d * ulysses][key] for d in range(dp_size)])
             assert torch.allclose(whole, ref[key], atol=1e-5), (packing, key, (whole - ref[key]).abs().max())

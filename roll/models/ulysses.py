@@ -47,6 +47,7 @@ class UlyssesBatch:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     packing_attention: str = "auto"
+    mask: torch.Tensor | None = None  # padded rows: built from key_mask by the first layer, then reused
 
 
 _ACTIVE: UlyssesBatch | None = None
@@ -113,6 +114,8 @@ def ulysses_attention(
     state = _ACTIVE
     if state is None:
         raise RuntimeError("ulysses attention: no micro-batch set (set_ulysses_batch)")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("ulysses attention: sliding-window attention layers are not supported")
     group = state.group
     n = dist.get_world_size(group)
     if key.shape[1] < n:  # each rank needs the KV head of its query heads
@@ -133,11 +136,13 @@ def ulysses_attention(
         )
         out = out.transpose(0, 1).unsqueeze(0)
     else:
+        if state.mask is None:
+            state.mask = padded_causal_mask(state.key_mask.to(q.device))
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=padded_causal_mask(state.key_mask.to(q.device)),
+            attn_mask=state.mask,
             dropout_p=dropout,
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
