@@ -4,12 +4,14 @@ against plain attention (KV heads replicated); a GPU run (marked) over NCCL."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from gloo_ranks import process_group, spawn_ranks
-from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss
+from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss, value_loss
 from tiny_models import build_tiny_model_dir
 
 from roll.core.batch import Batch
@@ -25,13 +27,22 @@ def rows() -> Batch:
     return global_batch(RESPONSE_WIDTH)
 
 
+def _policy_loss(outputs: dict, micro: Batch, loss_agg_mode: str) -> tuple[torch.Tensor, dict]:
+    return policy_loss(outputs, micro)
+
+
+# A token-mean loss as the RL loss factories bind it: the strategy weights each micro-batch by its
+# share of the mini-batch's tokens over all data-parallel ranks (roll.models.microbatch).
+token_mean_loss = partial(_policy_loss, loss_agg_mode="token-mean")
+
+
 def run(strategy, dp_rank: int, dp_size: int) -> dict:
     """Log-probs of this DP rank's rows, then STEPS optimizer steps on them (one row per
     micro-batch, so the reported loss, a mean over micro-batches, splits over DP ranks)."""
     mine = rows().chunk(dp_size)[dp_rank]
     out = strategy.compute_log_probs(mine)
     grads = record_first_gradients(strategy)
-    steps = [strategy.train_step(mine.split(1), policy_loss) for _ in range(STEPS)]
+    steps = [strategy.train_step(mine.split(1), token_mean_loss) for _ in range(STEPS)]
     return {
         "log_probs": out["log_probs"],
         "entropy": out["entropy"],
@@ -57,31 +68,60 @@ def record_first_gradients(strategy) -> dict[str, torch.Tensor]:
     return grads
 
 
-def values(model_dir: str, rank: int, world_size: int, packing: bool, ulysses: int = 1) -> torch.Tensor:
-    """A critic's values of this DP rank's rows."""
+def critic_run(
+    model_dir: str, rank: int, world_size: int, packing: bool, ulysses: int = 1, device="cpu"
+) -> dict:
+    """A critic's values of this DP rank's rows and the gradient norm of one step on them."""
     critic = make_strategy(
-        model_dir, rank, world_size, model_type="value", sequence_packing=packing, ulysses_size=ulysses
+        model_dir,
+        rank,
+        world_size,
+        device=device,
+        model_type="value",
+        sequence_packing=packing,
+        ulysses_size=ulysses,
     )
     dp_rank, dp_size, _ = critic.dp_layout()
-    return critic.compute_values(rows().chunk(dp_size)[dp_rank])
+    mine = rows().chunk(dp_size)[dp_rank]
+    values = critic.compute_values(mine)
+    return {"values": values, "critic_grad_norm": critic.train_step([mine], value_loss)["grad_norm"]}
+
+
+def budget_gradients(model_dir: str, rank: int, world_size: int, ulysses: int, device="cpu") -> dict:
+    """First-step gradients with micro-batches re-formed by a token budget over the DP ranks."""
+    strategy = make_strategy(
+        model_dir,
+        rank,
+        world_size,
+        device=device,
+        ulysses_size=ulysses,
+        sequence_packing=True,
+        max_tokens_per_microbatch=32,
+    )
+    dp_rank, dp_size, _ = strategy.dp_layout()
+    grads = record_first_gradients(strategy)
+    strategy.train_step(rows().chunk(dp_size)[dp_rank].split(1), token_mean_loss)
+    return grads
+
+
+def rank_results(model_dir: str, rank: int, world_size: int, ulysses: int, device: str = "cpu") -> dict:
+    """Everything this rank computes, padded (False) and packed (True), and with a token budget."""
+    result: dict = {}
+    for packing in (False, True):
+        strategy = make_strategy(
+            model_dir, rank, world_size, device=device, ulysses_size=ulysses, sequence_packing=packing
+        )
+        dp_rank, dp_size, collected = strategy.dp_layout()
+        assert (dp_rank, dp_size, collected) == (rank // ulysses, world_size // ulysses, rank % ulysses == 0)
+        result[packing] = run(strategy, dp_rank, dp_size)
+        result[packing] |= critic_run(model_dir, rank, world_size, packing, ulysses, device)
+    result["budget"] = budget_gradients(model_dir, rank, world_size, ulysses, device)
+    return result
 
 
 def _ulysses_worker(rank: int, world_size: int, port: int, model_dir: str, out: str, ulysses: int) -> None:
     with process_group(rank, world_size, port, init=False):  # the strategy joins
-        result = {}
-        for packing in (False, True):
-            strategy = make_strategy(
-                model_dir, rank, world_size, ulysses_size=ulysses, sequence_packing=packing
-            )
-            dp_rank, dp_size, collected = strategy.dp_layout()
-            assert (dp_rank, dp_size, collected) == (
-                rank // ulysses,
-                world_size // ulysses,
-                rank % ulysses == 0,
-            )
-            result[packing] = {**run(strategy, dp_rank, dp_size), "dp_rank": dp_rank}
-            result[packing]["values"] = values(model_dir, rank, world_size, packing, ulysses)
-        torch.save(result, f"{out}/rank{rank}.pt")
+        torch.save(rank_results(model_dir, rank, world_size, ulysses), f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +136,7 @@ def unsplit(model_dir):
     result = {}
     for packing in (False, True):
         result[packing] = run(make_strategy(model_dir, 0, 1, sequence_packing=packing), 0, 1)
-        result[packing]["values"] = values(model_dir, 0, 1, packing)
+        result[packing] |= critic_run(model_dir, 0, 1, packing)
     yield result
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -105,7 +145,7 @@ def unsplit(model_dir):
 def check_against_unsplit(out, world_size: int, ulysses: int, reference: dict) -> None:
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     dp_size = world_size // ulysses
-    for packing, ref in reference.items():
+    for packing, ref in ((p, reference[p]) for p in (False, True)):
         got = [r[packing] for r in ranks]
         for key in ("log_probs", "entropy", "values"):
             # every rank of a group holds its DP rank's rows whole
@@ -119,14 +159,21 @@ def check_against_unsplit(out, world_size: int, ulysses: int, reference: dict) -
             assert mean == pytest.approx(ref["losses"][step], abs=1e-5), (packing, step)
             for r in range(world_size):
                 assert got[r]["grad_norms"][step] == pytest.approx(ref["grad_norms"][step], rel=1e-5)
-        for name, grad in got[0]["grads"].items():
-            diff = (grad - ref["grads"][name]).abs().max()
-            assert torch.allclose(grad, ref["grads"][name], rtol=1e-4, atol=1e-6), (packing, name, diff)
+        assert got[0]["critic_grad_norm"] == pytest.approx(ref["critic_grad_norm"], rel=1e-5)
+        check_gradients(got[0]["grads"], ref["grads"], packing)
+        if packing:  # the token-budget micro-batches hold other rows; the token-mean gradient is the same
+            check_gradients(ranks[0]["budget"], ref["grads"], "budget")
         # Gradients agree to ~5e-8 (summation order); AdamW divides each by sqrt(v) + 1e-8, so an
         # entry near 1e-8 turns that noise into up to ~1e-4 of an lr 1e-2 step: weights to 1e-4.
         for name, tensor in got[0]["params"].items():
             diff = (tensor - ref["params"][name]).abs().max()
             assert torch.allclose(tensor, ref["params"][name], atol=1e-4), (packing, name, diff)
+
+
+def check_gradients(got: dict, reference: dict, what: object) -> None:
+    for name, grad in got.items():
+        diff = (grad - reference[name]).abs().max()
+        assert torch.allclose(grad, reference[name], rtol=1e-4, atol=1e-6), (what, name, diff)
 
 
 def test_two_ranks_of_one_ulysses_group_train_like_one_rank(model_dir, unsplit, tmp_path):
@@ -182,18 +229,7 @@ def test_all_to_all_attention_equals_full_attention_with_replicated_kv_heads(tmp
 # ---------------------------------------------------------------------------------------- GPU
 def _gpu_worker(rank: int, world_size: int, port: int, model_dir: str, out: str, ulysses: int) -> None:
     with process_group(rank, world_size, port, init=False):  # the strategy joins (nccl)
-        result = {}
-        for packing in (False, True):
-            strategy = make_strategy(
-                model_dir,
-                rank,
-                world_size,
-                device=f"cuda:{rank}",
-                ulysses_size=ulysses,
-                sequence_packing=packing,
-            )
-            dp_rank, dp_size, _ = strategy.dp_layout()
-            result[packing] = run(strategy, dp_rank, dp_size)
+        result = rank_results(model_dir, rank, world_size, ulysses, device=f"cuda:{rank}")
         torch.save(result, f"{out}/rank{rank}.pt")
 
 
