@@ -188,7 +188,11 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
             "lora_rank=64 (ROLL trains LoRA adapters on the frozen Megatron model; roll has no Megatron LoRA",
         ),
         ("lora_rank: 32", "lora_rank=32 (ROLL's top-level LoRA keys only feed ${} references"),
-        ("actor_train: {model_args: {ulysses_size: 2}}", "ulysses_size=2 (ROLL splits each sequence"),
+        (
+            "actor_train: {model_args: {ulysses_size: 2}, strategy_args: {strategy_name: megatron_train}}",
+            "ulysses_size=2 (Ulysses sequence parallelism is fsdp2_train's (strategy 'megatron_train' here); "
+            "on megatron strategies split sequences with strategy_config.context_parallel_size",
+        ),
         (
             "actor_train: {strategy_args: {strategy_name: fsdp2_train, strategy_config: {ep_size: 8}}}",
             "ep_size=8 (ROLL shards MoE experts",

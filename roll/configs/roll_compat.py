@@ -75,11 +75,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
-    "*.model_args.ulysses_size": Unsupported(
-        "ROLL splits each sequence over N devices (Ulysses attention) in fsdp2; roll's fsdp2 does not: "
-        "remove it, or use megatron_train with context_parallel_size: N",
-        (None, 1),
-    ),
     "checkpoint_config.type": Unsupported(
         "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
         (None, "file_system"),

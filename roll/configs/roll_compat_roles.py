@@ -40,6 +40,8 @@ def _strategies_with(option: str) -> tuple[str, ...]:
 
 # Strategies whose worker spans ``tensor_parallel_size`` devices, and those that take engine arguments.
 TP_STRATEGIES = _strategies_with("tensor_parallel_size")
+# Strategies that split sequences the Ulysses way (ROLL's model_args.ulysses_size).
+ULYSSES_STRATEGIES = _strategies_with("ulysses_size")
 ENGINE_STRATEGIES = _strategies_with("engine_kwargs")
 # Strategies that pack rows (their options are PackingOptions).
 PACKING_STRATEGIES = tuple(
@@ -67,6 +69,8 @@ def map_role(role: dict[str, Any], path: str, problems: Problems, notes: list[st
     for key, mapper in ROLE_MAPPERS.items():
         if key in role:
             mapper(role, f"{path}.{key}", problems, notes)
+    if isinstance(role.get("model_args"), dict) and "ulysses_size" in role["model_args"]:
+        _map_ulysses(role, f"{path}.model_args.ulysses_size", problems, notes)  # after fsdp2_infer's rename
 
 
 def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
@@ -86,6 +90,31 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems
         problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
     else:
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")
+
+
+def _map_ulysses(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
+    """ROLL's ``model_args.ulysses_size`` is roll's ``strategy_config.ulysses_size`` (fsdp2_train);
+    elsewhere 1 or null is dropped and anything else refused with what roll offers instead."""
+    value = role["model_args"].pop("ulysses_size")
+    args = role.get("strategy_args") or {}
+    name = args.get("strategy_name")
+    if name not in ULYSSES_STRATEGIES:
+        if value not in (None, 1):
+            problems.add(
+                f"{path}={value!r}",
+                f"Ulysses sequence parallelism is fsdp2_train's (strategy {name!r} here); on megatron "
+                "strategies split sequences with strategy_config.context_parallel_size: N, or remove it",
+            )
+        return
+    config = _options_dict(args)
+    if config.setdefault("ulysses_size", value) != value:
+        problems.add(
+            f"{path}={value!r}", f"conflicts with strategy_config.ulysses_size ({config['ulysses_size']})"
+        )
+    elif value is not None:
+        notes.append(f"{path}: {value} -> strategy_config.ulysses_size: {value}")
+    else:
+        config.pop("ulysses_size")
 
 
 def _options_dict(args: dict[str, Any]) -> dict[str, Any]:

@@ -24,10 +24,14 @@ class ParallelSizes:
     ep: int = 1
     vpp: int = 1
     dp: int = 1
+    # Ulysses sequence parallelism (fsdp2_train): ranks that split each sequence, dp = world / sp.
+    sp: int = 1
 
     def describe(self) -> str:
-        return f"TP={self.tp} PP={self.pp} CP={self.cp} EP={self.ep} DP={self.dp}" + (
-            f" VPP={self.vpp}" if self.vpp > 1 else ""
+        return (
+            f"TP={self.tp} PP={self.pp} CP={self.cp} EP={self.ep} DP={self.dp}"
+            + (f" VPP={self.vpp}" if self.vpp > 1 else "")
+            + (f" SP={self.sp} (Ulysses)" if self.sp > 1 else "")
         )
 
 
@@ -86,11 +90,27 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     # summing in 8 mantissa bits; the sharded gradients and the optimizer stay in the parameter dtype.
     reduce_dtype: str = one_of("fp32", "fp32", "bf16")
     cpu_offload: bool = False
+    # Ulysses sequence parallelism (roll.models.ulysses): each group of this many ranks splits every
+    # sequence of its micro-batches; attention exchanges sequence shards for head shards (all-to-all).
+    # Must divide the role's ranks (data-parallel size = ranks / ulysses_size) and the model's
+    # attention heads; KV heads are replicated when fewer than ulysses_size (checked at model load).
+    ulysses_size: int = bounded(1, ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduce_dtype != "fp32" and not self.mixed_precision:
             raise ValueError(f"reduce_dtype: {self.reduce_dtype} needs mixed_precision: true")
+
+    def parallel_sizes(self, world_size: int) -> ParallelSizes:
+        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size)
+
+    def validate(self, num_devices: int, path: str) -> None:
+        if num_devices % self.ulysses_size:
+            raise ConfigError(
+                f"{path}.ulysses_size",
+                f"{self.ulysses_size} does not divide the role's {num_devices} devices; change it or "
+                "the device_mapping",
+            )
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")

@@ -18,10 +18,11 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_options
 from roll.configs.run_config import resume_requested
-from roll.configs.strategy_configs import MegatronConfig, SGLangConfig, VLLMConfig
+from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangConfig, VLLMConfig
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
+from roll.models.ulysses import check_heads
 from roll.pipeline.common.checkpoint import resolve_resume
 from roll.pipeline.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rewards.scoring import check_reward_kwargs
@@ -47,6 +48,7 @@ def check_files(config: RLVRConfig) -> None:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
         check_megatron_layout(name, role)
         check_engine_role_layout(name, role)
+        check_ulysses_layout(name, role)
     first: dict[str, str] = {}  # tag -> "file:line" of its first row
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args", first)
     tags = train.copy()
@@ -88,6 +90,21 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
         if exc.path.startswith(name):
             raise
         raise ConfigError(f"{name}.{exc.path}", exc.message) from None
+
+
+def check_ulysses_layout(name: str, role: RoleConfig) -> None:
+    """An fsdp2 role's ``ulysses_size`` against its model's attention and KV heads (config.json),
+    the check the worker repeats when it loads the model."""
+    cfg = strategy_options(role)
+    if not isinstance(cfg, FSDP2Config) or cfg.ulysses_size == 1:
+        return
+    path = Path(role.model_args.model_name_or_path)
+    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+        return  # not a config transformers can read; the worker's model load names it
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
+    check_heads(hf_config, cfg.ulysses_size, f"{name}.strategy_args.strategy_config.ulysses_size")
 
 
 def check_engine_role_layout(name: str, role: RoleConfig) -> None:

@@ -167,11 +167,15 @@ def fsdp2_train(
     sharded: bool,
     mixed: bool,
     lora: int = 0,
+    ulysses: int = 1,
 ) -> dict[str, int]:
     """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``world``
     (mixed precision) plus two layers of gathered compute-dtype params. With ``lora`` adapter
     parameters (``ModelShape.lora_params``) the params are the base model's plus the adapters, and
-    only the adapters have grads and optimizer state."""
+    only the adapters have grads and optimizer state. ``ulysses``: ranks that split each sequence;
+    a rank keeps the activations and computes the logits of 1/ulysses of the micro-batch's tokens
+    (inside attention it holds every token of 1/ulysses of the heads: the same bytes), so both
+    divide by it like context parallelism's."""
     params = shape.total_params() + lora
     trained = lora or params
     shards = world if sharded else 1
@@ -181,6 +185,6 @@ def fsdp2_train(
         "params": state * params // shards + (2 * layer * dtype_bytes if sharded else 0),
         "grads": state * trained // shards,
         "optimizer": 2 * state * trained // shards,
-        "activations": activations(shape, tokens, recompute=recompute),
-        "logits": logit_bytes(shape, tokens, train=True),
+        "activations": activations(shape, tokens, Split(cp=ulysses), recompute=recompute),
+        "logits": logit_bytes(shape, -(-tokens // ulysses), train=True),
     }

@@ -182,7 +182,15 @@ def _fsdp2_train(x: RoleInputs) -> Prediction:
     args = x.role.model_args
     lora = shape.lora_params(args.lora_target, args.lora_rank) if args.uses_lora else 0
     parts = mem.fsdp2_train(
-        shape, x.plan.world_size, x.dtype, x.work.train_tokens, recompute, sharded, cfg.mixed_precision, lora
+        shape,
+        x.plan.world_size,
+        x.dtype,
+        x.work.train_tokens,
+        recompute,
+        sharded,
+        cfg.mixed_precision,
+        lora,
+        ulysses=cfg.ulysses_size,
     )
     if cfg.cpu_offload:  # shards live in host memory; two gathered layers on the device
         parts |= {"grads": 0, "optimizer": 0}

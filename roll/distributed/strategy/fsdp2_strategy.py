@@ -29,6 +29,12 @@ before sharding and only they (and a critic's value head) reach AdamW; ``iter_hf
 HF export merge them into the base weights under the original names, and checkpoints hold only the
 trainable parameters and their optimizer state (docs/strategies.md "LoRA").
 
+Ulysses sequence parallelism (``ulysses_size`` N > 1, ``roll.models.ulysses``): ranks
+``d * N .. d * N + N - 1`` form Ulysses group ``d`` (data-parallel rank ``d`` of ``world / N``); they
+get the same rows, split each micro-batch's columns among them, and exchange them around attention
+(all-to-all). FSDP2 still shards over every rank; loss weights are scaled by N because FSDP2 averages
+the gradients over all ranks while each group's gradient is the sum over its N ranks.
+
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
@@ -56,6 +62,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import FSDP2Config
 from roll.core.batch import Batch
@@ -67,6 +74,8 @@ from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
 from roll.models.lora import apply_lora, hf_name, lora_scales, merged_stream
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
+from roll.models.ulysses import check_heads, use_ulysses_attention
+from roll.models.ulysses_forward import ulysses_log_probs, ulysses_values
 from roll.models.value_model import HEAD_PREFIX, ValueModel, check_output_kind, response_values
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
@@ -95,6 +104,10 @@ class FSDP2TrainStrategy:
         self._schedule_error: str | None = None
         # alpha / rank per LoRA module name; empty without lora_rank (roll.models.lora).
         self.lora_scales: dict[str, float] = {}
+        # Ulysses: ranks per sequence, and the groups of the (data-parallel, sequence) layout.
+        self.ulysses_size = self.config.ulysses_size
+        self.sp_group: dist.ProcessGroup | None = None
+        self.dp_group: dist.ProcessGroup | None = None
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -113,6 +126,8 @@ class FSDP2TrainStrategy:
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
         if model_args.uses_lora:
             self._apply_lora(model)
+        if self.ulysses_size > 1:
+            self._init_ulysses(model)
         self.mesh = self._build_mesh()
         self.model = self._shard(model)
         self.model.train()
@@ -151,6 +166,20 @@ class FSDP2TrainStrategy:
         )
         self.lora_scales = lora_scales(model)
 
+    def _init_ulysses(self, model: torch.nn.Module) -> None:
+        """The (dp, sp) groups (rank = dp rank x N + position in the sequence) and the model's
+        attention switched to the all-to-all wrapper; ``ulysses_size`` checked against its heads."""
+        size = self.ulysses_size
+        path = f"{self.ctx.role}.strategy_args.strategy_config.ulysses_size"
+        if self.ctx.world_size % size:
+            raise ConfigError(path, f"{size} does not divide the role's {self.ctx.world_size} ranks")
+        check_heads(model.config, size, path)
+        layout = init_device_mesh(
+            self.ctx.device.type, (self.ctx.world_size // size, size), mesh_dim_names=("dp", "sp")
+        )
+        self.sp_group, self.dp_group = layout.get_group("sp"), layout.get_group("dp")
+        use_ulysses_attention(model)
+
     def _build_mesh(self) -> DeviceMesh:
         device_type = self.ctx.device.type
         if self.config.sharding == "no_shard":
@@ -187,8 +216,10 @@ class FSDP2TrainStrategy:
             group["lr"] = base_lr * lr_lambda(self.scheduler.last_epoch)
 
     def dp_layout(self) -> tuple[int, int, bool]:
-        """(dp rank, dp size, whether this rank's outputs are collected): every rank is a DP rank."""
-        return self.ctx.rank, self.ctx.world_size, True
+        """(dp rank, dp size, whether this rank's outputs are collected): every rank is a DP rank;
+        with Ulysses, each group of ``ulysses_size`` ranks is one, collected from its first rank."""
+        size = self.ulysses_size
+        return self.ctx.rank // size, self.ctx.world_size // size, self.ctx.rank % size == 0
 
     @property
     def is_value_model(self) -> bool:
@@ -205,9 +236,16 @@ class FSDP2TrainStrategy:
         return self.config.sequence_packing
 
     def _group(self) -> dist.ProcessGroup | None:
+        """The data-parallel ranks (different rows): all ranks, or one rank per Ulysses group."""
+        if self.dp_group is not None:
+            return self.dp_group
         return dist.group.WORLD if self.ctx.world_size > 1 else None
 
     def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if self.sp_group is not None:
+            if self.is_value_model:
+                return {"values": ulysses_values(self.model, batch, self.packing, self.sp_group)}
+            return ulysses_log_probs(self.model, batch, batch_temperature(batch), self.packing, self.sp_group)
         if self.is_value_model:
             return {"values": response_values(self.model, batch, self.packing)}
         return response_log_probs(self.model, batch, batch_temperature(batch), packed=self.packing)
@@ -227,7 +265,10 @@ class FSDP2TrainStrategy:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
         micro_batches = rebudget(micro_batches, self.config.max_tokens_per_microbatch, self._group())
+        # FSDP2 averages gradients over all ranks; a Ulysses group's N ranks each hold a part of one
+        # data-parallel rank's gradient, so the weights (which sum to the DP size) are scaled by N.
         weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), self._group())
+        weights = [w * self.ulysses_size for w in weights]
         totals: dict[str, float] = {}
         for micro, weight in zip(micro_batches, weights):
             micro = micro.to(self.ctx.device)
