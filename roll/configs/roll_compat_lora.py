@@ -3,11 +3,12 @@
 ROLL writes them at the top level and references them from each role's ``model_args``
 (``lora_rank: ${lora_rank}``), on the trainer and the inference engine alike. In roll:
 
-- on a role whose strategy trains LoRA (``fsdp2_train``): kept, the same names;
+- on a role whose strategy trains LoRA (``fsdp2_train``, ``megatron_train``): kept, the same names
+  (on megatron_train the HF target names adapt the fused megatron layers, docs/megatron.md "LoRA");
 - on an inference role of a ROLL file (vLLM, SGLang, hf_infer, megatron_infer): dropped with a
   note; the engine receives the trainer's merged weights, the reference is the frozen base model
   (in roll's own files they are a ConfigError before launch, ``roll.launch.roles``);
-- on ``megatron_train`` in a ROLL file: refused, roll has no Megatron LoRA;
+- on another training strategy in a ROLL file: refused (none today: both train LoRA);
 - at the top level: dropped once a role's ``model_args`` carries them (the file's ``${}``
   references are resolved by then), else refused with where to write them.
 
@@ -27,9 +28,9 @@ from roll.configs.roll_compat_options import Problems
 from roll.configs.strategies import STRATEGIES
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic")
-NO_MEGATRON_LORA = (
-    "ROLL trains LoRA adapters on the frozen Megatron model; roll has no Megatron LoRA: use "
-    "strategy_name fsdp2_train with model_args.lora_*, or remove the lora_* keys to train every parameter"
+NO_LORA_TRAINER = (
+    "this strategy trains every parameter; roll trains LoRA on fsdp2_train and megatron_train "
+    "(model_args.lora_*), or remove the lora_* keys"
 )
 
 
@@ -49,7 +50,7 @@ def map_lora(raw: dict[str, Any], roll_file: bool, problems: Problems, notes: li
             problems.add(
                 f"{key}={value!r}",
                 "ROLL's top-level LoRA keys only feed ${} references; write actor_train.model_args."
-                f"{key} (strategy fsdp2_train)",
+                f"{key} (strategy fsdp2_train or megatron_train)",
             )
 
 
@@ -69,7 +70,7 @@ def _map_role(
         return True  # roll's own file: the pre-launch check names a misplaced key (roll.launch.roles)
     if spec.side == "train":
         for key in keys:
-            problems.add(f"{role}.model_args.{key}={model_args[key]!r}", NO_MEGATRON_LORA)
+            problems.add(f"{role}.model_args.{key}={model_args[key]!r}", NO_LORA_TRAINER)
         return True
     for key in keys:
         del model_args[key]

@@ -136,6 +136,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("megatron.core",),
             protocols=("FinishesModelUpdate",),
             offloads_on_cpu=True,
+            trains_lora=True,
         ),
         StrategySpec(
             "megatron_infer",
