@@ -8,7 +8,7 @@ fp32, lr 1e-2. For each layout -- TP1 (x DP2), TP2, TP2 + sequence parallelism:
     then the gather) give the LoRA forward's log-probs, loaded into a plain megatron_train model
     and into transformers (max |diff| < 1e-5 / 1e-4), and training moved them (> 1e-3);
 (c) only the adapters require grad, are in DDP's buffers and change; every base weight is
-    bit-identical after the steps;
+    bit-identical after the steps; their count per rank is the memory planner's;
 and across layouts: the first step's gradient norm agrees (TP / SP reductions of the adapters'
 gradients are complete), as do the merged weights after two steps.
 
@@ -24,6 +24,7 @@ the layout checks over NCCL on 2 GPUs (or ``torchrun --nproc_per_node 2`` this f
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import warnings
@@ -51,6 +52,7 @@ from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.models.logprobs import response_log_probs  # noqa: E402
 from roll.models.megatron.hf_io import export_hf_weights, unwrap  # noqa: E402
 from roll.models.megatron.lora import is_adapter  # noqa: E402
+from roll.planner.model_shape import shape_from_config  # noqa: E402
 
 LORA = {"lora_target": ["all-linear"], "lora_rank": 4, "lora_alpha": 8.0}
 LAYOUTS = {
@@ -135,6 +137,13 @@ def layout_checks(name: str, path: str, results: dict) -> list[str]:
     adapters = {n for n in before if is_adapter(n)}
     if trained != adapters or len(adapters) != 2 * 4 * 2:  # A, B x 4 modules x 2 layers
         bad.append(f"{name}: trainable {sorted(trained ^ adapters)[:4]}, {len(adapters)} adapters")
+    shape = shape_from_config(json.loads(Path(path, "config.json").read_text()))
+    tp = LAYOUTS[name].get("tensor_model_parallel_size", 1)
+    planned = shape.megatron_lora_params(LORA["lora_target"], LORA["lora_rank"], tp)
+    if sum(before[n].numel() for n in adapters) != planned:
+        bad.append(
+            f"{name}: {sum(before[n].numel() for n in adapters)} adapter parameters, planner {planned}"
+        )
     buffered = {id(p) for buffer in model.model[0].buffers for p in buffer.params}
     named = {id(p): n for n, p in unwrap(model.model[0]).named_parameters()}
     if {named[i] for i in buffered} != adapters:
