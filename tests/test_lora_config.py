@@ -189,7 +189,9 @@ def test_roll_lora_on_megatron_maps_and_the_engine_copy_is_dropped(capsys):
         "lora_alpha": 32,
     }
     assert raw["actor_infer"]["model_args"] == {} and "lora_rank" not in raw
-    assert "actor_infer (megatron_infer) receives the trainer's merged weights" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "actor_infer (megatron_infer) receives the trainer's merged weights" in err
+    assert "MoE expert MLPs keep no adapters (ROLL's all-linear adapts them too)" in err
 
 
 def test_roll_top_level_lora_keys_no_role_uses_are_refused():

@@ -4,7 +4,8 @@ ROLL writes them at the top level and references them from each role's ``model_a
 (``lora_rank: ${lora_rank}``), on the trainer and the inference engine alike. In roll:
 
 - on a role whose strategy trains LoRA (``fsdp2_train``, ``megatron_train``): kept, the same names
-  (on megatron_train the HF target names adapt the fused megatron layers, docs/megatron.md "LoRA");
+  (on megatron_train the HF target names adapt the fused megatron layers, docs/megatron.md "LoRA";
+  a note says that MoE expert MLPs get no adapters there, which ROLL's ``all-linear`` adapts);
 - on an inference role of a ROLL file (vLLM, SGLang, hf_infer, megatron_infer): dropped with a
   note; the engine receives the trainer's merged weights, the reference is the frozen base model
   (in roll's own files they are a ConfigError before launch, ``roll.launch.roles``);
@@ -31,6 +32,12 @@ ROLES = ("actor_train", "actor_infer", "reference", "critic")
 NO_LORA_TRAINER = (
     "this strategy trains every parameter; roll trains LoRA on fsdp2_train and megatron_train "
     "(model_args.lora_*), or remove the lora_* keys"
+)
+
+# ROLL's megatron LoRA also adapts MoE experts' grouped linears; roll's adapts attention and dense MLPs.
+MEGATRON_EXPERTS = (
+    "{role}.model_args.lora_target: on megatron_train roll adapts the attention and dense-MLP layers; "
+    "MoE expert MLPs keep no adapters (ROLL's all-linear adapts them too)"
 )
 
 
@@ -66,6 +73,8 @@ def _map_role(
         return False
     args = section.get("strategy_args")
     spec = STRATEGIES.get(str(args.get("strategy_name"))) if isinstance(args, dict) else None
+    if spec is not None and spec.name == "megatron_train" and roll_file and "lora_target" in keys:
+        notes.append(MEGATRON_EXPERTS.format(role=role))
     if spec is None or spec.trains_lora or not roll_file:
         return True  # roll's own file: the pre-launch check names a misplaced key (roll.launch.roles)
     if spec.side == "train":
