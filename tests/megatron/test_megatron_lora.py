@@ -1,7 +1,7 @@
 """LoRA on megatron_train (``roll.models.megatron.lora``) over two real ranks, against transformers.
 
 A tiny untied Qwen2 (2 layers), adapters on every linear module (``all-linear``, rank 4, alpha 8),
-fp32, lr 1e-2. For each layout -- TP1 (x DP2), TP2, TP2 + sequence parallelism:
+fp32, lr 1e-2. For each layout -- TP1 (x DP2), TP2, TP2 + sequence parallelism, PP2:
 
 (a) at start (B = 0) the LoRA model's log-probs equal the base model's, bit for bit;
 (b) after two steps the merged HF weights (``export_hf_weights``: W + alpha/r B A on each TP shard,
@@ -12,9 +12,11 @@ fp32, lr 1e-2. For each layout -- TP1 (x DP2), TP2, TP2 + sequence parallelism:
 and across layouts: the first step's gradient norm agrees (TP / SP reductions of the adapters'
 gradients are complete), as do the merged weights after two steps.
 
+MoE (Qwen3-MoE, EP2 x DP2): ``all-linear`` adapts the attention only and the merged weights give
+the LoRA forward; gate/up/down targets on a model without dense MLP layers are a ConfigError.
 Dropout: in training the adapter's input is dropped (two calls differ), in eval it is not.
-Checkpoints (TP2): a resume takes step 2 bit-identically; TP1 x DP2 loads the TP2 adapters (the
-same merged weights); the checkpoint holds adapters only; another LoRA layout, or none, is one
+Checkpoints (TP2): a resume takes step 2 bit-identically; TP1 x DP2 and PP2 load the TP2 adapters
+(the same merged weights); the checkpoint holds adapters only; another LoRA layout, or none, is one
 CheckpointError naming ``common.pt`` and both layouts.
 
 CPU: gloo with the test-only shims (``compat``, ``cuda_on_cpu``); ``test_lora_layouts_gpu`` runs
@@ -59,6 +61,7 @@ LAYOUTS = {
     "TP1": {"use_distributed_optimizer": True},
     "TP2": {"tensor_model_parallel_size": 2},
     "TP2+SP": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "PP2": {"pipeline_model_parallel_size": 2},
 }
 # Checkpoints reshard between layouts of the distributed optimizer (as megatron_train's own tests).
 CKPT_TP2 = {"use_distributed_optimizer": True, "tensor_model_parallel_size": 2}
@@ -103,12 +106,12 @@ def _params(strategy) -> dict[str, torch.Tensor]:
 
 
 def _merged(strategy) -> dict[str, torch.Tensor]:
-    """The full merged HF tensors on every rank (rank 0 exports all of them here: PP = 1)."""
+    """The full merged HF tensors on every rank (each pipeline stage exports its own)."""
     chunks = [unwrap(c) for c in strategy.model]
     local = {n: t.detach().cpu().clone() for n, t in export_hf_weights(chunks, every_replica=True)}
-    box = [local]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {n: t for part in parts for n, t in part.items()}
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,6 +130,8 @@ def layout_checks(name: str, path: str, results: dict) -> list[str]:
     """(a), (b), (c) in one layout; ``results[name]`` gets the first grad norm and merged weights."""
     bad: list[str] = []
     batch = pg_batch(0)
+    tp = LAYOUTS[name].get("tensor_model_parallel_size", 1)
+    pp = LAYOUTS[name].get("pipeline_model_parallel_size", 1)
     base = _strategy(path, LAYOUTS[name])
     base_logp = base.compute_log_probs(batch)["log_probs"]
     model = _strategy(path, LAYOUTS[name], **LORA)
@@ -135,11 +140,10 @@ def layout_checks(name: str, path: str, results: dict) -> list[str]:
     before = _params(model)
     trained = {n for n, p in unwrap(model.model[0]).named_parameters() if p.requires_grad}
     adapters = {n for n in before if is_adapter(n)}
-    if trained != adapters or len(adapters) != 2 * 4 * 2:  # A, B x 4 modules x 2 layers
+    if trained != adapters or len(adapters) != 2 * 4 * 2 // pp:  # A, B x 4 modules x 2 layers
         bad.append(f"{name}: trainable {sorted(trained ^ adapters)[:4]}, {len(adapters)} adapters")
     shape = shape_from_config(json.loads(Path(path, "config.json").read_text()))
-    tp = LAYOUTS[name].get("tensor_model_parallel_size", 1)
-    planned = shape.megatron_lora_params(LORA["lora_target"], LORA["lora_rank"], tp)
+    planned = shape.megatron_lora_params(LORA["lora_target"], LORA["lora_rank"], tp) // pp
     if sum(before[n].numel() for n in adapters) != planned:
         bad.append(
             f"{name}: {sum(before[n].numel() for n in adapters)} adapter parameters, planner {planned}"
@@ -177,7 +181,7 @@ def layout_checks(name: str, path: str, results: dict) -> list[str]:
 def cross_layout_checks(results: dict) -> list[str]:
     bad = []
     ref = results["TP1"]
-    for name in ("TP2", "TP2+SP"):
+    for name in ("TP2", "TP2+SP", "PP2"):
         got = results[name]
         if abs(got["grad_norm"] - ref["grad_norm"]) > 1e-5 * ref["grad_norm"]:
             bad.append(f"{name}: first grad norm {got['grad_norm']!r} vs TP1 {ref['grad_norm']!r}")
@@ -222,11 +226,16 @@ def checkpoint_checks(path: str, scratch: str) -> list[str]:
         bad.append("resumed step 2 differs from the uninterrupted run (loss or step count)")
     now = _params(resumed)
     bad += [f"resumed step 2: {n}" for n in ref if not torch.equal(ref[n], now[n])]
-    other = _strategy(path, LAYOUTS["TP1"], **LORA)
-    other.load_checkpoint(ckpt)
-    worst = max(_max_diff(t, saved[n]) for n, t in _merged(other).items())
-    if not worst < 1e-6:
-        bad.append(f"TP1 x DP2 loaded the TP2 adapters {worst:.2e} away from the saved merged weights")
+    for name, layout in (
+        ("TP1 x DP2", LAYOUTS["TP1"]),
+        ("PP2", {**CKPT_TP2, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}),
+    ):
+        other = _strategy(path, layout, **LORA)
+        other.load_checkpoint(ckpt)
+        loaded = _merged(other)
+        worst = max(_max_diff(t, saved[n]) for n, t in loaded.items())
+        if loaded.keys() != saved.keys() or not worst < 1e-6:
+            bad.append(f"{name} loaded the TP2 adapters {worst:.2e} away from the saved merged weights")
     keys = dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "megatron"))
     if not keys or not all("lora_" in k for k in keys):
         bad.append(f"checkpoint tensors that are no adapter: {[k for k in keys if 'lora_' not in k][:4]}")
@@ -246,6 +255,38 @@ def checkpoint_checks(path: str, scratch: str) -> list[str]:
     return bad
 
 
+def moe_checks(path: str) -> list[str]:
+    """Qwen3-MoE at EP2 x DP2: ``all-linear`` adapts the attention only (expert MLPs carry none);
+    after a step the merged weights give the LoRA forward; MLP targets alone are a ConfigError."""
+    from roll.configs.errors import ConfigError
+
+    bad: list[str] = []
+    batch = pg_batch(0)
+    layout = {"use_distributed_optimizer": True, "expert_model_parallel_size": 2}
+    base = _strategy(path, layout)
+    model = _strategy(path, layout, **LORA)
+    adapted = {n.rsplit(".", 1)[0] for n, _ in unwrap(model.model[0]).named_parameters() if is_adapter(n)}
+    expected = {
+        f"decoder.layers.{i}.self_attention.{m}" for i in (0, 1) for m in ("linear_qkv", "linear_proj")
+    }
+    if adapted != expected:
+        bad.append(f"MoE: adapted {sorted(adapted)}")
+    _step(model, batch)
+    lora_logp = model.compute_log_probs(batch)["log_probs"]
+    base.load_weights(iter(_merged(model).items()))
+    base.finish_model_update(1)
+    diff = _max_diff(base.compute_log_probs(batch)["log_probs"], lora_logp)
+    if not diff < MERGED_MAX_DIFF:
+        bad.append(f"MoE: merged weights vs the LoRA forward {diff:.2e}")
+    try:
+        _strategy(path, layout, lora_target=["gate_proj"], lora_rank=4)
+        bad.append("MoE: gate_proj on a model without dense MLPs was accepted")
+    except ConfigError as err:
+        if "every layer of this model is MoE" not in str(err):
+            bad.append(f"MoE: gate_proj: {err}")
+    return bad
+
+
 def run_layouts(path: str) -> list[str]:
     results: dict = {}
     bad = []
@@ -256,7 +297,8 @@ def run_layouts(path: str) -> list[str]:
 
 def _worker(rank: int, world_size: int, port: int, which: str, path: str, scratch: str) -> None:
     with megatron_rank(rank, world_size, port, scratch, timeout=datetime.timedelta(seconds=120)) as bad:
-        bad += run_layouts(path) if which == "layouts" else checkpoint_checks(path, scratch)
+        checks = {"layouts": run_layouts, "moe": moe_checks}
+        bad += checks[which](path) if which in checks else checkpoint_checks(path, scratch)
 
 
 def test_lora_layouts_cpu(tmp_path: Path) -> None:
@@ -268,6 +310,19 @@ def test_lora_layouts_cpu(tmp_path: Path) -> None:
 def test_lora_checkpoint_cpu(tmp_path: Path) -> None:
     path = save_tiny_qwen2(tmp_path / "model", layers=2)
     bad = run_two_ranks(_worker, ("checkpoint", path, str(tmp_path)), tmp_path)
+    assert not bad, "\n".join(bad)
+
+
+def test_lora_moe_cpu(tmp_path: Path) -> None:
+    from tiny_models import build_tiny_tokenizer
+
+    from roll.models.random_checkpoint import write_random_checkpoint
+
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    path = write_random_checkpoint(
+        "tiny-qwen3-moe", tmp_path / "model", tokenizer_dir=tmp_path / "tokenizer", dtype=torch.float32
+    )
+    bad = run_two_ranks(_worker, ("moe", str(path), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)
 
 
