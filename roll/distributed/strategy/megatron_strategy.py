@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-from roll.configs.errors import ConfigError
-from roll.configs.role import LORA_ALL_LINEAR, RoleConfig
+from roll.configs.role import RoleConfig
 from roll.configs.strategy_configs import MegatronConfig
 from roll.core.batch import Batch
 from roll.core.loss import LossFn
@@ -102,24 +101,14 @@ class MegatronTrainStrategy:
     def _apply_lora(self, chunks: list[torch.nn.Module]) -> dict[str, Any]:
         """Adapters on ``lora_target`` (everything else frozen), A drawn from the run's seed, the
         same in every layout; returns the checkpoint layout."""
-        from roll.models.megatron.model_builder import moe_layer_pattern
-
         args = self.role_config.model_args
         path = f"{self.ctx.role}.model_args.lora_target"
+        layout = lora.layout(chunks[0].config, args.lora_target, args.lora_rank, path)
         alpha = args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank)
         lora.apply_lora(
             chunks, args.lora_target, args.lora_rank, alpha, args.lora_dropout, seed=self.ctx.seed, path=path
         )
-        config = chunks[0].config
-        dense = [not moe for moe in moe_layer_pattern(config)]
-        modules = lora.megatron_targets(args.lora_target, path)
-        if LORA_ALL_LINEAR not in args.lora_target and set(modules) & set(lora.MLP) and not any(dense):
-            raise ConfigError(
-                path,
-                "gate_proj/up_proj/down_proj: every layer of this model is MoE and "
-                "expert MLPs carry no adapters; target the attention (q/k/v/o_proj)",
-            )
-        return lora.layout(modules, config.num_layers, dense, args.lora_rank)
+        return layout
 
     def dp_layout(self) -> tuple[int, int, bool]:
         return parallel.dp_layout()

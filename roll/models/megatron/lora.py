@@ -80,11 +80,25 @@ def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTERS
 
 
-def layout(modules: list[str], num_layers: int, dense: list[bool], rank: int) -> dict[str, Any]:
-    """What a checkpoint's adapters depend on: the rank and every adapted module of the whole model
-    (``dense[i]``: layer i has a dense MLP), the same on every rank whatever the parallel layout."""
+def layout(config: Any, targets: list[str], rank: int, path: str) -> dict[str, Any]:
+    """What a checkpoint's adapters depend on: the rank and every module of the whole model
+    (``config``: its TransformerConfig) that ``targets`` adapt, the same on every rank whatever the
+    parallel layout. MLP targets named on a model without a dense MLP layer are a ConfigError."""
+    from roll.models.megatron.model_builder import moe_layer_pattern
+
+    modules = megatron_targets(targets, path)
+    dense = [not moe for moe in moe_layer_pattern(config)]
+    if LORA_ALL_LINEAR not in targets and set(modules) & set(MLP) and not any(dense):
+        raise ConfigError(
+            path,
+            "gate_proj/up_proj/down_proj: every layer of this model is MoE and expert MLPs carry no "
+            "adapters; target the attention (q_proj, k_proj, v_proj, o_proj)",
+        )
     names = [
-        f"decoder.layers.{i}.{m}" for i in range(num_layers) for m in modules if m in ATTENTION or dense[i]
+        f"decoder.layers.{i}.{m}"
+        for i in range(config.num_layers)
+        for m in modules
+        if m in ATTENTION or dense[i]
     ]
     return {"rank": rank, "modules": names}
 
