@@ -121,6 +121,7 @@ def apply_lora(
 ) -> list[str]:
     """Freeze every parameter of ``chunks`` (GPTModels, before DDP) and adapt the targeted linear
     modules of their decoder layers; returns the adapted module names (global layer numbers)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP as DenseMLP
 
     modules = megatron_targets(targets, path)
@@ -136,6 +137,13 @@ def apply_lora(
                 leaf = name.rsplit(".", 1)[-1]
                 if not hasattr(owner, leaf):
                     raise ConfigError(path, f"this model's attention has no {leaf} (multi-latent attention)")
+                if not isinstance(getattr(owner, leaf), (ColumnParallelLinear, RowParallelLinear)):
+                    raise ConfigError(
+                        path,
+                        f"LoRA adapts megatron's Column/RowParallelLinear, not {type(getattr(owner, leaf)).__name__} "
+                        "(TransformerEngine's layer spec); set strategy_args.strategy_config.attention_backend: "
+                        "local for the plain-torch spec, or remove the lora_* keys",
+                    )
                 full = f"decoder.layers.{layer.layer_number - 1}.{name}"
                 swiglu = name == MLP[0] and bool(layer.config.gated_linear_unit)
                 seed_here = zlib.crc32(f"{seed}:{full}".encode())
