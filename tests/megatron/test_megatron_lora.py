@@ -65,8 +65,13 @@ LAYOUTS = {
 }
 # Checkpoints reshard between layouts of the distributed optimizer (as megatron_train's own tests).
 CKPT_TP2 = {"use_distributed_optimizer": True, "tensor_model_parallel_size": 2}
-MERGED_MAX_DIFF = 1e-5  # merged weights in megatron vs the LoRA forward (fp32)
-HF_MAX_DIFF = 1e-4  # merged weights in transformers vs the LoRA forward (fp32)
+# fp32 bounds on CPU; on GPU (TF32 off) other kernels run for the merged and the LoRA forward, and
+# reductions are not ordered, so the GPU bounds are those of test_megatron_gpu (1e-4).
+CUDA = torch.cuda.is_available()
+MERGED_MAX_DIFF = 1e-4 if CUDA else 1e-5  # merged weights in megatron vs the LoRA forward
+HF_MAX_DIFF = 1e-4  # merged weights in transformers vs the LoRA forward
+INIT_MAX_DIFF = 1e-6 if CUDA else 0.0  # the LoRA model at B = 0 vs the base model
+ACROSS_LAYOUTS = 1e-4 if CUDA else 1e-6  # merged weights after two steps; grad norm (x10, relative)
 
 
 def _device() -> torch.device:
@@ -135,7 +140,7 @@ def layout_checks(name: str, path: str, results: dict) -> list[str]:
     base = _strategy(path, LAYOUTS[name])
     base_logp = base.compute_log_probs(batch)["log_probs"]
     model = _strategy(path, LAYOUTS[name], **LORA)
-    if not torch.equal(model.compute_log_probs(batch)["log_probs"], base_logp):
+    if _max_diff(model.compute_log_probs(batch)["log_probs"], base_logp) > INIT_MAX_DIFF:
         bad.append(f"{name}: at B = 0 the LoRA log-probs differ from the base model's")
     before = _params(model)
     trained = {n for n, p in unwrap(model.model[0]).named_parameters() if p.requires_grad}
@@ -183,10 +188,10 @@ def cross_layout_checks(results: dict) -> list[str]:
     ref = results["TP1"]
     for name in ("TP2", "TP2+SP", "PP2"):
         got = results[name]
-        if abs(got["grad_norm"] - ref["grad_norm"]) > 1e-5 * ref["grad_norm"]:
+        if abs(got["grad_norm"] - ref["grad_norm"]) > 10 * ACROSS_LAYOUTS * ref["grad_norm"]:
             bad.append(f"{name}: first grad norm {got['grad_norm']!r} vs TP1 {ref['grad_norm']!r}")
         worst = max(_max_diff(got["merged"][n], ref["merged"][n]) for n in ref["merged"])
-        if not worst < 1e-6:
+        if not worst < ACROSS_LAYOUTS:
             bad.append(f"{name}: merged weights after two steps {worst:.2e} from TP1's")
     return bad
 
