@@ -17,7 +17,7 @@ from roll.launch.checks import check_before_launch
 from roll.models.loading import decoder_layers
 from roll.models.lora import apply_lora
 from roll.models.random_checkpoint import preset_config
-from roll.planner.memory import fsdp2_train
+from roll.planner.memory import Split, fsdp2_train, megatron_train
 from roll.planner.model_shape import shape_from_config
 from roll.planner.roles import role_memory
 
@@ -60,11 +60,19 @@ def test_lora_keys_without_a_rank_or_a_rank_without_targets():
     refused([LORA[0]], "actor_train.model_args.lora_target", "is required with lora_rank")
 
 
-def test_lora_on_megatron_train_is_one_error_naming_the_key():
+MEGATRON = "actor_train.strategy_args.strategy_name=megatron_train"
+
+
+def test_lora_on_megatron_train_passes_and_an_unknown_target_is_one_error():
+    check_before_launch(load_config(MINIMAL, [*LORA, MEGATRON]), files=False)
+    check_before_launch(
+        load_config(MINIMAL, [LORA[0], MEGATRON, "actor_train.model_args.lora_target=all-linear"]),
+        files=False,
+    )
     refused(
-        [*LORA, "actor_train.strategy_args.strategy_name=megatron_train"],
+        [LORA[0], MEGATRON, "actor_train.model_args.lora_target=q_proj,lm_head"],
         "actor_train.model_args.lora_target",
-        "'megatron_train' cannot train LoRA adapters; use fsdp2_train",
+        "'lm_head' is no linear module megatron_train can adapt; it takes q_proj, k_proj, v_proj, o_proj",
         launch=True,
     )
 
@@ -114,6 +122,35 @@ def test_the_actor_train_prediction_counts_only_adapters_as_trained():
     assert lora["params"] > full["params"] and lora["activations"] == full["activations"]
 
 
+def test_megatron_lora_prediction_counts_only_adapters_as_trained():
+    shape = shape_from_config(preset_config("qwen2.5-7b").to_dict())
+    split = Split(tp=2, vocab_multiple=128)
+    lora = shape.megatron_lora_params(["all-linear"], 64, tp=2)
+    full = megatron_train(shape, split, 1, 2, 4096, False, False)
+    adapters = megatron_train(shape, split, 1, 2, 4096, False, False, lora=lora)
+    # ~81 M adapter parameters per TP rank against ~3.8 B: grads and Adam state ~45 x smaller.
+    assert adapters["optimizer"] * 40 < full["optimizer"] and adapters["grads"] * 40 < full["grads"]
+    assert adapters["params"] == full["params"] + 2 * lora  # bf16 base + bf16 adapters
+    # A partial q/k/v target adapts the whole fused linear_qkv, so it counts like q, k and v.
+    assert shape.megatron_lora_params(["q_proj"], 8) == shape.megatron_lora_params(
+        ["q_proj", "k_proj", "v_proj"], 8
+    )
+
+
+def test_the_megatron_actor_train_prediction_counts_only_adapters_as_trained():
+    shape = shape_from_config(preset_config("qwen2.5-7b").to_dict())
+
+    def predict(overrides: list[str]) -> dict[str, int]:
+        config = load_config(MINIMAL, [MEGATRON, *overrides])
+        plan = plan_placement(config).roles["actor_train"]
+        return role_memory("actor_train", config.actor_train, config, plan, shape, None, True).parts
+
+    full, lora = predict([]), predict(LORA)
+    assert lora["optimizer"] * 300 < full["optimizer"] and lora["grads"] * 300 < full["grads"]
+    # The base weights as before plus the adapters; no full-model optimizer step afterwards.
+    assert lora["params"] > full["params"] and lora["activations"] < full["activations"]
+
+
 # ---------------------------------------------------------------------- alibaba/ROLL keys
 
 
@@ -144,14 +181,17 @@ def test_roll_lora_on_fsdp2_maps_and_the_engine_copy_is_dropped(capsys):
     )
 
 
-def test_roll_lora_on_megatron_is_refused_with_roll_s_meaning_and_what_roll_offers():
-    with pytest.raises(ConfigError) as info:
-        translate_roll_keys(_roll_file("megatron_train"))
-    text = str(info.value)
-    assert "actor_train.model_args.lora_target='o_proj,q_proj'" in text and "lora_rank=32" in text
-    assert "ROLL trains LoRA adapters on the frozen Megatron model; roll has no Megatron LoRA" in text
-    assert "use strategy_name fsdp2_train with model_args.lora_*" in text
-    assert "actor_infer.model_args" not in text  # the engine's copy is dropped, not refused
+def test_roll_lora_on_megatron_maps_and_the_engine_copy_is_dropped(capsys):
+    raw = translate_roll_keys(_roll_file("megatron_train", infer="megatron_infer", lora_rank=32))
+    assert raw["actor_train"]["model_args"] == {
+        "lora_target": "o_proj,q_proj",
+        "lora_rank": 32,
+        "lora_alpha": 32,
+    }
+    assert raw["actor_infer"]["model_args"] == {} and "lora_rank" not in raw
+    err = capsys.readouterr().err
+    assert "actor_infer (megatron_infer) receives the trainer's merged weights" in err
+    assert "MoE expert MLPs keep no adapters (ROLL's all-linear adapts them too)" in err
 
 
 def test_roll_top_level_lora_keys_no_role_uses_are_refused():

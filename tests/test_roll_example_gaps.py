@@ -182,11 +182,6 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
 @pytest.mark.parametrize(
     "text, words",
     [
-        (
-            "{actor_train: {model_args: {lora_target: all-linear, lora_rank: 64}, strategy_args: "
-            "{strategy_name: megatron_train}}, rewards: {m: {worker_cls: x.MathRuleRewardWorker}}}",
-            "lora_rank=64 (ROLL trains LoRA adapters on the frozen Megatron model; roll has no Megatron LoRA",
-        ),
         ("lora_rank: 32", "lora_rank=32 (ROLL's top-level LoRA keys only feed ${} references"),
         (
             "actor_train: {model_args: {ulysses_size: 2}, strategy_args: {strategy_name: megatron_train}}",

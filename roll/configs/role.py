@@ -36,9 +36,10 @@ class ModelArgs:
     attn_implementation: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
     flash_attn: str | None = one_of(None, table=ATTN_IMPLEMENTATIONS)
     trust_remote_code: bool = False
-    # LoRA (fsdp2_train only; roll.models.lora): module-name suffixes of the decoder layers' linear
-    # modules to adapt ("q_proj,v_proj" or a list; "all-linear": every one), the adapters' rank
-    # (None: train every parameter), alpha (None: the rank, i.e. scale 1) and input dropout.
+    # LoRA (fsdp2_train: roll.models.lora; megatron_train: roll.models.megatron.lora): module-name
+    # suffixes of the decoder layers' linear modules to adapt ("q_proj,v_proj" or a list;
+    # "all-linear": every one), the adapters' rank (None: train every parameter), alpha (None: the
+    # rank, i.e. scale 1) and input dropout.
     lora_target: list[str] | None = None
     lora_rank: int | None = bounded(None, ge=1)
     lora_alpha: float | None = bounded(None, gt=0)

@@ -137,6 +137,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             protocols=("FinishesModelUpdate",),
             records_train_log_probs=True,
             offloads_on_cpu=True,
+            trains_lora=True,
         ),
         StrategySpec(
             "megatron_infer",

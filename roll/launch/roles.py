@@ -109,7 +109,9 @@ def _check_lora(name: str, role: RoleConfig, spec: StrategySpec) -> None:
             else "is not trained"
         )
         raise ConfigError(
-            key, f"{name} {what}; remove the lora_* keys here and set them on actor_train (fsdp2_train)"
+            key,
+            f"{name} {what}; remove the lora_* keys here and set them on actor_train (fsdp2_train or "
+            "megatron_train)",
         )
     if not spec.trains_lora:
         trains = [s.name for s in STRATEGIES.values() if s.trains_lora]
@@ -118,6 +120,10 @@ def _check_lora(name: str, role: RoleConfig, spec: StrategySpec) -> None:
             f"{spec.name!r} cannot train LoRA adapters; use {' or '.join(trains)} for LoRA, or remove "
             "the lora_* keys to train every parameter",
         )
+    if spec.name == "megatron_train":  # its targets are the fused megatron modules' HF names
+        from roll.models.megatron.lora import megatron_targets
+
+        megatron_targets(role.model_args.lora_target, f"{name}.model_args.lora_target")
 
 
 def _check_token_budgets(typed: object, config: Any, path: str) -> None:

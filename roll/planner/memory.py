@@ -140,19 +140,34 @@ def generation_bytes(
 
 
 def megatron_train(
-    shape: ModelShape, split: Split, dp: int, dtype_bytes: int, tokens: int, recompute: bool, dist_opt: bool
+    shape: ModelShape,
+    split: Split,
+    dp: int,
+    dtype_bytes: int,
+    tokens: int,
+    recompute: bool,
+    dist_opt: bool,
+    lora: int = 0,
 ) -> dict[str, int]:
-    """One megatron_train rank during the train step (``tokens`` per micro-batch)."""
+    """One megatron_train rank during the train step (``tokens`` per micro-batch). With ``lora``
+    adapter parameters on this rank (``ModelShape.megatron_lora_params``) the frozen base holds
+    only its weights, and the adapters alone have grads and optimizer state."""
     dense, expert = rank_params(shape, split)
     expert_dp = max(split.tp * split.cp * dp // (split.etp * split.ep), 1)
-    parts = training_state(dense, dtype_bytes, dp if dist_opt else 1)
-    for key, value in training_state(expert, dtype_bytes, expert_dp if dist_opt else 1).items():
-        parts[key] += value
+    shards = (dp, expert_dp) if dist_opt else (1, 1)
+    if lora:
+        parts = training_state(lora, dtype_bytes, shards[0])
+        parts["params"] += dtype_bytes * (dense + expert)
+        stepped = lora // shards[0]
+    else:
+        parts = training_state(dense, dtype_bytes, shards[0])
+        for key, value in training_state(expert, dtype_bytes, shards[1]).items():
+            parts[key] += value
+        stepped = dense // shards[0] + expert // shards[1]
     parts["activations"] = activations(shape, tokens, split, recompute)
     parts["logits"] = logit_bytes(shape, tokens, split, train=True)
     # The optimizer step runs after the activations are gone; its temporaries may be larger.
-    shards = (dp, expert_dp) if dist_opt else (1, 1)
-    step = optimizer_step_bytes(dense // shards[0] + expert // shards[1])
+    step = optimizer_step_bytes(stepped)
     if step > parts["activations"] + parts["logits"]:
         parts["activations"], parts["logits"] = step, 0
     return parts

@@ -126,6 +126,27 @@ class ModelShape:
                 count += self.layers * 2 * h
         return rank * count
 
+    def megatron_lora_params(self, targets: list[str], rank: int, tp: int = 1) -> int:
+        """LoRA A and B on one TP rank of megatron_train (``roll.models.megatron.lora``): one
+        adapter on the fused q/k/v layer when any of q/k/v_proj is targeted, one on gate/up; the
+        column-parallel layers' A [rank, in] and the row-parallel ones' B [out, rank] whole, the
+        other factor 1/TP; dense-MLP layers only (expert MLPs carry none)."""
+        h, q, kv, ffn = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        dense_layers = self.layers - self.moe_layers
+        every = LORA_ALL_LINEAR in targets
+        # (targeted, layers, in, out, row-parallel)
+        modules = (
+            (every or {"q_proj", "k_proj", "v_proj"} & set(targets), self.layers, h, q + 2 * kv, False),
+            (every or "o_proj" in targets, self.layers, q, h, True),
+            (every or {"gate_proj", "up_proj"} & set(targets), dense_layers, h, 2 * ffn, False),
+            (every or "down_proj" in targets, dense_layers, ffn, h, True),
+        )
+        count = 0
+        for targeted, layers, fan_in, fan_out, row in modules:
+            if targeted:
+                count += layers * (fan_in // tp + fan_out if row else fan_in + fan_out // tp)
+        return rank * count
+
 
 def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelShape:
     """A ``ModelShape`` from the dict of a ``config.json``; ConfigError for an unknown family."""

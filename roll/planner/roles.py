@@ -136,6 +136,8 @@ def _megatron_split(cfg: Any, tp_only: bool = False) -> mem.Split:
 def _megatron_train(x: RoleInputs) -> Prediction:
     cfg, shape, split = x.cfg, x.shape, _megatron_split(x.cfg)
     recompute = cfg.recompute_granularity == "full"
+    args = x.role.model_args
+    lora = shape.megatron_lora_params(args.lora_target, args.lora_rank, split.tp) if args.uses_lora else 0
     parts = mem.megatron_train(
         shape,
         split,
@@ -144,6 +146,7 @@ def _megatron_train(x: RoleInputs) -> Prediction:
         x.work.train_tokens,
         recompute,
         cfg.use_distributed_optimizer,
+        lora // split.pp,
     )
     value_head = x.role.model_args.is_value_model
     if value_head:

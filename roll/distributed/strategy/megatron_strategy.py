@@ -20,6 +20,12 @@ and re-formed by ``max_tokens_per_microbatch`` when set (``roll.models.packing``
 the loss aggregated over the whole mini-batch. Then gradients are clipped to
 ``max_grad_norm``, the LR set from ``roll.utils.lr_schedule`` and the optimizer steps. A value head
 (critic) is not supported here: use fsdp2_train for the critic.
+
+LoRA (``model_args.lora_rank``, ``roll.models.megatron.lora``): adapters on the targeted
+column/row-parallel layers, added after the HF weights load and before DDP, so only they get
+gradient buffers and optimizer state; ``iter_hf_weights`` and the HF export merge them into each TP
+shard before the gather, and checkpoints hold the adapters and their optimizer state
+(docs/megatron.md "LoRA").
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from roll.core.batch import Batch
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
-from roll.models.megatron import dist_checkpoint, parallel
+from roll.models.megatron import dist_checkpoint, lora, parallel
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
@@ -69,6 +75,8 @@ class MegatronTrainStrategy:
         self.offloader: StateOffloader | None = None
         self.step_count = 0
         self._loader = None  # NamedTensorLoader of the model update in progress
+        # What the adapters' checkpoints depend on (lora.layout); None without lora_rank.
+        self.lora_layout: dict[str, Any] | None = None
         # LR factor per optimizer step, over the schedule length the driver computed; None (a
         # linear/cosine schedule without a length): the learning rate stays constant.
         total = ctx.total_optimizer_steps
@@ -83,10 +91,24 @@ class MegatronTrainStrategy:
         self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
         if self.config.freeze_moe_router:
             freeze_routers(chunks)
+        if self.role_config.model_args.uses_lora:
+            self.lora_layout = self._apply_lora(chunks)
         self.model = _wrap_ddp(chunks, self.config)
         self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
         _configure_schedule(self.model)
         self.offloader = StateOffloader(self.model, self.optimizer)
+
+    def _apply_lora(self, chunks: list[torch.nn.Module]) -> dict[str, Any]:
+        """Adapters on ``lora_target`` (everything else frozen), A drawn from the run's seed, the
+        same in every layout; returns the checkpoint layout."""
+        args = self.role_config.model_args
+        path = f"{self.ctx.role}.model_args.lora_target"
+        layout = lora.layout(chunks[0].config, args.lora_target, args.lora_rank, path)
+        alpha = args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank)
+        lora.apply_lora(
+            chunks, args.lora_target, args.lora_rank, alpha, args.lora_dropout, seed=self.ctx.seed, path=path
+        )
+        return layout
 
     def dp_layout(self) -> tuple[int, int, bool]:
         return parallel.dp_layout()
@@ -236,13 +258,16 @@ class MegatronTrainStrategy:
         ``roll.models.megatron.dist_checkpoint``)."""
         self.offloader.ensure_loaded()
         self._finish_param_gather()  # the model part of the checkpoint is read from the params
-        dist_checkpoint.save(self.model, self.optimizer, self.step_count, path)
+        dist_checkpoint.save(self.model, self.optimizer, self.step_count, path, lora=self.lora_layout)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote into this strategy's layout (any TP / PP / VPP /
         DP): weights, optimizer state (main params, Adam moments, step) and ``step_count``."""
         self.offloader.ensure_loaded()
-        self.step_count = dist_checkpoint.load(self.model, self.optimizer, path)
+        key = f"{self.ctx.role}.model_args"
+        self.step_count = dist_checkpoint.load(
+            self.model, self.optimizer, path, lora=self.lora_layout, key=key
+        )
 
 
 def _constant(role_config: RoleConfig) -> bool:

@@ -4,12 +4,21 @@ Sharded by global parameter, so a checkpoint loads into any TP / PP / VPP / DP l
 
 >>> save(strategy.model, strategy.optimizer, strategy.step_count, "ckpt/step_10")
 >>> strategy.step_count = load(strategy.model, strategy.optimizer, "ckpt/step_10")
+
+With LoRA (``lora``: ``roll.models.megatron.lora.layout``) the checkpoint holds the trainable
+parameters (the adapters) and their optimizer state, and the layout in its common state
+(``common.pt``); the frozen base comes from the model's weights again on resume. A load whose
+layout differs (LoRA on / off, another rank or other modules) is one ``CheckpointError`` naming
+that file and both layouts.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+from roll.core.errors import CheckpointError
+from roll.models.megatron import lora as lora_adapters
 
 SUBDIR = "megatron"
 # How megatron-core (0.16.1) shards a checkpoint; save and load must agree, so it is also stored in
@@ -30,36 +39,64 @@ METADATA = {
 }
 
 
-def save(model: list[Any], optimizer: Any, step_count: int, path: str) -> None:
+def save(
+    model: list[Any], optimizer: Any, step_count: int, path: str, lora: dict[str, Any] | None = None
+) -> None:
     """Write the checkpoint under ``path/megatron``; collective over every rank of the role. The
     "fully_reshardable" choice is stored in the checkpoint (megatron's ``content_metadata``)."""
     from megatron.core import dist_checkpointing
 
     target = os.path.join(path, SUBDIR)
     os.makedirs(target, exist_ok=True)
-    state = _sharded_state_dict(model, optimizer, step_count, is_loading=False, metadata=dict(METADATA))
+    state = _sharded_state_dict(model, optimizer, step_count, False, dict(METADATA), trained_only=bool(lora))
+    state["lora"] = lora
     dist_checkpointing.save(state, target, content_metadata=dict(METADATA))
 
 
-def load(model: list[Any], optimizer: Any, path: str) -> int:
-    """Fill ``model`` and ``optimizer`` from ``path/megatron`` (any layout); returns the step count."""
+def load(
+    model: list[Any], optimizer: Any, path: str, lora: dict[str, Any] | None = None, key: str = "model_args"
+) -> int:
+    """Fill ``model`` and ``optimizer`` from ``path/megatron`` (any layout); returns the step count.
+    ``key``: where the LoRA keys of this run are set (for the layout-mismatch error)."""
     from megatron.core import dist_checkpointing
 
     target = os.path.join(path, SUBDIR)
     if not os.path.isdir(target):
         raise FileNotFoundError(f"{target}: no megatron checkpoint (save_checkpoint writes one here)")
-    _check_optimizer_count(dist_checkpointing.load_common_state_dict(target)["optimizer"], optimizer)
+    common = dist_checkpointing.load_common_state_dict(target)
+    saved = common.get("lora")
+    if saved != lora:  # a LoRA checkpoint holds only the adapters, a full one every weight
+        raise CheckpointError(
+            f"{os.path.join(target, 'common.pt')}: saved with LoRA {lora_adapters.describe(saved)} but "
+            f"{key} asks for {lora_adapters.describe(lora)}; resume with the lora_* keys the "
+            "checkpoint was saved with"
+        )
+    _check_optimizer_count(common["optimizer"], optimizer)
     _allocate_optimizer_state(optimizer)
-    template = _sharded_state_dict(model, optimizer, 0, is_loading=True, metadata=dict(METADATA))
+    template = _sharded_state_dict(model, optimizer, 0, True, dict(METADATA), trained_only=bool(lora))
     state = dist_checkpointing.load(template, target)
     for i, chunk in enumerate(model):
-        chunk.module.load_state_dict(state[f"model{i}"], strict=True)
+        _load_model_state(chunk.module, state[f"model{i}"], strict=not lora)
     _load_optimizer_state(optimizer, state["optimizer"])
     return int(state["step_count"])
 
 
+def _load_model_state(module: Any, state: dict[str, Any], strict: bool) -> None:
+    """``load_state_dict``; not strict (LoRA), every trained parameter must still be in ``state``."""
+    result = module.load_state_dict(state, strict=strict)
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing = sorted(trained & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint lacks {missing[:4]} / has unexpected {result.unexpected_keys[:4]}")
+
+
 def _sharded_state_dict(
-    model: list[Any], optimizer: Any, step_count: int, is_loading: bool, metadata: dict[str, Any]
+    model: list[Any],
+    optimizer: Any,
+    step_count: int,
+    is_loading: bool,
+    metadata: dict[str, Any],
+    trained_only: bool = False,
 ) -> dict[str, Any]:
     """What is saved and what a load fills in; both must be built with the same ``metadata``
     (it picks the optimizer's sharding, hence the checkpoint's keys). The model gets it too, as
@@ -67,11 +104,20 @@ def _sharded_state_dict(
     to the dict in place -- hence a fresh copy per call -- and TE layers read
     "singleton_local_shards"), so the optimizer's tensors mirror the model's keys."""
     state: dict[str, Any] = {
-        f"model{i}": c.module.sharded_state_dict(metadata=metadata) for i, c in enumerate(model)
+        f"model{i}": _model_state(c.module, metadata, trained_only) for i, c in enumerate(model)
     }
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
     state["step_count"] = step_count
     return state
+
+
+def _model_state(module: Any, metadata: dict[str, Any], trained_only: bool) -> dict[str, Any]:
+    """One chunk's sharded state dict; ``trained_only``: its parameters that require grad (LoRA)."""
+    state = module.sharded_state_dict(metadata=metadata)
+    if not trained_only:
+        return state
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
 
 
 def _optimizer_members(optimizer: Any) -> list[Any]:

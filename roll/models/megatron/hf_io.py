@@ -38,6 +38,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from roll.core.errors import CheckpointError
+from roll.models.megatron import lora
 from roll.models.megatron import weight_mapping as wm
 
 logger = logging.getLogger(__name__)
@@ -206,8 +207,9 @@ def _load_weight(
 
 def model_tensors(model: Any) -> dict[str, torch.Tensor]:
     """The chunk's parameters plus the buffers that are HF weights too (the MoE router's
-    ``expert_bias``, DeepSeek-V3's ``e_score_correction_bias``)."""
-    tensors = dict(model.named_parameters())
+    ``expert_bias``, DeepSeek-V3's ``e_score_correction_bias``); LoRA adapters are no HF weights
+    (an adapted layer's weight is exported merged, ``lora.export_tensor``)."""
+    tensors = {n: p for n, p in model.named_parameters() if not lora.is_adapter(n)}
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith(wm.HF_BUFFER_SUFFIXES))
     return tensors
 
@@ -347,7 +349,8 @@ def export_hf_weights(
         for weight in bound:
             if not weight.export or not (expert_group if weight.expert else dense_group):
                 continue
-            tensors = _hf_tensors(weight, params[weight.mcore], info, gather)
+            param = lora.export_tensor(model, weight.mcore, params[weight.mcore])
+            tensors = _hf_tensors(weight, param, info, gather)
             if tensors is not None:
                 yield from zip(weight.hf, tensors)
 

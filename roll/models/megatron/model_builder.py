@@ -139,6 +139,14 @@ def _final_norm(layer_spec: Any) -> Any:
     return LayerNormImpl if norm is IdentityOp else norm
 
 
+def moe_layer_pattern(config: Any) -> list[int]:
+    """Per global layer: 1 for an MoE layer, 0 for a dense one (``moe_layer_freq``)."""
+    freq = config.moe_layer_freq if config.num_moe_experts else 0
+    if isinstance(freq, list):
+        return list(freq)
+    return [int(bool(freq) and i % freq == 0) for i in range(config.num_layers)]
+
+
 def decoder_block_spec(
     config: Any, megatron_cfg: MegatronConfig, layer_spec_fn: LayerSpecFn, vp_stage: int | None
 ) -> Any:
@@ -150,12 +158,7 @@ def decoder_block_spec(
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     experts = config.num_moe_experts
-    freq = config.moe_layer_freq if experts else 0
-    pattern = (
-        freq
-        if isinstance(freq, list)
-        else [int(bool(freq) and i % freq == 0) for i in range(config.num_layers)]
-    )
+    pattern = moe_layer_pattern(config)
     specs = {
         0: layer_spec_fn(config, megatron_cfg, None) if 0 in pattern else None,
         1: layer_spec_fn(config, megatron_cfg, experts) if 1 in pattern else None,
