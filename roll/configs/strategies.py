@@ -20,7 +20,7 @@ megatron-core, vLLM or SGLang installed. docs/strategies.md says how to add a ro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -85,6 +85,12 @@ class StrategySpec:
     # Whether the strategy trains LoRA adapters when ``model_args.lora_rank`` is set (roll.models.lora)
     # and exports merged weights; any other strategy refuses the lora_* keys before launch.
     trains_lora: bool = False
+    # Environment every GPU worker of a run that has a role of this strategy gets (under the run's
+    # and the role's ``system_envs``, which win). SGLang's ``Engine`` sets NCCL_CUMEM_ENABLE=0 in
+    # its worker's process unless it is set, and NCCL's peer-to-peer transport between a process
+    # with cuMem buffers and one without fails ("Cuda failure 'invalid argument'", transport/p2p.cc;
+    # seen on 2 x H200 in the trainer -> SGLang model update), so every process of the run must agree.
+    run_env: tuple[tuple[str, str], ...] = ()
 
     def build_options(self, data: Any) -> Any:
         """``data`` (a mapping, None or an ``options`` object) as an ``options`` object, built
@@ -177,9 +183,20 @@ STRATEGIES: dict[str, StrategySpec] = {
             protocols=("FinishesModelUpdate", "SharedBucketEngine"),
             sizes_from_free_memory=True,
             preload=("sglang",),
+            run_env=(("NCCL_CUMEM_ENABLE", "0"),),
         ),
     )
 }
+
+
+def strategies_run_env(roles: Iterable[Any]) -> dict[str, str]:
+    """The ``run_env`` of every strategy among ``roles`` (RoleConfigs), merged."""
+    env: dict[str, str] = {}
+    for role in roles:
+        args = getattr(role, "strategy_args", None)
+        if args is not None and args.strategy_name in STRATEGIES:
+            env.update(STRATEGIES[args.strategy_name].run_env)
+    return env
 
 
 def get_strategy_spec(name: str, path: str = "strategy_args.strategy_name") -> StrategySpec:

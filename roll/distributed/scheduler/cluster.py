@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, Generic, ParamSpec
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayError
 
-from roll.configs.strategies import get_strategy_spec
+from roll.configs.strategies import get_strategy_spec, strategies_run_env
 from roll.configs.timeouts import WorkerTimeoutsConfig
 from roll.core.batch import Batch
 from roll.distributed.executor.dispatch import (
@@ -170,6 +170,18 @@ def _raise_overdue(pending: list[ray.ObjectRef], owner: dict) -> None:
             raise result.cluster._time_out(late, result.deadline)
 
 
+def worker_extra_env(pipeline_config: Any, role_config: RoleConfig) -> dict[str, str]:
+    """Environment a role's workers get beyond their devices: what the run's strategies need
+    (``StrategySpec.run_env``), then the run's ``system_envs``, then the role's (later ones win)."""
+    if pipeline_config is None:
+        return dict(role_config.system_envs)
+    return {
+        **strategies_run_env(pipeline_config.roles().values()),
+        **pipeline_config.system_envs,
+        **role_config.system_envs,
+    }
+
+
 class Cluster:
     """All Ray actors of one role; see the module docstring for an example.
 
@@ -205,7 +217,7 @@ class Cluster:
         # Where each rank runs, for naming a dead one on a run that spans nodes (``_fail``).
         self.nodes = _rank_nodes(resource_manager, role_plan)
         self.timeouts = pipeline_config.worker_timeouts if pipeline_config else WorkerTimeoutsConfig()
-        extra_env = {**(pipeline_config.system_envs if pipeline_config else {}), **role_config.system_envs}
+        extra_env = worker_extra_env(pipeline_config, role_config)
         remote_cls = ray.remote(worker_cls) if hosts is None else None
         self.workers: list[ray.actor.ActorHandle | HostedWorker] = []
         added = []
