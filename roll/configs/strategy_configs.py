@@ -303,6 +303,11 @@ class VLLMConfig(_EngineTensorParallel):
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def drops_weights_on_offload(self) -> bool:
+        """Whether actor_infer's weights are gone after ``offload_states`` (the next model update
+        refills them): sleep level 2 discards them, level 1 keeps a CPU copy."""
+        return self.sleep_level == 2
+
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
         if self.cuda_graph_sizes == []:
@@ -332,6 +337,11 @@ class SGLangConfig(_EngineTensorParallel):
     enable_deterministic_inference: bool = False
     # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def drops_weights_on_offload(self) -> bool:
+        """Whether actor_infer's weights are gone after ``offload_states``: with the memory saver
+        actor_infer releases them, and SGLang keeps no copy (the next model update refills them)."""
+        return self.enable_memory_saver
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")

@@ -53,8 +53,9 @@ class RLVRRun:
     show_progress: bool = True
     # The version actor_infer generates with (the step whose weights were synced last; 0: the initial ones).
     weight_version: int = 0
-    # actor_infer drops its weights when it sleeps (vLLM sleep_level 2, colocated): every wake to
-    # generate refills them by a model update (stages.engine_awake); see ``start.refills_on_wake``.
+    # actor_infer drops its weights when it sleeps (vLLM sleep_level 2 or SGLang with its memory
+    # saver, colocated): every wake to generate refills them by a model update
+    # (stages.engine_awake); see ``start.refills_on_wake``.
     refill_on_wake: bool = False
     # Seconds the colocated roles spent reloading and offloading this step (``swap/*`` metrics).
     swaps: SwapTimes = field(default_factory=SwapTimes)

@@ -55,7 +55,7 @@ def on_devices(run: RLVRRun, role: str) -> Iterator[None]:
 @contextlib.contextmanager
 def engine_awake(run: RLVRRun) -> Iterator[None]:
     """actor_infer ready to generate for the block: on its devices and, where sleeping drops its
-    weights (``run.refill_on_wake``: vLLM ``sleep_level: 2`` colocated with its trainer), refilled
+    weights (``run.refill_on_wake``: vLLM ``sleep_level: 2`` or SGLang with its memory saver, colocated with its trainer), refilled
     by a model update right after the wake, so the engine is woken, updated and used with no
     offload in between."""
     with on_devices(run, "actor_infer"):

@@ -124,12 +124,14 @@ def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
 
 
 def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
-    """Whether actor_infer loses its weights each time it is offloaded (vLLM ``sleep_level: 2``
-    between the stages of a colocated layout), so each wake must refill them."""
+    """Whether actor_infer loses its weights each time it is offloaded between the stages of a
+    colocated layout (its options' ``drops_weights_on_offload``: vLLM ``sleep_level: 2``, SGLang
+    with the memory saver), so each wake must refill them."""
     if "actor_infer" not in colocated:
         return False
     args = config.actor_infer.strategy_args
-    return args is not None and args.strategy_name == "vllm" and args.strategy_config.sleep_level == 2
+    drops = getattr(args.strategy_config, "drops_weights_on_offload", None) if args is not None else None
+    return bool(drops is not None and drops())
 
 
 def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:
