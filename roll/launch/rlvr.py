@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from roll.planner.report import memory_report
 
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
-        if not args.dry_run:
+        if not args.dry_run and prestarts_here(config):
             prestart(config)  # Ray and the workers start while the checks import (docs/architecture_ray.md)
         plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
@@ -96,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         discard_prestart()  # one a ConfigError left behind
         release_signals()
+
+
+def prestarts_here(config: RLVRConfig) -> bool:
+    """Whether Ray and the device reservation start while the driver checks the config: on CPU
+    slots, and for a GPU config where its GPUs can be: a Ray cluster to join (``RAY_ADDRESS``) or
+    NVIDIA devices on this machine. A GPU config launched on a machine with neither fails its
+    checks, and starting Ray for it would only slow that down."""
+    if config.device == "cpu":
+        return True
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    return any(os.path.exists(path) for path in NVIDIA_MARKERS) or shutil.which("nvidia-smi") is not None
+
+
+# Present wherever the NVIDIA driver exposes GPUs to this machine or container.
+NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 
 def run(config: RLVRConfig) -> int:
