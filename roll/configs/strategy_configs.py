@@ -95,11 +95,27 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     # Must divide the role's ranks (data-parallel size = ranks / ulysses_size) and the model's
     # attention heads; KV heads are replicated when fewer than ulysses_size (checked at model load).
     ulysses_size: int = bounded(1, ge=1)
+    # HSDP: each group of this many consecutive ranks shards the parameters, gradients and optimizer
+    # state among them and the world / fsdp_size groups are replicas (gradients all-reduced between
+    # them). null shards over every rank; 1 replicates everything (like sharding: no_shard). Must
+    # divide the role's ranks; independent of ulysses_size. ROLL's fsdp_size maps onto it.
+    fsdp_size: int | None = bounded(None, ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduce_dtype != "fp32" and not self.mixed_precision:
             raise ValueError(f"reduce_dtype: {self.reduce_dtype} needs mixed_precision: true")
+        if self.sharding == "no_shard" and self.fsdp_size not in (None, 1):
+            raise ValueError(
+                f"fsdp_size: {self.fsdp_size} shards over groups of ranks but sharding is no_shard "
+                "(full replicas); drop one of them"
+            )
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks that share one copy of the parameters (1 = full replicas, world_size = one copy)."""
+        if self.sharding == "no_shard":
+            return 1
+        return world_size if self.fsdp_size is None else self.fsdp_size
 
     def parallel_sizes(self, world_size: int) -> ParallelSizes:
         return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size)
@@ -110,6 +126,12 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
                 f"{path}.ulysses_size",
                 f"{self.ulysses_size} does not divide the role's {num_devices} devices; change it or "
                 "the device_mapping",
+            )
+        if self.fsdp_size is not None and num_devices % self.fsdp_size:
+            raise ConfigError(
+                f"{path}.fsdp_size",
+                f"{self.fsdp_size} does not divide the role's {num_devices} devices into shard groups; "
+                "change it (null shards over all of them) or the device_mapping",
             )
 
 
