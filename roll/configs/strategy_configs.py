@@ -26,12 +26,15 @@ class ParallelSizes:
     dp: int = 1
     # Ulysses sequence parallelism (fsdp2_train): ranks that split each sequence, dp = world / sp.
     sp: int = 1
+    # HSDP (fsdp2_train's fsdp_size): ranks per parameter-shard group, None when one group holds all.
+    fsdp: int | None = None
 
     def describe(self) -> str:
         return (
             f"TP={self.tp} PP={self.pp} CP={self.cp} EP={self.ep} DP={self.dp}"
             + (f" VPP={self.vpp}" if self.vpp > 1 else "")
             + (f" SP={self.sp} (Ulysses)" if self.sp > 1 else "")
+            + (f" FSDP={self.fsdp} (HSDP)" if self.fsdp is not None else "")
         )
 
 
@@ -118,7 +121,8 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
         return world_size if self.fsdp_size is None else self.fsdp_size
 
     def parallel_sizes(self, world_size: int) -> ParallelSizes:
-        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size)
+        hsdp = self.fsdp_size if self.fsdp_size is not None and self.fsdp_size < world_size else None
+        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size, fsdp=hsdp)
 
     def validate(self, num_devices: int, path: str) -> None:
         if num_devices % self.ulysses_size:
