@@ -8,8 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import process_group, spawn_ranks
+from test_fsdp2_lora import make_lora_strategy
 from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss
 from tiny_models import build_tiny_model_dir
+from transformers import AutoModelForCausalLM
+
+from roll.configs.errors import ConfigError
 
 torch.set_num_threads(1)
 STEPS = 2
@@ -47,7 +51,10 @@ def _hsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out: str
         full = make_strategy(model_dir, rank, world_size)
         results["full"] = with_params(full, run(full))
         full.save_checkpoint(f"{out}/ckpt_full")
-        # One more step each from the saved state: what a resumed run must reproduce.
+        # One more step each from the saved state: what a resumed run must reproduce (after an
+        # offload/reload, which a colocated run does between steps).
+        hsdp.offload_states()
+        hsdp.reload_states()
         results["hsdp_next"] = with_params(hsdp, run(hsdp, 1))
         for name, ckpt, fsdp_size in (
             ("same", "ckpt_hsdp", 2),  # the same layout
@@ -62,7 +69,25 @@ def _hsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out: str
             results[name] = with_params(resumed, run(resumed, 1)) | {"loaded": loaded}
         ulysses = make_strategy(model_dir, rank, world_size, fsdp_size=2, ulysses_size=2)
         results["ulysses"] = with_params(ulysses, run(ulysses))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        hsdp.load_weights(iter(hf.items()))  # full tensors into the shards of the 2-D mesh
+        results["loaded_hf"] = full_params(hsdp)
+        results |= lora_results(model_dir, rank, world_size, out)
         torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def lora_results(model_dir: str, rank: int, world_size: int, out: str) -> dict:
+    """LoRA adapters trained in shard groups of 2 and fully sharded; the HSDP one checkpointed and
+    resumed in its layout."""
+    results = {}
+    for name, config in (("lora_hsdp", {"fsdp_size": 2}), ("lora_full", {})):
+        strategy = make_lora_strategy(model_dir, rank, world_size, config)
+        results[name] = with_params(strategy, run(strategy))
+    strategy.save_checkpoint(f"{out}/ckpt_lora")
+    resumed = make_lora_strategy(model_dir, rank, world_size, {"fsdp_size": 2})
+    resumed.load_checkpoint(f"{out}/ckpt_lora")
+    results["lora_resumed"] = full_params(resumed)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +179,29 @@ def test_shard_groups_compose_with_ulysses(four_ranks, one_rank):
     for rank in four_ranks:
         assert rank["ulysses"]["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-5)
     assert_params_close(four_ranks[0]["ulysses"]["params"], one_rank["params"], 1e-4, "ulysses")
+
+
+def test_full_weights_load_into_the_shard_groups(four_ranks, model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert_params_equal(four_ranks[0]["loaded_hf"], hf, "load_weights")
+
+
+def test_lora_adapters_train_in_shard_groups_and_resume_across_layouts(four_ranks):
+    """The merged weights after 2 steps match full sharding's; the full-sharding checkpoint (adapters
+    and their AdamW state) loads into shard groups of 2 exactly."""
+    hsdp, full = four_ranks[0]["lora_hsdp"]["params"], four_ranks[0]["lora_full"]["params"]
+    assert_params_close(hsdp, full, 1e-5, "lora")
+    assert_params_equal(four_ranks[0]["lora_resumed"], full, "lora resumed")
+    assert four_ranks[0]["lora_hsdp"]["losses"] == pytest.approx(
+        four_ranks[0]["lora_full"]["losses"], abs=1e-6
+    )
+
+
+def test_a_shard_group_that_does_not_divide_the_ranks_is_a_config_error(model_dir, one_rank):
+    """A strategy built without the pre-launch check (1 rank, fsdp_size 2) names the key."""
+    with pytest.raises(ConfigError, match="2 does not divide the role's 1 ranks") as info:
+        make_strategy(model_dir, 0, 1, fsdp_size=2)
+    assert info.value.path == "actor_train.strategy_args.strategy_config.fsdp_size"
 
 
 # ---------------------------------------------------------------------------------------- GPU
