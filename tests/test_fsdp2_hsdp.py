@@ -14,6 +14,7 @@ from tiny_models import build_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
 from roll.configs.errors import ConfigError
+from roll.utils.safe_unpickle import check_dcp_dir
 
 torch.set_num_threads(1)
 STEPS = 2
@@ -111,7 +112,9 @@ def one_rank(model_dir) -> dict:
 def four_ranks(model_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hsdp")
     spawn_ranks(_hsdp_worker, 4, str(model_dir), str(out))
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    ranks[0]["out"] = out
+    return ranks
 
 
 def mean_losses(ranks: list[dict], key: str, dp_ranks: list[int]) -> list[float]:
@@ -151,6 +154,12 @@ def test_only_rank_zero_yields_the_full_weights(four_ranks, one_rank):
     expected = {name: tuple(t.shape) for name, t in one_rank["params"].items()}
     assert {name: tuple(t.shape) for name, t in four_ranks[0]["hsdp"]["params"].items()} == expected
     assert all(rank["hsdp"]["params"] == {} for rank in four_ranks[1:])
+
+
+def test_the_checkpoint_index_passes_the_resume_check(four_ranks):
+    """What a pipeline resume checks before loading (roll.utils.safe_unpickle) reads the 2-D layout."""
+    for name in ("ckpt_hsdp", "ckpt_full", "ckpt_lora"):
+        check_dcp_dir(four_ranks[0]["out"] / name)
 
 
 def test_resume_in_the_same_layout_is_bit_identical(four_ranks):

@@ -85,7 +85,7 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     """torch FSDP2 (fully_shard) on GPU; on CPU the same API over gloo."""
 
     reshard_after_forward: bool = True
-    # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
+    # "full_shard" shards across all ranks (or fsdp_size groups); "no_shard" keeps replicas (DDP-like).
     sharding: str = one_of("full_shard", table="roll.distributed.strategy.fsdp2_strategy:SHARDINGS")
     mixed_precision: bool = True
     # With mixed_precision: the dtype gradients are reduced (reduce-scattered) in across ranks
