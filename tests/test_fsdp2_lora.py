@@ -26,7 +26,9 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 RANK, ALPHA = 4, 16.0  # scale 4
 
 
-def make_lora_strategy(model_dir: str, rank: int, world_size: int, **model_args):
+def make_lora_strategy(
+    model_dir: str, rank: int, world_size: int, strategy_config: dict | None = None, **model_args
+):
     role = RoleConfig(
         model_args=ModelArgs(
             model_name_or_path=model_dir,
@@ -37,7 +39,7 @@ def make_lora_strategy(model_dir: str, rank: int, world_size: int, **model_args)
             **model_args,
         ),
         training_args=TrainingArgs(learning_rate=1e-2, weight_decay=0.01, max_grad_norm=1.0),
-        strategy_args=StrategyArgs("fsdp2_train", {}),
+        strategy_args=StrategyArgs("fsdp2_train", dict(strategy_config or {})),
         infer_batch_size=2,
     )
     ctx = WorkerContext("actor_train", rank, world_size, rank, torch.device("cpu"), seed=42)

@@ -45,7 +45,6 @@ DATA = {
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED = {
     "qwen2.5-7B-rlvr_megatron__rlvr_config_8gpus_llm_as_judge_server.yaml": "judge_model_type='cluster'",
-    "qwen2.5-7B-rlvr_megatron__rlvr_fsdp2_sp2.yaml": "fsdp_size=4 (remove it; roll shards over all the role's devices (no HSDP))",
     "qwen3-30BA3B-rlvr_fsdp2__rlvr_config_ep.yaml": "ep_size=8 (ROLL shards MoE experts",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config.yaml": "model_type 'qwen3_next'",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config_amd.yaml": "model_type 'qwen3_next'",

@@ -53,15 +53,10 @@ FSDP2_DROPPED = {
 
 
 def map_fsdp2(role: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
-    """ROLL's FSDP2 keys onto roll's FSDP2Config: full sharding over the role's devices, mixed
-    precision as the model dtype for parameters, gradient reduction in fp32 or bf16, CPU offload,
-    ``use_remove_padding`` as sequence packing."""
+    """ROLL's FSDP2 keys onto roll's FSDP2Config: mixed precision as the model dtype for
+    parameters, gradient reduction in fp32 or bf16, CPU offload, ``use_remove_padding`` as sequence
+    packing (``fsdp_size``, whose values mean other things in ROLL: ``map_fsdp_size``)."""
     config, at = role["strategy_args"]["strategy_config"], f"{path}.strategy_config"
-    size = config.pop("fsdp_size", None)
-    if size is not None and size not in (_num_devices(role, path), -1):
-        problems.add(
-            f"{at}.fsdp_size={size!r}", "remove it; roll shards over all the role's devices (no HSDP)"
-        )
     if "offload_policy" in config:
         config.setdefault("cpu_offload", bool(config.pop("offload_policy")))
     param = config.pop("param_dtype", None)
@@ -90,6 +85,27 @@ def map_fsdp2(role: dict[str, Any], path: str, problems: Problems, notes: list[s
     for key, what in FSDP2_DROPPED.items():
         if key in config:
             notes.append(f"WARNING: {at}.{key}: {config.pop(key)!r} dropped; {what}")
+
+
+def map_fsdp_size(role: dict[str, Any], path: str, notes: list[str]) -> None:
+    """ROLL's ``fsdp_size`` on an fsdp2 role of a ROLL file (``path``: the role's): at most 1 (ROLL's
+    default), -1 or at least the role's devices shard over every device, roll's ``fsdp_size: null``
+    (the key is dropped with a note); a size below the device count is HSDP, the same key in roll,
+    which checks that it divides the devices. Not for roll's own files: there 1 means full replicas."""
+    args = role.get("strategy_args")
+    if not isinstance(args, dict) or args.get("strategy_name") not in ("fsdp2_train", "fsdp2_infer"):
+        return
+    config = args.get("strategy_config")
+    size = config.get("fsdp_size") if isinstance(config, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool):
+        return  # absent, or a wrong type the strict build reports on the key
+    devices = _num_devices(role, path)
+    if size <= 1 or (devices is not None and size >= devices):
+        del config["fsdp_size"]
+        notes.append(
+            f"{path}.strategy_args.strategy_config.fsdp_size: {size} -> null (ROLL shards over all "
+            "the role's devices)"
+        )
 
 
 def remove_padding_to_packing(

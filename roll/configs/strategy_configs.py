@@ -26,12 +26,15 @@ class ParallelSizes:
     dp: int = 1
     # Ulysses sequence parallelism (fsdp2_train): ranks that split each sequence, dp = world / sp.
     sp: int = 1
+    # HSDP (fsdp2_train's fsdp_size): ranks per parameter-shard group, None when one group holds all.
+    fsdp: int | None = None
 
     def describe(self) -> str:
         return (
             f"TP={self.tp} PP={self.pp} CP={self.cp} EP={self.ep} DP={self.dp}"
             + (f" VPP={self.vpp}" if self.vpp > 1 else "")
             + (f" SP={self.sp} (Ulysses)" if self.sp > 1 else "")
+            + (f" FSDP={self.fsdp} (HSDP)" if self.fsdp is not None else "")
         )
 
 
@@ -82,7 +85,7 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     """torch FSDP2 (fully_shard) on GPU; on CPU the same API over gloo."""
 
     reshard_after_forward: bool = True
-    # "full_shard" shards across all ranks; "no_shard" keeps replicas (DDP-like, any device).
+    # "full_shard" shards across all ranks (or fsdp_size groups); "no_shard" keeps replicas (DDP-like).
     sharding: str = one_of("full_shard", table="roll.distributed.strategy.fsdp2_strategy:SHARDINGS")
     mixed_precision: bool = True
     # With mixed_precision: the dtype gradients are reduced (reduce-scattered) in across ranks
@@ -95,14 +98,31 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     # Must divide the role's ranks (data-parallel size = ranks / ulysses_size) and the model's
     # attention heads; KV heads are replicated when fewer than ulysses_size (checked at model load).
     ulysses_size: int = bounded(1, ge=1)
+    # HSDP: each group of this many consecutive ranks shards the parameters, gradients and optimizer
+    # state among them and the world / fsdp_size groups are replicas (gradients all-reduced between
+    # them). null shards over every rank; 1 replicates everything (like sharding: no_shard). Must
+    # divide the role's ranks; independent of ulysses_size. ROLL's fsdp_size maps onto it.
+    fsdp_size: int | None = bounded(None, ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduce_dtype != "fp32" and not self.mixed_precision:
             raise ValueError(f"reduce_dtype: {self.reduce_dtype} needs mixed_precision: true")
+        if self.sharding == "no_shard" and self.fsdp_size not in (None, 1):
+            raise ValueError(
+                f"fsdp_size: {self.fsdp_size} shards over groups of ranks but sharding is no_shard "
+                "(full replicas); drop one of them"
+            )
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks that share one copy of the parameters (1 = full replicas, world_size = one copy)."""
+        if self.sharding == "no_shard":
+            return 1
+        return world_size if self.fsdp_size is None else self.fsdp_size
 
     def parallel_sizes(self, world_size: int) -> ParallelSizes:
-        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size)
+        hsdp = self.fsdp_size if self.fsdp_size is not None and self.fsdp_size < world_size else None
+        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size, fsdp=hsdp)
 
     def validate(self, num_devices: int, path: str) -> None:
         if num_devices % self.ulysses_size:
@@ -110,6 +130,12 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
                 f"{path}.ulysses_size",
                 f"{self.ulysses_size} does not divide the role's {num_devices} devices; change it or "
                 "the device_mapping",
+            )
+        if self.fsdp_size is not None and num_devices % self.fsdp_size:
+            raise ConfigError(
+                f"{path}.fsdp_size",
+                f"{self.fsdp_size} does not divide the role's {num_devices} devices into shard groups; "
+                "change it (null shards over all of them) or the device_mapping",
             )
 
 

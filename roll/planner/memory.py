@@ -5,7 +5,7 @@ Every function returns bytes by component (``params``, ``grads``, ``optimizer``,
 
 - training state (mixed precision, Adam): bf16 params 2 B + fp32 grads 4 B + fp32 main params and
   two moments 12 B per parameter; the distributed optimizer / FSDP divide the 12 B (FSDP: all
-  16 B) by the data-parallel size; fp32 training keeps 4 + 4 + 8 B;
+  16 B) by the data-parallel size (under HSDP by `fsdp_size`); fp32 training keeps 4 + 4 + 8 B;
 - activations: per token and layer, the tensors autograd keeps (norms, q/k/v, attention output,
   MLP or top-k expert widths), divided by TP where Megatron splits them (all of them with sequence
   parallelism); full recompute keeps only each layer's bf16 input plus one layer's tensors;
@@ -175,7 +175,7 @@ def megatron_train(
 
 def fsdp2_train(
     shape: ModelShape,
-    world: int,
+    shard_ranks: int,
     dtype_bytes: int,
     tokens: int,
     recompute: bool,
@@ -184,8 +184,9 @@ def fsdp2_train(
     lora: int = 0,
     ulysses: int = 1,
 ) -> dict[str, int]:
-    """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``world``
-    (mixed precision) plus two layers of gathered compute-dtype params. With ``lora`` adapter
+    """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``shard_ranks``
+    (the world size, or ``fsdp_size`` under HSDP; mixed precision) plus two layers of gathered
+    compute-dtype params. With ``lora`` adapter
     parameters (``ModelShape.lora_params``) the params are the base model's plus the adapters, and
     only the adapters have grads and optimizer state. ``ulysses``: ranks that split each sequence;
     a rank keeps the activations and computes the logits of 1/ulysses of the micro-batch's tokens
@@ -193,7 +194,7 @@ def fsdp2_train(
     divide by it like context parallelism's."""
     params = shape.total_params() + lora
     trained = lora or params
-    shards = world if sharded else 1
+    shards = shard_ranks if sharded else 1
     state = 4 if mixed else dtype_bytes
     layer = (shape.layer_dense_params() + shape.expert_params()) // max(shape.layers, 1)
     return {

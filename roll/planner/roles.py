@@ -181,12 +181,14 @@ def _megatron_train(x: RoleInputs) -> Prediction:
 def _fsdp2_train(x: RoleInputs) -> Prediction:
     cfg, shape = x.cfg, x.shape
     recompute = not x.role.model_args.disable_gradient_checkpointing
-    sharded = cfg.sharding == "full_shard"
+    # HSDP: the state divides by the ranks of one shard group (fsdp_size), not the world size.
+    shard_ranks = cfg.shard_size(x.plan.world_size)
+    sharded = cfg.sharding == "full_shard" and cfg.fsdp_size != 1
     args = x.role.model_args
     lora = shape.lora_params(args.lora_target, args.lora_rank) if args.uses_lora else 0
     parts = mem.fsdp2_train(
         shape,
-        x.plan.world_size,
+        shard_ranks,
         x.dtype,
         x.work.train_tokens,
         recompute,
@@ -204,6 +206,8 @@ def _fsdp2_train(x: RoleInputs) -> Prediction:
         "activations": batch if recompute else "model_args.disable_gradient_checkpointing",
         "logits": batch,
     }
+    if cfg.fsdp_size is not None:  # larger shard groups (or null: all ranks) hold less per rank
+        knobs |= {"params": f"{STRATEGY}.fsdp_size", "grads": f"{STRATEGY}.fsdp_size"}
     return parts, 0, knobs
 
 

@@ -14,8 +14,10 @@ worker sets them), or on a free local port for a single rank. Backend: NCCL for 
 tensors), gloo on CPU.
 
 Layout: each decoder layer (the classes in the model's ``_no_split_modules``) and then the root
-are ``fully_shard``-ed over a 1-D mesh of all ranks ("full_shard"), or over a (replicate=N,
-shard=1) mesh ("no_shard": full replicas, gradients all-reduced, i.e. DDP). With
+are ``fully_shard``-ed over a 1-D mesh of all ranks ("full_shard"), over a (replicate=W/S, shard=S)
+mesh with ``fsdp_size`` S (HSDP: ranks ``r*S .. r*S + S - 1`` shard one replica; gradients are
+reduce-scattered in the group and all-reduced between groups), or over a (replicate=W, shard=1)
+mesh ("no_shard": full replicas, gradients all-reduced, i.e. DDP). With
 ``mixed_precision`` the master weights and optimizer are fp32 and the forward/backward run in
 ``model_args.dtype`` with fp32 gradient reduction; without it everything is ``model_args.dtype``.
 ``cpu_offload`` (CUDA only) keeps sharded parameters, gradients and optimizer state in CPU memory.
@@ -32,8 +34,9 @@ trainable parameters and their optimizer state (docs/strategies.md "LoRA").
 Ulysses sequence parallelism (``ulysses_size`` N > 1, ``roll.models.ulysses``): ranks
 ``d * N .. d * N + N - 1`` form Ulysses group ``d`` (data-parallel rank ``d`` of ``world / N``); they
 get the same rows, split each micro-batch's columns among them, and exchange them around attention
-(all-to-all). FSDP2 still shards over every rank; loss weights are scaled by N because FSDP2 averages
-the gradients over all ranks while each group's gradient is the sum over its N ranks.
+(all-to-all). FSDP2's mesh is independent of these groups (every rank, or ``fsdp_size`` groups); loss
+weights are scaled by N because FSDP2 averages the gradients over all ranks (HSDP too: the mean in
+the shard group, then over the replicas) while each group's gradient is the sum over its N ranks.
 
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
@@ -60,7 +63,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
@@ -181,12 +184,16 @@ class FSDP2TrainStrategy:
         use_ulysses_attention(model)
 
     def _build_mesh(self) -> DeviceMesh:
-        device_type = self.ctx.device.type
-        if self.config.sharding == "no_shard":
-            return init_device_mesh(
-                device_type, (self.ctx.world_size, 1), mesh_dim_names=("replicate", "shard")
-            )
-        return init_device_mesh(device_type, (self.ctx.world_size,), mesh_dim_names=("shard",))
+        """1-D over every rank, or (replicate, shard) with ``shard_size`` ranks on the shard axis
+        (``fsdp_size``; 1 for ``no_shard``). The axes' names are what the weight gather reads."""
+        world, device_type = self.ctx.world_size, self.ctx.device.type
+        shard = self.config.shard_size(world)
+        if world % shard:
+            path = f"{self.ctx.role}.strategy_args.strategy_config.fsdp_size"
+            raise ConfigError(path, f"{shard} does not divide the role's {world} ranks into shard groups")
+        if shard == world and self.config.sharding == "full_shard":
+            return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         policy = MixedPrecisionPolicy()
@@ -382,24 +389,26 @@ class FSDP2TrainStrategy:
             yield from zip([name for name, _ in group], fulls)
 
     def _full_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full copies of ``tensors`` on every rank: the dim-0 shards of the 1-D mesh
-        (``full_shard``) in one all-gather, any other tensor on its own (``_full_tensor``)."""
+        """Full copies of ``tensors`` on every rank: the dim-0 shards of the mesh's shard axis (the
+        replicate axis, when there is one, holds copies) in one all-gather over that axis, any other
+        tensor on its own (``_full_tensor``)."""
         fulls: list[torch.Tensor | None] = [None] * len(tensors)
         sharded = [i for i, t in enumerate(tensors) if self._dim0_sharded(t)]
         if sharded:
             gathered = gather_dim0_shards(
-                [tensors[i] for i in sharded], self.ctx.device, self.mesh.get_group()
+                [tensors[i] for i in sharded], self.ctx.device, self.mesh.get_group("shard")
             )
             for i, full in zip(sharded, gathered):
                 fulls[i] = full
         return [full if full is not None else self._full_tensor(t) for full, t in zip(fulls, tensors)]
 
     def _dim0_sharded(self, tensor: torch.Tensor) -> bool:
+        """FSDP2's layout on this mesh: Shard(0) on the shard axis, Replicate on the replicate one."""
+        layout = (Shard(0),) if self.mesh.ndim == 1 else (Replicate(), Shard(0))
         return (
             isinstance(tensor, DTensor)
-            and self.mesh.ndim == 1
             and tensor.device_mesh == self.mesh
-            and tuple(tensor.placements) == (Shard(0),)
+            and tuple(tensor.placements) == layout
         )
 
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
