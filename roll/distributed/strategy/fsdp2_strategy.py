@@ -72,6 +72,7 @@ from roll.core.batch import Batch
 from roll.core.errors import CheckpointError
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
+from roll.distributed.strategy.fsdp2_experts import ExpertLayout
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
@@ -111,6 +112,8 @@ class FSDP2TrainStrategy:
         self.ulysses_size = self.config.ulysses_size
         self.sp_group: dist.ProcessGroup | None = None
         self.dp_group: dist.ProcessGroup | None = None
+        # Expert parallelism (ep_size > 1): the expert slices' layout; None otherwise.
+        self.experts: ExpertLayout | None = None
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -131,6 +134,8 @@ class FSDP2TrainStrategy:
             self._apply_lora(model)
         if self.ulysses_size > 1:
             self._init_ulysses(model)
+        if self.config.ep_size > 1:
+            self._init_experts(model)
         self.mesh = self._build_mesh()
         self.model = self._shard(model)
         self.model.train()
@@ -183,6 +188,18 @@ class FSDP2TrainStrategy:
         self.sp_group, self.dp_group = layout.get_group("sp"), layout.get_group("dp")
         use_ulysses_attention(model)
 
+    def _init_experts(self, model: torch.nn.Module) -> None:
+        """Keep this rank's expert slices and route the MoE blocks over its EP group
+        (``roll.distributed.strategy.fsdp2_experts``); LoRA is not combined with it."""
+        if self.lora_scales:
+            raise ConfigError(
+                f"{self.ctx.role}.strategy_args.strategy_config.ep_size",
+                f"{self.config.ep_size} does not run with LoRA (model_args.lora_rank); set ep_size: 1",
+            )
+        self.experts = ExpertLayout(
+            model, self.config.ep_size, self.ctx.world_size, self.ctx.device.type, self.ctx.role
+        )
+
     def _build_mesh(self) -> DeviceMesh:
         """1-D over every rank, or (replicate, shard) with ``shard_size`` ranks on the shard axis
         (``fsdp_size``; 1 for ``no_shard``). The axes' names are what the weight gather reads."""
@@ -208,6 +225,8 @@ class FSDP2TrainStrategy:
             "mp_policy": policy,
             "offload_policy": offload,
         }
+        if self.experts is not None:
+            self.experts.shard(kwargs)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -297,6 +316,8 @@ class FSDP2TrainStrategy:
     def _clip_gradients(self) -> float:
         max_norm = self.role_config.training_args.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.experts is not None:  # two meshes: torch's clip_grad_norm_ takes one
+            return self.experts.clip(params, max_norm if max_norm > 0 else float("inf"))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -414,6 +435,8 @@ class FSDP2TrainStrategy:
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, DTensor):
             return tensor.detach()
+        if self.experts is not None and self.experts.is_expert(tensor):
+            return self.experts.full_tensor(tensor)
         local = tensor.to_local()
         compute_device = self.ctx.device
         if local.device != compute_device:  # cpu_offload keeps shards on CPU; gather on the GPU
@@ -441,6 +464,8 @@ class FSDP2TrainStrategy:
                         f"load_weights: unknown tensor {name!r} ({len(targets)} names in the model)"
                     )
                 target = targets[name]
+                if self.experts is not None and self.experts.is_expert(target):
+                    full = self.experts.local_rows(full)
                 if tuple(target.shape) != tuple(full.shape):
                     raise ValueError(
                         f"load_weights: {name!r} has shape {tuple(full.shape)}, expected {tuple(target.shape)}"
@@ -483,7 +508,10 @@ class FSDP2TrainStrategy:
         ``ModelWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = self._checkpoint_state(self._state_options())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.experts is not None:
+            state = self.experts.checkpoint_views(model_sd, optim_sd)
+        dcp.save(state, checkpoint_id=path)
         if self.ctx.rank == 0:
             state = {
                 "step": self.step,
@@ -491,6 +519,8 @@ class FSDP2TrainStrategy:
                 "scheduler": self.scheduler.state_dict(),
                 "lora": self._lora_layout(),
             }
+            if self.experts is not None:  # absent: 1
+                state["ep_size"] = self.config.ep_size
             Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
         dist.barrier()
 
@@ -531,10 +561,20 @@ class FSDP2TrainStrategy:
                 f"{self.ctx.role}.model_args asks for {_describe_lora(now)}; resume with the lora_* keys "
                 "the checkpoint was saved with"
             )
+        saved_ep = trainer.get("ep_size", 1)
+        if saved_ep != self.config.ep_size:
+            raise CheckpointError(
+                f"{trainer_file}: saved with ep_size {saved_ep} but {self.ctx.role}.strategy_args."
+                f"strategy_config.ep_size is {self.config.ep_size}; resume with the ep_size it was saved with"
+            )
         options = self._state_options()
         model_sd, optim_sd = self._checkpoint_state(options)
         state = {"model": model_sd, "optim": optim_sd}
+        if self.experts is not None:
+            state = self.experts.checkpoint_views(model_sd, optim_sd)
         dcp.load(state, checkpoint_id=path)
+        if self.experts is not None:
+            state = self.experts.from_checkpoint_view(state)
         set_state_dict(
             self.model,
             self.optimizer,

@@ -1,0 +1,186 @@
+"""fsdp2_train with expert parallelism (``ep_size``) on a tiny Qwen3-MoE: 2 gloo ranks splitting
+the 4 experts of each layer against 1 rank holding all of them, on the same rows: losses,
+log-probs, gradient norms, weights after 2 steps, the weight export, HF weights loaded into the
+slices, a checkpoint resumed in the same layout and refused in another; a GPU run (marked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from gloo_ranks import process_group, spawn_ranks
+from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss
+from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_random_model
+
+from roll.core.errors import CheckpointError
+
+torch.set_num_threads(1)
+STEPS = 2
+NUM_EXPERTS = 4
+
+
+def tiny_moe_config() -> transformers.Qwen3MoeConfig:
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+    )
+
+
+def run(strategy, steps: int = STEPS) -> dict:
+    """``steps`` optimizer steps on this rank's rows (one row per micro-batch)."""
+    dp_rank, dp_size, _ = strategy.dp_layout()
+    mine = global_batch().chunk(dp_size)[dp_rank].split(1)
+    stats = [strategy.train_step(mine, policy_loss) for _ in range(steps)]
+    return {"losses": [s["loss"] for s in stats], "grad_norms": [s["grad_norm"] for s in stats]}
+
+
+def rank_results(model_dir: str, rank: int, world_size: int, out: str, device: str = "cpu", **config) -> dict:
+    """Log-probs of this rank's rows, then STEPS steps (a checkpoint after the first), the full
+    weights, and the second step again from the checkpoint."""
+    strategy = make_strategy(model_dir, rank, world_size, device=device, **config)
+    dp_rank, dp_size, _ = strategy.dp_layout()
+    result = {"log_probs": strategy.compute_log_probs(global_batch().chunk(dp_size)[dp_rank])["log_probs"]}
+    result["local_experts"] = [m.gate_up_proj.shape[0] for m in _experts_modules(strategy)]
+    first = run(strategy, 1)
+    strategy.save_checkpoint(f"{out}/ckpt")
+    second = run(strategy, 1)
+    result |= {key: first[key] + second[key] for key in first}
+    result["params"] = full_params(strategy)
+    resumed = make_strategy(model_dir, rank, world_size, device=device, **config)
+    resumed.load_checkpoint(f"{out}/ckpt")
+    result["resumed"] = run(resumed, 1) | {"params": full_params(resumed)}
+    return result
+
+
+def _experts_modules(strategy) -> list[torch.nn.Module]:
+    return [m for m in strategy.model.modules() if type(m).__name__.endswith("Qwen3MoeExperts")]
+
+
+def _ep_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):  # the strategy joins
+        result = rank_results(model_dir, rank, world_size, out, ep_size=2)
+        other = make_strategy(model_dir, rank, world_size)  # ep_size 1: another layout
+        try:
+            other.load_checkpoint(f"{out}/ckpt")
+        except CheckpointError as exc:
+            result["other_layout_error"] = str(exc)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        ep = make_strategy(model_dir, rank, world_size, ep_size=2)
+        run(ep, 1)
+        ep.load_weights(iter(hf.items()))  # full tensors into the expert slices
+        result["loaded_hf"] = full_params(ep)
+        torch.save(result, f"{out}/rank{rank}.pt")
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_random_model(tiny_moe_config(), tmp_path_factory.mktemp("tiny_moe"), std=0.2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("one")
+    spawn_ranks(_one_rank_worker, 1, str(model_dir), str(out))
+    return torch.load(out / "rank0.pt", weights_only=True)
+
+
+def _one_rank_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):
+        torch.save(rank_results(model_dir, rank, world_size, out), f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ep")
+    spawn_ranks(_ep_worker, 2, str(model_dir), str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def check_against_one_rank(ranks: list[dict], one: dict, atol: float = 1e-5) -> None:
+    """The same training as one rank: the mean loss of each step, every rank's global gradient
+    norm, the log-probs of each rank's rows, and the full weights after STEPS steps."""
+    assert one["losses"][-1] < one["losses"][0]
+    for step, expected in enumerate(one["losses"]):
+        assert sum(r["losses"][step] for r in ranks) / len(ranks) == pytest.approx(expected, abs=1e-5)
+    for rank in ranks:
+        assert rank["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    log_probs = torch.cat([r["log_probs"] for r in ranks])
+    assert torch.allclose(log_probs, one["log_probs"], atol=1e-5), float(
+        (log_probs - one["log_probs"]).abs().max()
+    )
+    got, expected = ranks[0]["params"], one["params"]
+    assert got.keys() == expected.keys() and got
+    for name, tensor in got.items():
+        assert tensor.shape == expected[name].shape, name
+        assert torch.allclose(tensor, expected[name], atol=atol), (
+            name,
+            float((tensor - expected[name]).abs().max()),
+        )
+
+
+def test_two_ranks_splitting_the_experts_train_like_one_rank(two_ranks, one_rank):
+    assert one_rank["local_experts"] == [NUM_EXPERTS] * 2
+    assert all(r["local_experts"] == [NUM_EXPERTS // 2] * 2 for r in two_ranks)  # each holds its half
+    check_against_one_rank(two_ranks, one_rank)
+
+
+def test_the_weight_export_has_every_expert_under_the_hf_names(two_ranks, model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    exported = two_ranks[0]["params"]
+    assert {n: tuple(t.shape) for n, t in exported.items()} == {n: tuple(t.shape) for n, t in hf.items()}
+    assert two_ranks[1]["params"] == {}  # only rank 0 yields
+    for name, tensor in two_ranks[0]["loaded_hf"].items():
+        assert torch.equal(tensor, hf[name]), name
+
+
+def test_resume_in_the_same_layout_is_bit_identical(two_ranks):
+    for rank in two_ranks:
+        assert rank["resumed"]["losses"] == rank["losses"][1:]
+    for name, tensor in two_ranks[0]["resumed"]["params"].items():
+        assert torch.equal(tensor, two_ranks[0]["params"][name]), name
+
+
+def test_a_checkpoint_of_another_ep_size_is_refused(two_ranks):
+    for rank in two_ranks:
+        assert "saved with ep_size 2" in rank["other_layout_error"], rank.get("other_layout_error")
+
+
+# ---------------------------------------------------------------------------------------- GPU
+def _gpu_worker(rank: int, world_size: int, port: int, model_dir: str, out: str, ep_size: int) -> None:
+    with process_group(rank, world_size, port, init=False):  # the strategy joins (nccl)
+        result = rank_results(model_dir, rank, world_size, out, device=f"cuda:{rank}", ep_size=ep_size)
+        torch.save(result, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_expert_parallel_on_two_gpus_trains_like_one_gpu(model_dir, tmp_path):
+    """fp32 on CUDA over NCCL: 2 GPUs with ep_size 2 against 1 GPU holding every expert."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    (tmp_path / "ep").mkdir()
+    (tmp_path / "one").mkdir()
+    spawn_ranks(_gpu_worker, 2, str(model_dir), str(tmp_path / "ep"), 2)
+    spawn_ranks(_gpu_worker, 1, str(model_dir), str(tmp_path / "one"), 1)
+    one = torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)
+    ranks = [torch.load(tmp_path / "ep" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    check_against_one_rank(ranks, one, atol=1e-4)
