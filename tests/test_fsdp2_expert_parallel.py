@@ -86,6 +86,10 @@ def _ep_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) 
         run(ep, 1)
         ep.load_weights(iter(hf.items()))  # full tensors into the expert slices
         result["loaded_hf"] = full_params(ep)
+        # Both ranks split each sequence (Ulysses) and the experts: one data-parallel rank.
+        ulysses = make_strategy(model_dir, rank, world_size, ep_size=2, ulysses_size=2)
+        log_probs = ulysses.compute_log_probs(global_batch())["log_probs"]
+        result["ulysses"] = run(ulysses) | {"params": full_params(ulysses), "log_probs": log_probs}
         torch.save(result, f"{out}/rank{rank}.pt")
         dist.barrier()
 
@@ -140,6 +144,18 @@ def test_two_ranks_splitting_the_experts_train_like_one_rank(two_ranks, one_rank
     assert one_rank["local_experts"] == [NUM_EXPERTS] * 2
     assert all(r["local_experts"] == [NUM_EXPERTS // 2] * 2 for r in two_ranks)  # each holds its half
     check_against_one_rank(two_ranks, one_rank)
+
+
+def test_expert_parallel_composes_with_ulysses(two_ranks, one_rank):
+    """ulysses_size 2 x ep_size 2 on 2 ranks: the ranks exchange sequence shards around attention
+    and tokens around the experts; rank 0 reports the one data-parallel rank's loss."""
+    ulysses = two_ranks[0]["ulysses"]
+    assert ulysses["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
+    for rank in two_ranks:
+        assert rank["ulysses"]["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-5)
+    assert torch.allclose(ulysses["log_probs"], one_rank["log_probs"], atol=1e-5)
+    for name, tensor in ulysses["params"].items():
+        assert torch.allclose(tensor, one_rank["params"][name], atol=1e-5), name
 
 
 def test_the_weight_export_has_every_expert_under_the_hf_names(two_ranks, model_dir):

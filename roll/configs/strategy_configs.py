@@ -124,9 +124,9 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
             )
 
     def _check_expert_parallel(self) -> None:
-        """ep_size > 1 runs with full sharding of the dense parameters over all ranks only."""
+        """ep_size > 1 runs with full sharding of the dense parameters over all ranks only (then every
+        gradient element lives on one rank, which the global-norm clipping counts on)."""
         others = {
-            "ulysses_size": self.ulysses_size != 1,
             "fsdp_size": self.fsdp_size is not None,
             "sharding": self.sharding != "full_shard",
             "cpu_offload": self.cpu_offload,
@@ -134,8 +134,8 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
         clash = [key for key, on in others.items() if on]
         if clash:
             raise ValueError(
-                f"ep_size: {self.ep_size} runs with full_shard over all ranks and without {', '.join(others)}; "
-                f"drop {', '.join(clash)} or set ep_size: 1"
+                f"ep_size: {self.ep_size} runs only with sharding: full_shard, fsdp_size: null and "
+                f"cpu_offload: false; change {', '.join(clash)} or set ep_size: 1"
             )
 
     def expert_fsdp_size(self, world_size: int) -> int:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import types
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+
+from roll.configs.errors import ConfigError
 
 # The fused expert weights of transformers' MoE experts modules ([E, 2I, H] and [E, H, I]).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -41,6 +44,23 @@ def moe_experts(model: nn.Module) -> list[nn.Module]:
         ):
             found.append(module)
     return found
+
+
+def check_experts(num_experts: int | None, ep_size: int, path: str) -> None:
+    """``ep_size`` against a model's experts per MoE layer (None or 0: a dense model)."""
+    if not num_experts:
+        raise ConfigError(
+            path, f"{ep_size} splits the experts of an MoE model; this model is dense (set ep_size: 1)"
+        )
+    if num_experts % ep_size:
+        raise ConfigError(path, f"{ep_size} does not divide the model's {num_experts} experts")
+
+
+def config_experts(config: Any) -> int | None:
+    """The experts per MoE layer an HF config names (Qwen3-MoE: num_experts; Mixtral-style:
+    num_local_experts), None for a dense model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
 
 
 def shard_experts(experts: list[nn.Module], ep_rank: int, ep_size: int, group: dist.ProcessGroup) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from roll.configs.errors import ConfigError
-from roll.models.expert_parallel import gather_experts, moe_experts, shard_experts
+from roll.models.expert_parallel import check_experts, gather_experts, moe_experts, shard_experts
 
 
 class ExpertLayout:
@@ -32,11 +32,13 @@ class ExpertLayout:
     def __init__(self, model: nn.Module, ep_size: int, world_size: int, device_type: str, role: str) -> None:
         path = f"{role}.strategy_args.strategy_config.ep_size"
         self.experts = moe_experts(model)
-        if not self.experts:
-            raise ConfigError(path, f"{ep_size} needs an MoE model (experts modules); this one is dense")
         counts = {module.num_experts for module in self.experts}
-        if any(count % ep_size for count in counts):
-            raise ConfigError(path, f"{ep_size} does not divide the model's {sorted(counts)} experts")
+        for count in sorted(counts) or [None]:  # None: no experts modules, a dense model
+            check_experts(count, ep_size, path)
+        if len(counts) > 1:
+            raise ConfigError(
+                path, f"{ep_size} needs one number of experts per MoE layer, not {sorted(counts)}"
+            )
         if world_size % ep_size:
             raise ConfigError(path, f"{ep_size} does not divide the role's {world_size} ranks")
         self.ep_size, self.num_experts = ep_size, counts.pop()
