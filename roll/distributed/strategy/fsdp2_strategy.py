@@ -38,6 +38,11 @@ get the same rows, split each micro-batch's columns among them, and exchange the
 weights are scaled by N because FSDP2 averages the gradients over all ranks (HSDP too: the mean in
 the shard group, then over the replicas) while each group's gradient is the sum over its N ranks.
 
+Expert parallelism (``ep_size`` N > 1, MoE models; ``roll.distributed.strategy.fsdp2_experts``): each
+group of N consecutive ranks splits every MoE layer's experts, tokens reach them by all-to-all, and
+each expert slice is sharded over the ranks that hold it (its own mesh axis); the dense parameters
+keep the mesh above. Full sharding only (no HSDP, ``no_shard``, ``cpu_offload`` or LoRA with it).
+
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
