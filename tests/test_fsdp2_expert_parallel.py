@@ -1,7 +1,8 @@
 """fsdp2_train with expert parallelism (``ep_size``) on a tiny Qwen3-MoE: 2 gloo ranks splitting
-the 4 experts of each layer against 1 rank holding all of them, on the same rows: losses,
-log-probs, gradient norms, weights after 2 steps, the weight export, HF weights loaded into the
-slices, a checkpoint resumed in the same layout and refused in another; a GPU run (marked)."""
+the 4 experts of each layer (and 4 ranks: 2 EP groups, each slice sharded over 2 ranks) against 1
+rank holding all of them, on the same rows: losses, log-probs, gradient norms, weights after 2
+steps, the weight export, HF weights loaded into the slices, checkpoints resumed in the same layout
+and loaded into other ``ep_size`` values; with Ulysses; a GPU run (marked)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import transformers
 from gloo_ranks import process_group, spawn_ranks
 from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss
 from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_random_model
-
-from roll.core.errors import CheckpointError
 
 torch.set_num_threads(1)
 STEPS = 2
@@ -60,6 +59,7 @@ def rank_results(model_dir: str, rank: int, world_size: int, out: str, device: s
     result["local_experts"] = [m.gate_up_proj.shape[0] for m in _experts_modules(strategy)]
     first = run(strategy, 1)
     strategy.save_checkpoint(f"{out}/ckpt")
+    result["checkpointed"] = full_params(strategy)
     second = run(strategy, 1)
     result |= {key: first[key] + second[key] for key in first}
     result["params"] = full_params(strategy)
@@ -73,14 +73,22 @@ def _experts_modules(strategy) -> list[torch.nn.Module]:
     return [m for m in strategy.model.modules() if type(m).__name__.endswith("Qwen3MoeExperts")]
 
 
+def other_layouts(model_dir: str, rank: int, world_size: int, out: str, ep_sizes: tuple[int, ...]) -> dict:
+    """The ep_size-2 checkpoint loaded into each of ``ep_sizes`` (DCP reshards the [E, ...] expert
+    tensors): the weights as loaded and after one more step."""
+    results = {}
+    for ep_size in ep_sizes:
+        other = make_strategy(model_dir, rank, world_size, ep_size=ep_size)
+        other.load_checkpoint(f"{out}/ckpt")
+        loaded = full_params(other)
+        results[ep_size] = run(other, 1) | {"loaded": loaded, "params": full_params(other)}
+    return results
+
+
 def _ep_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
     with process_group(rank, world_size, port, init=False):  # the strategy joins
         result = rank_results(model_dir, rank, world_size, out, ep_size=2)
-        other = make_strategy(model_dir, rank, world_size)  # ep_size 1: another layout
-        try:
-            other.load_checkpoint(f"{out}/ckpt")
-        except CheckpointError as exc:
-            result["other_layout_error"] = str(exc)
+        result["other_layouts"] = other_layouts(model_dir, rank, world_size, out, (1,))
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         ep = make_strategy(model_dir, rank, world_size, ep_size=2)
         run(ep, 1)
@@ -174,9 +182,45 @@ def test_resume_in_the_same_layout_is_bit_identical(two_ranks):
         assert torch.equal(tensor, two_ranks[0]["params"][name]), name
 
 
-def test_a_checkpoint_of_another_ep_size_is_refused(two_ranks):
-    for rank in two_ranks:
-        assert "saved with ep_size 2" in rank["other_layout_error"], rank.get("other_layout_error")
+def check_other_layouts(ranks: list[dict], one: dict) -> None:
+    """Each load is exact, and the step after it is the uninterrupted 1-rank run's second step."""
+    for ep_size, got in ranks[0]["other_layouts"].items():
+        for name, tensor in got["loaded"].items():
+            assert torch.equal(tensor, ranks[0]["checkpointed"][name]), (ep_size, name)
+        for name, tensor in got["params"].items():
+            assert torch.allclose(tensor, one["params"][name], atol=1e-5), (ep_size, name)
+        losses = [r["other_layouts"][ep_size]["losses"][0] for r in ranks]
+        assert sum(losses) / len(losses) == pytest.approx(one["losses"][1], abs=1e-5), ep_size
+
+
+def test_a_checkpoint_loads_into_another_ep_size(two_ranks, one_rank):
+    check_other_layouts(two_ranks, one_rank)
+
+
+def _four_rank_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    with process_group(rank, world_size, port, init=False):
+        result = rank_results(model_dir, rank, world_size, out, ep_size=2)
+        result["other_layouts"] = other_layouts(model_dir, rank, world_size, out, (1, 4))
+        torch.save(result, f"{out}/rank{rank}.pt")
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(model_dir, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ep4")
+    spawn_ranks(_four_rank_worker, 4, str(model_dir), str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(4)]
+
+
+def test_four_ranks_in_two_expert_groups_with_sharded_slices_train_like_one_rank(four_ranks, one_rank):
+    """ep_size 2 on 4 ranks: efsdp_size 2, so each expert slice is also FSDP-sharded (and each
+    rank's gradient of it reduce-scattered with the other group's); resumed in its layout and
+    loaded into full sharding (ep_size 1) and one expert per rank (ep_size 4)."""
+    assert all(r["local_experts"] == [NUM_EXPERTS // 2] * 2 for r in four_ranks)
+    check_against_one_rank(four_ranks, one_rank)
+    for name, tensor in four_ranks[0]["resumed"]["params"].items():
+        assert torch.equal(tensor, four_ranks[0]["params"][name]), name
+    check_other_layouts(four_ranks, one_rank)
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -12,8 +12,8 @@ per token weighted by the router's probabilities, in the order the unsplit modul
 >>> full = gather_experts(local_slice, group)         # the [E, ...] tensor again (weight export)
 
 Backward: the all-to-alls are autograd functions, so a rank's expert gradients are the sum over
-every token of its EP group that chose them; the strategy divides the expert gradients by the whole
-world size like FSDP2 divides the dense ones (``roll.distributed.strategy.fsdp2_strategy``).
+every token of its EP group that chose them; the strategy scales them to the unsplit model's
+(``roll.distributed.strategy.fsdp2_experts``).
 """
 
 from __future__ import annotations
@@ -108,17 +108,16 @@ def _ep_forward(
 def _run_local_experts(
     module: nn.Module, rows: torch.Tensor, expert_of_row: torch.Tensor, local: int
 ) -> torch.Tensor:
-    """Each row through its local expert (the unsplit module's ops: gate/up, act * up, down)."""
+    """Each row through its local expert (the unsplit module's ops: gate/up, act * up, down). An
+    expert without rows still runs (on none): its weights then get a zero gradient, so every rank
+    of the slice's FSDP group has one to reduce-scatter, as the unsplit fused weights always do."""
     by_expert = torch.argsort(expert_of_row, stable=True)
     counts = torch.bincount(expert_of_row, minlength=local).tolist()
     pieces = []
     for index, chunk in enumerate(torch.split(rows[by_expert], counts)):
-        if chunk.shape[0] == 0:
-            continue
         gate, up = nn.functional.linear(chunk, module.gate_up_proj[index]).chunk(2, dim=-1)
         pieces.append(nn.functional.linear(module.act_fn(gate) * up, module.down_proj[index]))
-    grouped = torch.cat(pieces) if pieces else rows.new_zeros((0, module.down_proj.shape[1]))
-    return grouped[torch.argsort(by_expert)]
+    return torch.cat(pieces)[torch.argsort(by_expert)]
 
 
 def _all_to_all(
@@ -134,5 +133,7 @@ def gather_experts(local_slice: torch.Tensor, group: dist.ProcessGroup) -> torch
     """All EP ranks' slices ([E/N, ...] each) stacked in rank order: the full [E, ...] tensor."""
     ranks = dist.get_world_size(group)
     out = local_slice.new_empty((ranks * local_slice.shape[0], *local_slice.shape[1:]))
-    dist.all_gather_into_tensor(out, local_slice.contiguous(), group=group)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, local_slice.contiguous(), group=group)
     return out

@@ -8,7 +8,7 @@ group ``e`` (they split the experts; tokens go around the group by all-to-all) a
 
 >>> layout = ExpertLayout(model, config.ep_size, world, device_type, role)   # checks, slices the experts
 >>> layout.shard(fully_shard_kwargs)                 # each experts module over its efsdp ranks
->>> norm = layout.clip(params, max_norm)              # each element counted once
+>>> norm = layout.scale_and_clip(params, max_norm)     # the unsplit step's gradients; each element counted once
 """
 
 from __future__ import annotations
@@ -58,13 +58,9 @@ class ExpertLayout:
 
     def shard(self, kwargs: dict) -> None:
         """Each experts module FSDP-sharded over its efsdp ranks before the decoder layers (which
-        then leave its weights alone); gradients divided by the whole world size: a slice's gradient
-        is already the sum over its EP group's tokens, so its mean over W / N efsdp ranks would be N
-        times the unsplit model's."""
-        world = self.mesh.size()
+        then leave its weights alone)."""
         for module in self.experts:
             fully_shard(module, **(kwargs | {"mesh": self.mesh["efsdp"]}))
-            module.set_gradient_divide_factor(float(world))
 
     def is_expert(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, DTensor) and tensor.device_mesh == self.mesh["efsdp"]
@@ -78,9 +74,19 @@ class ExpertLayout:
         local = self.num_experts // self.ep_size
         return full[self.ep_rank * local : (self.ep_rank + 1) * local]
 
-    def clip(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """clip_grad_norm_ over dense and expert gradients: every element of either lives on exactly
-        one rank (full sharding), so the global norm is the sum of the local squares over all ranks."""
+    def scale_and_clip(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The expert gradients made the unsplit model's, then clip_grad_norm_ over dense and expert
+        gradients: every element of either lives on exactly one rank (full sharding), so the global
+        norm is the sum of the local squares over all ranks.
+
+        A slice's gradient on its rank is the sum over its EP group's tokens, and FSDP2 averages it
+        over the W / N efsdp ranks: (N / W) x the sum over all ranks, N times the dense parameters'
+        mean over W ranks, hence the division by N here (FSDP2's set_gradient_divide_factor would
+        do it in the reduce-scatter, but its PREMUL_SUM does not exist in gloo)."""
+        for module in self.experts:
+            for weight in module.parameters():
+                if weight.grad is not None:
+                    weight.grad.to_local().div_(self.ep_size)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
         dist.all_reduce(squares)

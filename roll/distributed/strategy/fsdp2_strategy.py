@@ -322,7 +322,7 @@ class FSDP2TrainStrategy:
         max_norm = self.role_config.training_args.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.experts is not None:  # two meshes: torch's clip_grad_norm_ takes one
-            return self.experts.clip(params, max_norm if max_norm > 0 else float("inf"))
+            return self.experts.scale_and_clip(params, max_norm if max_norm > 0 else float("inf"))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -524,8 +524,6 @@ class FSDP2TrainStrategy:
                 "scheduler": self.scheduler.state_dict(),
                 "lora": self._lora_layout(),
             }
-            if self.experts is not None:  # absent: 1
-                state["ep_size"] = self.config.ep_size
             Path(path, TRAINER_STATE).write_text(json.dumps(state, default=_no_lambdas))
         dist.barrier()
 
@@ -565,12 +563,6 @@ class FSDP2TrainStrategy:
                 f"{trainer_file}: saved with LoRA {_describe_lora(saved)} but "
                 f"{self.ctx.role}.model_args asks for {_describe_lora(now)}; resume with the lora_* keys "
                 "the checkpoint was saved with"
-            )
-        saved_ep = trainer.get("ep_size", 1)
-        if saved_ep != self.config.ep_size:
-            raise CheckpointError(
-                f"{trainer_file}: saved with ep_size {saved_ep} but {self.ctx.role}.strategy_args."
-                f"strategy_config.ep_size is {self.config.ep_size}; resume with the ep_size it was saved with"
             )
         options = self._state_options()
         model_sd, optim_sd = self._checkpoint_state(options)
