@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from gloo_ranks import process_group, spawn_ranks
-from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss
+from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss, value_loss
 from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_random_model
 
 torch.set_num_threads(1)
@@ -69,6 +69,17 @@ def rank_results(model_dir: str, rank: int, world_size: int, out: str, device: s
     return result
 
 
+def critic_results(model_dir: str, rank: int, world_size: int, device: str = "cpu", **config) -> dict:
+    """A value model (critic) on the MoE model: its values and losses over 2 steps, and the weights."""
+    strategy = make_strategy(model_dir, rank, world_size, device=device, model_type="value", **config)
+    dp_rank, dp_size, _ = strategy.dp_layout()
+    mine = global_batch().chunk(dp_size)[dp_rank]
+    values = strategy.compute_values(mine)
+    stats = [strategy.train_step(mine.split(1), value_loss) for _ in range(STEPS)]
+    losses, norms = [s["loss"] for s in stats], [s["grad_norm"] for s in stats]
+    return {"values": values, "losses": losses, "grad_norms": norms, "params": full_params(strategy)}
+
+
 def _experts_modules(strategy) -> list[torch.nn.Module]:
     return [m for m in strategy.model.modules() if type(m).__name__.endswith("Qwen3MoeExperts")]
 
@@ -89,6 +100,7 @@ def _ep_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     with process_group(rank, world_size, port, init=False):  # the strategy joins
         result = rank_results(model_dir, rank, world_size, out, ep_size=2)
         result["other_layouts"] = other_layouts(model_dir, rank, world_size, out, (1,))
+        result["critic"] = critic_results(model_dir, rank, world_size, ep_size=2)
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         ep = make_strategy(model_dir, rank, world_size, ep_size=2)
         run(ep, 1)
@@ -116,7 +128,10 @@ def one_rank(model_dir, tmp_path_factory) -> dict:
 
 def _one_rank_worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
     with process_group(rank, world_size, port, init=False):
-        torch.save(rank_results(model_dir, rank, world_size, out), f"{out}/rank{rank}.pt")
+        result = rank_results(model_dir, rank, world_size, out) | {
+            "critic": critic_results(model_dir, rank, world_size)
+        }
+        torch.save(result, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +167,20 @@ def test_two_ranks_splitting_the_experts_train_like_one_rank(two_ranks, one_rank
     assert one_rank["local_experts"] == [NUM_EXPERTS] * 2
     assert all(r["local_experts"] == [NUM_EXPERTS // 2] * 2 for r in two_ranks)  # each holds its half
     check_against_one_rank(two_ranks, one_rank)
+
+
+def test_a_critic_on_the_moe_model_trains_like_one_rank(two_ranks, one_rank):
+    """A value model (the MoE model under a value head) with ep_size 2: values, losses, gradient
+    norms and weights as on 1 rank."""
+    one = one_rank["critic"]
+    values = torch.cat([r["critic"]["values"] for r in two_ranks])
+    assert torch.allclose(values, one["values"], atol=1e-5)
+    for step, expected in enumerate(one["losses"]):
+        assert sum(r["critic"]["losses"][step] for r in two_ranks) / 2 == pytest.approx(expected, abs=1e-5)
+    for rank in two_ranks:
+        assert rank["critic"]["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    for name, tensor in two_ranks[0]["critic"]["params"].items():
+        assert torch.allclose(tensor, one["params"][name], atol=1e-5), name
 
 
 def test_expert_parallel_composes_with_ulysses(two_ranks, one_rank):
