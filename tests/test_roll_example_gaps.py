@@ -174,6 +174,20 @@ def test_fsdp2_infer_and_dropped_memory_options_warn(capsys):
         assert words in err
 
 
+def test_fsdp2_expert_parallelism_keys_are_roll_keys(capsys):
+    """ROLL's ep_size / efsdp_size (which roll used to refuse) keep their values on fsdp2 roles of a
+    ROLL file; efsdp_size without expert parallelism shards nothing and is dropped with a note."""
+    raw = translate(
+        "reference: {worker_cls: roll.pipeline.rlvr.actor_worker.ActorWorker, strategy_args: "
+        "{strategy_name: fsdp2_infer, strategy_config: {ep_size: 8, efsdp_size: 4}}}\n"
+        "actor_train: {worker_cls: roll.pipeline.rlvr.actor_worker.ActorWorker, strategy_args: "
+        "{strategy_name: fsdp2_train, strategy_config: {ep_size: -1, efsdp_size: 2}}}"
+    )
+    assert raw["reference"]["strategy_args"]["strategy_config"] == {"ep_size": 8, "efsdp_size": 4}
+    assert raw["actor_train"]["strategy_args"]["strategy_config"] == {}
+    assert "actor_train.strategy_args.strategy_config.efsdp_size: 2 dropped" in capsys.readouterr().err
+
+
 def test_model_download_type_is_dropped_with_a_note(capsys):
     assert "model_download_type" not in translate("model_download_type: MODELSCOPE")
     assert "model_download_type: 'MODELSCOPE' dropped; roll loads local" in capsys.readouterr().err
@@ -187,10 +201,6 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
             "actor_train: {model_args: {ulysses_size: 2}, strategy_args: {strategy_name: megatron_train}}",
             "ulysses_size=2 (Ulysses sequence parallelism is fsdp2_train's (strategy 'megatron_train' here); "
             "on megatron strategies split sequences with strategy_config.context_parallel_size",
-        ),
-        (
-            "actor_train: {strategy_args: {strategy_name: fsdp2_train, strategy_config: {ep_size: 8}}}",
-            "ep_size=8 (ROLL shards MoE experts",
         ),
         ("rewards: {j: {judge_model_type: cluster}}", "judge_model_type='cluster' (ROLL: api asks"),
         (

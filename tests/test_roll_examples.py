@@ -45,7 +45,6 @@ DATA = {
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED = {
     "qwen2.5-7B-rlvr_megatron__rlvr_config_8gpus_llm_as_judge_server.yaml": "judge_model_type='cluster'",
-    "qwen3-30BA3B-rlvr_fsdp2__rlvr_config_ep.yaml": "ep_size=8 (ROLL shards MoE experts",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config.yaml": "model_type 'qwen3_next'",
     "qwen3-next-80BA3B-rlvr_megatron__rlvr_config_amd.yaml": "model_type 'qwen3_next'",
     "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml": "DetectionRewardWorker (ROLL scores object-detection",
@@ -94,3 +93,5 @@ def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monk
     else:
         assert code == 0, out.err
         assert "actor_infer" in out.out and not errors
+    if name == "qwen3-30BA3B-rlvr_fsdp2__rlvr_config_ep.yaml":  # ROLL's fsdp2 expert parallelism
+        assert "EP=8 DP=8 SP=4 (Ulysses)" in out.out and "EP=8 DP=16 SP=2 (Ulysses)" in out.out, out.out

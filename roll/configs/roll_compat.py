@@ -21,7 +21,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.configs.rl_options import PolicyLossConfig
 from roll.configs.roll_compat_lora import map_lora
-from roll.configs.roll_compat_options import Problems, map_fsdp_size
+from roll.configs.roll_compat_options import Problems, map_expert_keys, map_fsdp_size
 from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
 from roll.configs.roll_compat_rollout import map_rollout_mock
 from roll.configs.timeouts import WorkerTimeoutsConfig
@@ -123,6 +123,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
         for path, section in sections.items():
             map_engine(section, f"{path}.strategy_args", problems, notes)
             map_fsdp_size(section, path, notes)
+            map_expert_keys(section, path, notes)
     _apply_global_template(raw, notes)
     _fill_model_paths(raw, notes)
     _map_policy_loss(raw, problems, notes)

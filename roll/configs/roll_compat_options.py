@@ -36,12 +36,9 @@ class Problems:
 REDUCE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
-# ROLL's FSDP2 expert-parallel layout: refused (roll's fsdp2 shards whole layers over all devices).
-_EP = "use megatron_train with expert_model_parallel_size"
-FSDP2_LAYOUT_KEYS = {
-    "ep_size": f"ROLL shards MoE experts over ep_size devices in fsdp2; roll's fsdp2 has no expert parallelism: {_EP}",
-    "efsdp_size": f"ROLL's FSDP group size of the expert-parallel layout; roll's fsdp2 has none: {_EP}",
-}
+# ROLL's FSDP2 expert-parallel layout: the same keys in roll (FSDP2Config.ep_size, efsdp_size);
+# ROLL's "unset" spellings (-1, and 1 for ep_size) are roll's defaults.
+FSDP2_EXPERT_KEYS = {"ep_size": (None, 1, -1), "efsdp_size": (None, -1)}
 # ROLL's FSDP2 memory and kernel options roll does not have: the same model and loss, other memory use.
 FSDP2_DROPPED = {
     "apply_tiled_mlp": "ROLL runs the MLP in tiles to cut activation memory; roll runs it whole",
@@ -78,10 +75,6 @@ def map_fsdp2(role: dict[str, Any], path: str, problems: Problems, notes: list[s
         notes.append(f"{at}: param_dtype/reduce_dtype -> mixed_precision: true")
     if "use_remove_padding" in config:
         remove_padding_to_packing(config.pop("use_remove_padding"), config, at, problems, notes)
-    for key, what in FSDP2_LAYOUT_KEYS.items():
-        if config.get(key) not in (None, 1, -1):
-            problems.add(f"{at}.{key}={config[key]!r}", what)
-        config.pop(key, None)
     for key, what in FSDP2_DROPPED.items():
         if key in config:
             notes.append(f"WARNING: {at}.{key}: {config.pop(key)!r} dropped; {what}")
@@ -105,6 +98,25 @@ def map_fsdp_size(role: dict[str, Any], path: str, notes: list[str]) -> None:
         notes.append(
             f"{path}.strategy_args.strategy_config.fsdp_size: {size} -> null (ROLL shards over all "
             "the role's devices)"
+        )
+
+
+def map_expert_keys(role: dict[str, Any], path: str, notes: list[str]) -> None:
+    """ROLL's ``ep_size``/``efsdp_size`` on an fsdp2 role of a ROLL file: roll's keys of the same
+    meaning, less ROLL's "unset" spellings (-1; 1 for ep_size), and ``efsdp_size`` without expert
+    parallelism, which shards nothing (dropped with a note)."""
+    args = role.get("strategy_args")
+    if not isinstance(args, dict) or args.get("strategy_name") not in ("fsdp2_train", "fsdp2_infer"):
+        return
+    config, at = args.get("strategy_config"), f"{path}.strategy_args.strategy_config"
+    if not isinstance(config, dict):
+        return
+    for key, unset in FSDP2_EXPERT_KEYS.items():
+        if key in config and config[key] in unset:
+            config.pop(key)
+    if "efsdp_size" in config and "ep_size" not in config:
+        notes.append(
+            f"{at}.efsdp_size: {config.pop('efsdp_size')!r} dropped; it shards experts only with ep_size > 1"
         )
 
 

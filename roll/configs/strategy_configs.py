@@ -103,16 +103,44 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
     # them). null shards over every rank; 1 replicates everything (like sharding: no_shard). Must
     # divide the role's ranks; independent of ulysses_size. ROLL's fsdp_size maps onto it.
     fsdp_size: int | None = bounded(None, ge=1)
+    # Expert parallelism (roll.models.expert_parallel, MoE models only): each group of this many
+    # consecutive ranks splits the experts of every MoE layer (tokens exchanged by all-to-all). Must
+    # divide the role's ranks and the model's number of experts (checked at model load).
+    ep_size: int = bounded(1, ge=1)
+    # Ranks that FSDP-shard one expert slice (ranks r, r + ep_size, ...); null: ranks / ep_size, the
+    # only value roll runs (ROLL's eddp expert replicas are refused). ROLL's key of the same name.
+    efsdp_size: int | None = bounded(None, ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduce_dtype != "fp32" and not self.mixed_precision:
             raise ValueError(f"reduce_dtype: {self.reduce_dtype} needs mixed_precision: true")
+        if self.ep_size > 1:
+            self._check_expert_parallel()
         if self.sharding == "no_shard" and self.fsdp_size not in (None, 1):
             raise ValueError(
                 f"fsdp_size: {self.fsdp_size} shards over groups of ranks but sharding is no_shard "
                 "(full replicas); drop one of them"
             )
+
+    def _check_expert_parallel(self) -> None:
+        """ep_size > 1 runs with full sharding of the dense parameters over all ranks only (then every
+        gradient element lives on one rank, which the global-norm clipping counts on)."""
+        others = {
+            "fsdp_size": self.fsdp_size is not None,
+            "sharding": self.sharding != "full_shard",
+            "cpu_offload": self.cpu_offload,
+        }
+        clash = [key for key, on in others.items() if on]
+        if clash:
+            raise ValueError(
+                f"ep_size: {self.ep_size} runs only with sharding: full_shard, fsdp_size: null and "
+                f"cpu_offload: false; change {', '.join(clash)} or set ep_size: 1"
+            )
+
+    def expert_fsdp_size(self, world_size: int) -> int:
+        """Ranks that FSDP-shard one expert slice: ``efsdp_size``, or world / ep_size."""
+        return self.efsdp_size if self.efsdp_size is not None else max(world_size // self.ep_size, 1)
 
     def shard_size(self, world_size: int) -> int:
         """Ranks that share one copy of the parameters (1 = full replicas, world_size = one copy)."""
@@ -122,7 +150,9 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
 
     def parallel_sizes(self, world_size: int) -> ParallelSizes:
         hsdp = self.fsdp_size if self.fsdp_size is not None and self.fsdp_size < world_size else None
-        return ParallelSizes(dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size, fsdp=hsdp)
+        return ParallelSizes(
+            dp=max(world_size // self.ulysses_size, 1), sp=self.ulysses_size, fsdp=hsdp, ep=self.ep_size
+        )
 
     def validate(self, num_devices: int, path: str) -> None:
         if num_devices % self.ulysses_size:
@@ -137,6 +167,21 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
                 f"{self.fsdp_size} does not divide the role's {num_devices} devices into shard groups; "
                 "change it (null shards over all of them) or the device_mapping",
             )
+        if self.ep_size > 1 and num_devices % self.ep_size:
+            raise ConfigError(
+                f"{path}.ep_size",
+                f"{self.ep_size} does not divide the role's {num_devices} devices into expert-parallel "
+                "groups; change it or the device_mapping",
+            )
+        efsdp = self.expert_fsdp_size(num_devices)
+        if self.ep_size > 1 and efsdp * self.ep_size != num_devices:
+            raise ConfigError(
+                f"{path}.efsdp_size",
+                f"{efsdp} x ep_size {self.ep_size} must equal the role's {num_devices} devices (expert "
+                "replicas, ROLL's eddp, are not supported); set it to null",
+            )
+        if self.ep_size == 1 and self.efsdp_size not in (None, num_devices):
+            raise ConfigError(f"{path}.efsdp_size", f"{self.efsdp_size} needs ep_size > 1; set it to null")
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")

@@ -20,6 +20,7 @@ from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_optio
 from roll.configs.run_config import resume_requested
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangConfig, VLLMConfig
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
+from roll.models.expert_parallel import check_experts, config_experts
 from roll.models.megatron.families import check_model_fits
 from roll.models.model_dir import check_model_dir
 from roll.models.ulysses import check_heads
@@ -49,6 +50,7 @@ def check_files(config: RLVRConfig) -> None:
         check_megatron_layout(name, role)
         check_engine_role_layout(name, role)
         check_ulysses_layout(name, role)
+        check_expert_layout(name, role)
     first: dict[str, str] = {}  # tag -> "file:line" of its first row
     train = prompt_tags(config.actor_train.data_args, "actor_train.data_args", first)
     tags = train.copy()
@@ -105,6 +107,21 @@ def check_ulysses_layout(name: str, role: RoleConfig) -> None:
 
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
     check_heads(hf_config, cfg.ulysses_size, f"{name}.strategy_args.strategy_config.ulysses_size")
+
+
+def check_expert_layout(name: str, role: RoleConfig) -> None:
+    """An fsdp2 role's ``ep_size`` against its model's experts (config.json): a dense model or a
+    count it does not divide is refused before launch, as the worker's model load would."""
+    cfg = strategy_options(role)
+    if not isinstance(cfg, FSDP2Config) or cfg.ep_size == 1:
+        return
+    path = Path(role.model_args.model_name_or_path)
+    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+        return  # not a config transformers can read; the worker's model load names it
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
+    check_experts(config_experts(hf_config), cfg.ep_size, f"{name}.strategy_args.strategy_config.ep_size")
 
 
 def check_engine_role_layout(name: str, role: RoleConfig) -> None:

@@ -183,6 +183,8 @@ def fsdp2_train(
     mixed: bool,
     lora: int = 0,
     ulysses: int = 1,
+    ep: int = 1,
+    expert_shards: int = 1,
 ) -> dict[str, int]:
     """One fsdp2_train rank: fp32 master params, grads and Adam state sharded over ``shard_ranks``
     (the world size, or ``fsdp_size`` under HSDP; mixed precision) plus two layers of gathered
@@ -191,14 +193,21 @@ def fsdp2_train(
     only the adapters have grads and optimizer state. ``ulysses``: ranks that split each sequence;
     a rank keeps the activations and computes the logits of 1/ulysses of the micro-batch's tokens
     (inside attention it holds every token of 1/ulysses of the heads: the same bytes), so both
-    divide by it like context parallelism's."""
+    divide by it like context parallelism's. ``ep`` > 1 (expert parallelism): a rank holds 1/ep of
+    the experts, sharded over ``expert_shards`` ranks (efsdp_size x ep: their state per rank), and
+    gathers only those of a layer."""
     params = shape.total_params() + lora
     trained = lora or params
     shards = shard_ranks if sharded else 1
     state = 4 if mixed else dtype_bytes
-    layer = (shape.layer_dense_params() + shape.expert_params()) // max(shape.layers, 1)
+    layer = (shape.layer_dense_params() + shape.expert_params() // ep) // max(shape.layers, 1)
+    held = params // shards
+    if ep > 1:  # no LoRA with expert parallelism: every parameter is trained
+        experts = shape.expert_params()
+        held = trained = (params - experts) // shards + experts // expert_shards
+        shards = 1
     return {
-        "params": state * params // shards + (2 * layer * dtype_bytes if sharded else 0),
+        "params": state * held + (2 * layer * dtype_bytes if sharded else 0),
         "grads": state * trained // shards,
         "optimizer": 2 * state * trained // shards,
         "activations": activations(shape, tokens, Split(cp=ulysses), recompute=recompute),

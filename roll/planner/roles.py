@@ -196,6 +196,8 @@ def _fsdp2_train(x: RoleInputs) -> Prediction:
         cfg.mixed_precision,
         lora,
         ulysses=cfg.ulysses_size,
+        ep=cfg.ep_size,
+        expert_shards=cfg.expert_fsdp_size(x.plan.world_size) * cfg.ep_size,
     )
     if cfg.cpu_offload:  # shards live in host memory; two gathered layers on the device
         parts |= {"grads": 0, "optimizer": 0}

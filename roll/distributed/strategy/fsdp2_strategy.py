@@ -38,6 +38,11 @@ get the same rows, split each micro-batch's columns among them, and exchange the
 weights are scaled by N because FSDP2 averages the gradients over all ranks (HSDP too: the mean in
 the shard group, then over the replicas) while each group's gradient is the sum over its N ranks.
 
+Expert parallelism (``ep_size`` N > 1, MoE models; ``roll.distributed.strategy.fsdp2_experts``): each
+group of N consecutive ranks splits every MoE layer's experts, tokens reach them by all-to-all, and
+each expert slice is sharded over the ranks that hold it (its own mesh axis); the dense parameters
+keep the mesh above. Full sharding only (no HSDP, ``no_shard``, ``cpu_offload`` or LoRA with it).
+
 LR schedule: ``roll.utils.lr_schedule``, over ``ctx.total_optimizer_steps`` optimizer steps (the
 driver computes max_steps x ppo_epochs x mini-batches per step once; linear/cosine need it).
 """
@@ -72,6 +77,7 @@ from roll.core.batch import Batch
 from roll.core.errors import CheckpointError
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
+from roll.distributed.strategy.fsdp2_experts import ExpertLayout
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
@@ -111,6 +117,8 @@ class FSDP2TrainStrategy:
         self.ulysses_size = self.config.ulysses_size
         self.sp_group: dist.ProcessGroup | None = None
         self.dp_group: dist.ProcessGroup | None = None
+        # Expert parallelism (ep_size > 1): the expert slices' layout; None otherwise.
+        self.experts: ExpertLayout | None = None
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -131,6 +139,8 @@ class FSDP2TrainStrategy:
             self._apply_lora(model)
         if self.ulysses_size > 1:
             self._init_ulysses(model)
+        if self.config.ep_size > 1:
+            self._init_experts(model)
         self.mesh = self._build_mesh()
         self.model = self._shard(model)
         self.model.train()
@@ -183,6 +193,18 @@ class FSDP2TrainStrategy:
         self.sp_group, self.dp_group = layout.get_group("sp"), layout.get_group("dp")
         use_ulysses_attention(model)
 
+    def _init_experts(self, model: torch.nn.Module) -> None:
+        """Keep this rank's expert slices and route the MoE blocks over its EP group
+        (``roll.distributed.strategy.fsdp2_experts``); LoRA is not combined with it."""
+        if self.lora_scales:
+            raise ConfigError(
+                f"{self.ctx.role}.strategy_args.strategy_config.ep_size",
+                f"{self.config.ep_size} does not run with LoRA (model_args.lora_rank); set ep_size: 1",
+            )
+        self.experts = ExpertLayout(
+            model, self.config.ep_size, self.ctx.world_size, self.ctx.device.type, self.ctx.role
+        )
+
     def _build_mesh(self) -> DeviceMesh:
         """1-D over every rank, or (replicate, shard) with ``shard_size`` ranks on the shard axis
         (``fsdp_size``; 1 for ``no_shard``). The axes' names are what the weight gather reads."""
@@ -208,6 +230,8 @@ class FSDP2TrainStrategy:
             "mp_policy": policy,
             "offload_policy": offload,
         }
+        if self.experts is not None:
+            self.experts.shard(kwargs)
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -297,6 +321,8 @@ class FSDP2TrainStrategy:
     def _clip_gradients(self) -> float:
         max_norm = self.role_config.training_args.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.experts is not None:  # two meshes: torch's clip_grad_norm_ takes one
+            return self.experts.scale_and_clip(params, max_norm if max_norm > 0 else float("inf"))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -414,6 +440,8 @@ class FSDP2TrainStrategy:
     def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, DTensor):
             return tensor.detach()
+        if self.experts is not None and self.experts.is_expert(tensor):
+            return self.experts.full_tensor(tensor)
         local = tensor.to_local()
         compute_device = self.ctx.device
         if local.device != compute_device:  # cpu_offload keeps shards on CPU; gather on the GPU
@@ -441,6 +469,8 @@ class FSDP2TrainStrategy:
                         f"load_weights: unknown tensor {name!r} ({len(targets)} names in the model)"
                     )
                 target = targets[name]
+                if self.experts is not None and self.experts.is_expert(target):
+                    full = self.experts.local_rows(full)
                 if tuple(target.shape) != tuple(full.shape):
                     raise ValueError(
                         f"load_weights: {name!r} has shape {tuple(full.shape)}, expected {tuple(target.shape)}"
@@ -483,7 +513,10 @@ class FSDP2TrainStrategy:
         ``ModelWorker.save_checkpoint``), the same for every strategy."""
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = self._checkpoint_state(self._state_options())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.experts is not None:
+            state = self.experts.checkpoint_views(model_sd, optim_sd)
+        dcp.save(state, checkpoint_id=path)
         if self.ctx.rank == 0:
             state = {
                 "step": self.step,
@@ -534,7 +567,11 @@ class FSDP2TrainStrategy:
         options = self._state_options()
         model_sd, optim_sd = self._checkpoint_state(options)
         state = {"model": model_sd, "optim": optim_sd}
+        if self.experts is not None:
+            state = self.experts.checkpoint_views(model_sd, optim_sd)
         dcp.load(state, checkpoint_id=path)
+        if self.experts is not None:
+            state = self.experts.from_checkpoint_view(state)
         set_state_dict(
             self.model,
             self.optimizer,
