@@ -237,7 +237,8 @@ def _check_signal_stop(rc, err, took, out, mark, signum, code) -> None:
     # `timeout -k 10` kills a driver still running 10 s after its SIGTERM; ray.shutdown alone took
     # 8-10 s when the signal had reached Ray's own processes too (now bounded, ray_shutdown.py).
     assert took < 7, f"the driver took {took:.1f} s to exit after {signal.Signals(signum).name}"
-    assert not any("Traceback" in line or "SIGTERM received" in line for line in err), err[-30:]
+    bad = [line for line in err if "Traceback" in line or "SIGTERM received" in line]
+    assert not bad, [*bad, "--- stderr's last lines:", *err[-30:]]  # the offending lines first
     assert err[-1].startswith(
         f"roll: stopped by {signal.Signals(signum).name}; the workers were stopped; "
         f"last checkpoint: {out / 'checkpoints'}/step_"
