@@ -13,6 +13,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
@@ -100,13 +101,9 @@ def check_ulysses_layout(name: str, role: RoleConfig) -> None:
     cfg = strategy_options(role)
     if not isinstance(cfg, FSDP2Config) or cfg.ulysses_size == 1:
         return
-    path = Path(role.model_args.model_name_or_path)
-    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
-        return  # not a config transformers can read; the worker's model load names it
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
-    check_heads(hf_config, cfg.ulysses_size, f"{name}.strategy_args.strategy_config.ulysses_size")
+    hf_config = _readable_hf_config(role)
+    if hf_config is not None:
+        check_heads(hf_config, cfg.ulysses_size, f"{name}.strategy_args.strategy_config.ulysses_size")
 
 
 def check_expert_layout(name: str, role: RoleConfig) -> None:
@@ -115,13 +112,20 @@ def check_expert_layout(name: str, role: RoleConfig) -> None:
     cfg = strategy_options(role)
     if not isinstance(cfg, FSDP2Config) or cfg.ep_size == 1:
         return
+    hf_config = _readable_hf_config(role)
+    if hf_config is not None:
+        check_experts(config_experts(hf_config), cfg.ep_size, f"{name}.strategy_args.strategy_config.ep_size")
+
+
+def _readable_hf_config(role: RoleConfig) -> Any:
+    """The role's model config as transformers reads it; None for a config.json without a
+    ``model_type`` (the worker's model load names that problem)."""
     path = Path(role.model_args.model_name_or_path)
     if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
-        return  # not a config transformers can read; the worker's model load names it
+        return None
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
-    check_experts(config_experts(hf_config), cfg.ep_size, f"{name}.strategy_args.strategy_config.ep_size")
+    return AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
 
 
 def check_engine_role_layout(name: str, role: RoleConfig) -> None:
