@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +64,14 @@ def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scal
     """``weight + scale * lora_b @ lora_a`` in fp32, in ``weight``'s dtype; full (not sharded) tensors."""
     delta = lora_b.detach().float() @ lora_a.detach().float()
     return (weight.detach().float() + scale * delta).to(weight.dtype)
+
+
+def describe_layout(layout: dict[str, Any] | None) -> str:
+    """A checkpoint's LoRA layout ({"rank", "modules"}, None without LoRA) in a few words, for the
+    error that refuses a resume with other lora_* keys (fsdp2 and megatron alike)."""
+    if layout is None:
+        return "off (every weight trained)"
+    return f"rank {layout['rank']} on {len(layout['modules'])} modules"
 
 
 def lora_candidates(model: nn.Module, layers: Iterable[nn.Module]) -> dict[str, nn.Linear]:

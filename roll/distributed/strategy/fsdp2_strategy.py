@@ -81,7 +81,7 @@ from roll.distributed.strategy.fsdp2_experts import ExpertLayout
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
-from roll.models.lora import apply_lora, hf_name, lora_scales, merged_stream
+from roll.models.lora import apply_lora, describe_layout, hf_name, lora_scales, merged_stream
 from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebudget, split_by_tokens
 from roll.models.ulysses import check_heads, use_ulysses_attention
 from roll.models.ulysses_forward import ulysses_log_probs, ulysses_values
@@ -560,8 +560,8 @@ class FSDP2TrainStrategy:
         saved, now = trainer.get("lora"), self._lora_layout()
         if saved != now:  # a LoRA checkpoint holds only the adapters, a full one every weight
             raise CheckpointError(
-                f"{trainer_file}: saved with LoRA {_describe_lora(saved)} but "
-                f"{self.ctx.role}.model_args asks for {_describe_lora(now)}; resume with the lora_* keys "
+                f"{trainer_file}: saved with LoRA {describe_layout(saved)} but "
+                f"{self.ctx.role}.model_args asks for {describe_layout(now)}; resume with the lora_* keys "
                 "the checkpoint was saved with"
             )
         options = self._state_options()
@@ -621,9 +621,3 @@ def gather_dim0_shards(
 def _no_lambdas(value: object) -> None:
     """JSON fallback: LambdaLR stores its lambdas as None or objects; they are rebuilt on load."""
     return None
-
-
-def _describe_lora(layout: dict[str, Any] | None) -> str:
-    if layout is None:
-        return "off (every weight trained)"
-    return f"rank {layout['rank']} on {len(layout['modules'])} modules"

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from roll.core.errors import CheckpointError
-from roll.models.megatron import lora as lora_adapters
+from roll.models.lora import describe_layout
 
 SUBDIR = "megatron"
 # How megatron-core (0.16.1) shards a checkpoint; save and load must agree, so it is also stored in
@@ -67,8 +67,8 @@ def load(
     saved = common.get("lora")
     if saved != lora:  # a LoRA checkpoint holds only the adapters, a full one every weight
         raise CheckpointError(
-            f"{os.path.join(target, 'common.pt')}: saved with LoRA {lora_adapters.describe(saved)} but "
-            f"{key} asks for {lora_adapters.describe(lora)}; resume with the lora_* keys the "
+            f"{os.path.join(target, 'common.pt')}: saved with LoRA {describe_layout(saved)} but "
+            f"{key} asks for {describe_layout(lora)}; resume with the lora_* keys the "
             "checkpoint was saved with"
         )
     _check_optimizer_count(common["optimizer"], optimizer)

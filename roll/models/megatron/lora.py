@@ -43,6 +43,7 @@ from torch import nn
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import LORA_ALL_LINEAR
+from roll.models.lora import ADAPTER_NAMES, merge
 
 ATTENTION = ("self_attention.linear_qkv", "self_attention.linear_proj")
 MLP = ("mlp.linear_fc1", "mlp.linear_fc2")
@@ -56,7 +57,6 @@ TARGETS = {
     "up_proj": MLP[0],
     "down_proj": MLP[1],
 }
-ADAPTERS = ("lora_A", "lora_B")
 
 
 def megatron_targets(targets: list[str], path: str) -> list[str]:
@@ -77,7 +77,7 @@ def megatron_targets(targets: list[str], path: str) -> list[str]:
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter name is a LoRA adapter's (not an HF weight)."""
-    return name.rsplit(".", 1)[-1] in ADAPTERS
+    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
 
 
 def layout(config: Any, targets: list[str], rank: int, path: str) -> dict[str, Any]:
@@ -101,12 +101,6 @@ def layout(config: Any, targets: list[str], rank: int, path: str) -> dict[str, A
         if m in ATTENTION or dense[i]
     ]
     return {"rank": rank, "modules": names}
-
-
-def describe(saved: dict[str, Any] | None) -> str:
-    if saved is None:
-        return "off (every weight trained)"
-    return f"rank {saved['rank']} on {len(saved['modules'])} modules"
 
 
 def apply_lora(
@@ -258,8 +252,7 @@ def is_adapted(module: nn.Module) -> bool:
 def merged_weight(module: nn.Module) -> torch.Tensor:
     """This TP rank's shard of ``W + scale * B A`` (fp32 math, the weight's dtype): B's rows x A's
     columns are exactly the weight shard's rows x columns in either kind."""
-    delta = module.lora_B.detach().float() @ module.lora_A.detach().float()
-    return (module.weight.detach().float() + module.lora_scale * delta).to(module.weight.dtype)
+    return merge(module.weight, module.lora_A, module.lora_B, module.lora_scale)
 
 
 def export_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
