@@ -189,7 +189,7 @@ def _gather_worker(rank: int, world_size: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from roll.distributed.strategy.fsdp2_strategy import gather_dim0_shards
+    from roll.distributed.strategy.fsdp2_gather import gather_dim0_shards
 
     with process_group(rank, world_size, port):
         mesh = init_device_mesh("cpu", (world_size,))
