@@ -85,11 +85,8 @@ def map_fsdp_size(role: dict[str, Any], path: str, notes: list[str]) -> None:
     default), -1 or at least the role's devices shard over every device, roll's ``fsdp_size: null``
     (the key is dropped with a note); a size below the device count is HSDP, the same key in roll,
     which checks that it divides the devices. Not for roll's own files: there 1 means full replicas."""
-    args = role.get("strategy_args")
-    if not isinstance(args, dict) or args.get("strategy_name") not in ("fsdp2_train", "fsdp2_infer"):
-        return
-    config = args.get("strategy_config")
-    size = config.get("fsdp_size") if isinstance(config, dict) else None
+    config = _fsdp2_options(role)
+    size = config.get("fsdp_size") if config is not None else None
     if not isinstance(size, int) or isinstance(size, bool):
         return  # absent, or a wrong type the strict build reports on the key
     devices = _num_devices(role, path)
@@ -101,15 +98,21 @@ def map_fsdp_size(role: dict[str, Any], path: str, notes: list[str]) -> None:
         )
 
 
+def _fsdp2_options(role: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``strategy_config`` mapping of an fsdp2 role's plain data (None for other roles)."""
+    args = role.get("strategy_args")
+    if not isinstance(args, dict) or args.get("strategy_name") not in ("fsdp2_train", "fsdp2_infer"):
+        return None
+    config = args.get("strategy_config")
+    return config if isinstance(config, dict) else None
+
+
 def map_expert_keys(role: dict[str, Any], path: str, notes: list[str]) -> None:
     """ROLL's ``ep_size``/``efsdp_size`` on an fsdp2 role of a ROLL file: roll's keys of the same
     meaning, less ROLL's "unset" spellings (-1; 1 for ep_size), and ``efsdp_size`` without expert
     parallelism, which shards nothing (dropped with a note)."""
-    args = role.get("strategy_args")
-    if not isinstance(args, dict) or args.get("strategy_name") not in ("fsdp2_train", "fsdp2_infer"):
-        return
-    config, at = args.get("strategy_config"), f"{path}.strategy_args.strategy_config"
-    if not isinstance(config, dict):
+    config, at = _fsdp2_options(role), f"{path}.strategy_args.strategy_config"
+    if config is None:
         return
     for key, unset in FSDP2_EXPERT_KEYS.items():
         if key in config and config[key] in unset:
