@@ -208,7 +208,7 @@ def _load_weight(
 def model_tensors(model: Any) -> dict[str, torch.Tensor]:
     """The chunk's parameters plus the buffers that are HF weights too (the MoE router's
     ``expert_bias``, DeepSeek-V3's ``e_score_correction_bias``); LoRA adapters are no HF weights
-    (an adapted layer's weight is exported merged, ``lora.export_tensor``)."""
+    (an adapted layer's weight is exported merged, ``lora.adapted_weights``)."""
     tensors = {n: p for n, p in model.named_parameters() if not lora.is_adapter(n)}
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith(wm.HF_BUFFER_SUFFIXES))
     return tensors
@@ -346,10 +346,12 @@ def export_hf_weights(
     dense_group, expert_group = (True, True) if every_replica else _exporting_groups()
     for model in models:
         bound, params = _bind_chunk(model, info)
+        adapted = lora.adapted_weights(model)
         for weight in bound:
             if not weight.export or not (expert_group if weight.expert else dense_group):
                 continue
-            param = lora.export_tensor(model, weight.mcore, params[weight.mcore])
+            module = adapted.get(weight.mcore)
+            param = lora.merged_weight(module) if module is not None else params[weight.mcore]
             tensors = _hf_tensors(weight, param, info, gather)
             if tensors is not None:
                 yield from zip(weight.hf, tensors)

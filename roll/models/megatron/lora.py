@@ -255,11 +255,8 @@ def merged_weight(module: nn.Module) -> torch.Tensor:
     return merge(module.weight, module.lora_A, module.lora_B, module.lora_scale)
 
 
-def export_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (the parameter ``name`` of ``model``), merged with its adapters when it is an
-    adapted layer's weight: what the HF export and model updates send."""
-    owner, _, leaf = name.rpartition(".")
-    if leaf != "weight" or not owner:
-        return tensor
-    module = model.get_submodule(owner)
-    return merged_weight(module) if is_adapted(module) else tensor
+def adapted_weights(model: nn.Module) -> dict[str, nn.Module]:
+    """The adapted layers of ``model`` by their weight's parameter name (``<module>.weight``), found
+    in one pass: what the HF export merges (``merged_weight``) instead of sending the frozen weight;
+    empty without LoRA."""
+    return {f"{name}.weight": module for name, module in model.named_modules() if is_adapted(module)}
