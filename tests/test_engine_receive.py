@@ -83,8 +83,9 @@ def test_broadcast_buckets_reach_every_engine_process_through_the_double_buffer(
             receiver = receivers[rank - 1]
             receiver.join("127.0.0.1", port, "link0/data", rank, 3, "gloo")
             for meta, _ in buckets:
-                assert receiver.receive(meta, verify=True) is None  # queued; checksums at the end
-            out[rank] = receiver.take_checksums()
+                # queued; checksums at the end
+                assert receiver.receive("link0/data", meta, verify=True) is None
+            out[rank] = receiver.take_checksums("link0/data")
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -100,17 +101,153 @@ def test_broadcast_buckets_reach_every_engine_process_through_the_double_buffer(
     for rank, engine in zip((1, 2), engines):
         assert_same(engine.loaded, named)
         assert sums[rank] == sums_of(buckets)
-    flats = receivers[0].buffers.flats
+    flats = receivers[0].groups["link0/data"].buffers.flats
     assert flats[0].data_ptr() != flats[1].data_ptr()  # two buffers, taken by bucket index
-    assert receivers[0].take_checksums() == []  # forgotten once taken
+    assert receivers[0].take_checksums("link0/data") == []  # forgotten once taken
     receivers[0].leave()
-    assert receivers[0].take_checksums() == []
+    assert receivers[0].take_checksums("link0/data") == []
 
 
-def test_a_bucket_before_the_group_is_refused():
+def test_one_engine_fed_by_two_trainer_ranks_keeps_a_group_for_each():
+    """A data-parallel or pipeline-parallel trainer feeds each engine from several ranks, one data
+    group each. The engine joins both groups before either sends (as the pipeline's setup does) and
+    receives their buckets interleaved: every bucket arrives on its own group, both ranks' tensors
+    load, and each group's checksums are its own buckets'. (With one group slot, joining the
+    second group dropped the first and the first rank's broadcast waited for good.)"""
+    ranks = {
+        "rank0/data": [
+            pack_bucket([("a", torch.full((6,), 1.0))], 1, 0, False),
+            pack_bucket([("b", torch.full((3,), 2.0))], 1, 1, True),
+        ],
+        "rank1/data": [
+            pack_bucket([("c", torch.full((5,), 3.0))], 1, 0, False),
+            pack_bucket([("d", torch.full((4,), 4.0))], 1, 1, True),
+        ],
+    }
+    ports = {group: free_port() for group in ranks}
+    stores = {group: open_store("127.0.0.1", ports[group], world_size=2, is_master=True) for group in ranks}
+    engine = Engine()
+    receiver = EngineReceiver(CPU, engine.load)
+    errors: list[BaseException] = []
+
+    def sender(group: str) -> None:
+        try:
+            transport = BroadcastTransport(new_group("gloo", stores[group], group, 0, 2), 0)
+            for _, flat in ranks[group]:
+                transport.send(flat).wait()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    def join(group: str) -> None:
+        try:
+            receiver.join("127.0.0.1", ports[group], group, 1, 2, "gloo")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender, args=(group,)) for group in ranks]
+    joins = [threading.Thread(target=join, args=(group,)) for group in ranks]
+    for thread in threads + joins:
+        thread.start()
+    for thread in joins:
+        thread.join(timeout=60)
+    assert not errors and sorted(receiver.groups) == sorted(ranks)
+    for index in range(2):  # bucket 0 of each rank, then bucket 1 of each
+        for group in ranks:
+            receiver.receive(group, ranks[group][index][0], verify=True)
+    sums = {group: receiver.take_checksums(group) for group in ranks}
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for group, buckets in ranks.items():
+        assert sums[group] == sums_of(buckets)
+    assert sorted(name for name, _ in engine.loaded) == ["a", "b", "c", "d"]
+    assert_same(
+        sorted(engine.loaded, key=lambda item: item[0]),
+        [
+            ("a", torch.full((6,), 1.0)),
+            ("b", torch.full((3,), 2.0)),
+            ("c", torch.full((5,), 3.0)),
+            ("d", torch.full((4,), 4.0)),
+        ],
+    )
+
+
+class BroadcastEngine:
+    """A vLLM-like engine for ``BucketReceiver``: its own receiver joins the data groups and takes
+    the broadcast buckets (``BroadcastBucketEngine``'s calls, as ``VLLMStrategy`` makes them)."""
+
+    def __init__(self) -> None:
+        self.engine = Engine()
+        self.receiver = EngineReceiver(CPU, self.engine.load)
+
+    def model_update_ranks(self) -> int:
+        return 1
+
+    def join_model_update_group(self, host, port, prefix, rank_offset, world_size, backend="nccl"):
+        self.receiver.join(host, port, prefix, rank_offset, world_size, backend)
+
+    def receive_bucket(self, group, meta, verify=False) -> None:
+        self.receiver.receive(group, meta, verify)
+
+    def take_checksums(self, group):
+        return self.receiver.take_checksums(group)
+
+
+def test_an_engine_receives_every_trainer_ranks_link_through_its_own_group():
+    """The pipeline's path for a trainer whose ranks all send (pipeline stages): two senders, each
+    with its own link to one engine worker that takes broadcasts in its own processes. The worker
+    joins both links' data groups in order and receives both links at once (``receive_links``, as
+    ``model_update_receive`` does): every tensor of both ranks loads once, with its sender's
+    checksums."""
+    from roll.distributed.model_update.receiver import BucketReceiver, receive_links
+    from roll.distributed.model_update.sender import BucketSender
+    from roll.distributed.transport.link import Link, LinkSpec
+
+    stages = [weights(1.0), [(f"s1.{name}", t) for name, t in weights(2.0)]]
+    specs = [
+        LinkSpec(
+            f"train->infer/{rank}", rank, "127.0.0.1", free_port(), (0,), (False,), "gloo", data_ranks=(1,)
+        )
+        for rank in range(2)
+    ]
+    sent: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def sender(rank: int) -> None:
+        try:
+            link = Link.connect(specs[rank], "sender", CPU)
+            sent[rank] = BucketSender(link, CPU, bucket_bytes=64).send(iter(stages[rank]), version=3)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    engine = BroadcastEngine()
+    receivers = []
+    for spec in specs:  # in order, as model_update_connect_receiver joins them
+        join = lambda *args: engine.join_model_update_group(*args)  # noqa: E731
+        receivers.append(BucketReceiver(Link.connect(spec, 0, CPU, join_data=join), CPU, engine=engine))
+    results = receive_links(receivers, load=lambda named: None, version=3)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert sorted(engine.receiver.groups) == ["train->infer/0/data", "train->infer/1/data"]
+    for rank in range(2):
+        assert results[rank].names == sent[rank].names and results[rank].checksums == sent[rank].checksums
+        assert results[rank].buckets > 1  # several buckets per link, interleaved with the other's
+    loaded = dict(engine.engine.loaded)
+    assert len(loaded) == len(engine.engine.loaded) == 6
+    assert_same(
+        sorted(engine.engine.loaded, key=lambda item: item[0]),
+        sorted(stages[0] + stages[1], key=lambda item: item[0]),
+    )
+
+
+def test_a_bucket_on_a_group_not_joined_is_refused_naming_it():
     meta, _ = pack_bucket(weights(1.0), 1, 0, True)
-    with pytest.raises(RuntimeError, match="before this engine joined"):
-        EngineReceiver(CPU, Engine().load).receive(meta)
+    with pytest.raises(RuntimeError, match="'link7/data', which this engine has not joined"):
+        EngineReceiver(CPU, Engine().load).receive("link7/data", meta)
 
 
 @pytest.mark.parametrize("reshare", [False, True])

@@ -598,8 +598,9 @@ def test_vllm_broadcast_bucket_over_gloo(fake_engines, tokenizer_dir):
     thread.start()
     assert strategy.join_model_update_group("127.0.0.1", port, "link0/data", 1, 3, backend="gloo") == [1, 2]
     for meta, _ in buckets:
-        assert strategy.receive_bucket(meta, verify=True) is None  # queued; checksums at the end
-    sums = strategy.take_checksums()
+        # queued; checksums at the end
+        assert strategy.receive_bucket("link0/data", meta, verify=True) is None
+    sums = strategy.take_checksums("link0/data")
     thread.join(timeout=30)
     assert not errors and not thread.is_alive()
     assert_workers_hold(llm, first)

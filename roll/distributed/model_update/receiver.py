@@ -11,8 +11,10 @@ computed (on the device, read back once at the end) and ``load`` gets the views.
 
 With ``engine`` given (a strategy whose engine takes buckets in its own processes, e.g. vLLM's TP
 workers), a colocated bucket goes to ``engine.load_shared_bucket(meta, handle, verify=True)`` and a
-broadcast one to ``engine.receive_bucket(meta, verify=True)`` (queued without waiting; the
-checksums of every broadcast bucket come from ``engine.take_checksums()`` after the last one).
+broadcast one to ``engine.receive_bucket(group, meta, verify=True)``, ``group`` being this link's
+data group (queued without waiting; the checksums of every broadcast bucket come from
+``engine.take_checksums(group)`` after the last one). An engine fed by several trainer ranks has
+joined one data group per rank, and each link's buckets go to its own.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class BucketReceiver:
             self.link.control.finish_acks()
         if self.engine is not None and use_engine and not self.link.is_local:
             t0 = time.perf_counter()
-            sums = [self.engine.take_checksums()]
+            sums = [self.engine.take_checksums(self.link.spec.data_prefix)]
             result.load_s += time.perf_counter() - t0
         result.checksums = _rows(sums)
         result.total_s = time.perf_counter() - start
@@ -125,7 +127,7 @@ class BucketReceiver:
             if self.link.is_local:
                 sums = self.engine.load_shared_bucket(meta, handle, verify=True)
             else:
-                self.engine.receive_bucket(meta, verify=True)
+                self.engine.receive_bucket(self.link.spec.data_prefix, meta, verify=True)
                 sums = []  # all of them from take_checksums() after the last bucket
         result.load_s += time.perf_counter() - t0
         if self.link.is_local:

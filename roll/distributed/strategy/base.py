@@ -160,11 +160,12 @@ class BroadcastBucketEngine(Protocol):
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
     ) -> Any: ...
 
-    def receive_bucket(self, meta: Any, verify: bool = False) -> None:
-        """Queue the next broadcast bucket's receive and load without waiting."""
+    def receive_bucket(self, group: str, meta: Any, verify: bool = False) -> None:
+        """Queue the receive and load of the next bucket broadcast on data group ``group`` (the
+        ``prefix`` it joined; one per trainer rank that feeds this engine) without waiting."""
 
-    def take_checksums(self) -> list[tuple[int, int]]:
-        """Wait for the queued buckets; their per-tensor checksums, in order."""
+    def take_checksums(self, group: str) -> list[tuple[int, int]]:
+        """Wait for the buckets queued on ``group``; their per-tensor checksums, in order."""
 
 
 # The Protocols a registry row may add to the one its side requires.

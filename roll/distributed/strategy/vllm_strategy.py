@@ -24,8 +24,8 @@ Model update (the receiver on this worker calls these; each is one ``collective_
 ``RollWorkerExtension`` in every TP worker, made by ``VLLMWorkerCalls``)::
 
     strategy.join_model_update_group(host, port, prefix, rank_offset, world_size)
-    strategy.receive_bucket(meta)                 # broadcast link: every TP worker receives + loads
-    strategy.take_checksums()                     # after the last bucket: wait, checksums in order
+    strategy.receive_bucket(prefix, meta)         # broadcast link: every TP worker receives + loads
+    strategy.take_checksums(prefix)               # after the link's last bucket: checksums in order
     strategy.load_shared_bucket(meta, handle)     # colocated link: map the sender's buffer instead
     strategy.finish_model_update(version)         # reset prefix cache, wake the KV cache, record it
 """
@@ -272,15 +272,16 @@ class VLLMStrategy:
     def leave_model_update_group(self) -> None:
         self.workers.destroy_update_group()
 
-    def receive_bucket(self, meta: Any, verify: bool = False) -> None:
-        """Every TP worker receives the sender's next broadcast into its buffer and loads it,
-        queued on its device without waiting; the checksums come from ``take_checksums``."""
+    def receive_bucket(self, group: str, meta: Any, verify: bool = False) -> None:
+        """Every TP worker receives the next bucket broadcast on ``group`` (a data group it joined)
+        into that group's buffer and loads it, queued on its device without waiting; the checksums
+        come from ``take_checksums(group)``."""
         self._wake_weights()
-        self.workers.receive_bucket(meta, verify)
+        self.workers.receive_bucket(group, meta, verify)
 
-    def take_checksums(self) -> list[tuple[int, int]]:
-        """Wait for the received buckets to load; their per-tensor checksums, in order."""
-        return _agreed(self.workers.take_checksums())
+    def take_checksums(self, group: str) -> list[tuple[int, int]]:
+        """Wait for the buckets received on ``group`` to load; their per-tensor checksums, in order."""
+        return _agreed(self.workers.take_checksums(group))
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, verify: bool = False

@@ -42,14 +42,14 @@ class RollWorkerExtension:
     def roll_destroy_update_group(self) -> None:
         self._roll_receiver().leave()
 
-    def roll_receive_bucket(self, meta: Any, verify: bool = False) -> None:
-        """Receive one broadcast bucket and load it, queued on the device without waiting; its
-        per-tensor checksums (when ``verify``) come back from ``roll_take_checksums``."""
-        self._roll_receiver().receive(meta, verify)
+    def roll_receive_bucket(self, group: str, meta: Any, verify: bool = False) -> None:
+        """Receive one bucket broadcast on ``group`` and load it, queued on the device without
+        waiting; its per-tensor checksums (when ``verify``) come back from ``roll_take_checksums``."""
+        self._roll_receiver().receive(group, meta, verify)
 
-    def roll_take_checksums(self) -> list[tuple[int, int]]:
-        """Wait for every queued bucket; their checksums in order (then forgotten)."""
-        return self._roll_receiver().take_checksums()
+    def roll_take_checksums(self, group: str) -> list[tuple[int, int]]:
+        """Wait for every bucket queued on ``group``; their checksums in order (then forgotten)."""
+        return self._roll_receiver().take_checksums(group)
 
     def roll_load_shared_bucket(
         self, meta: Any, handle: Any, device_index: int | None = None, verify: bool = False
@@ -105,11 +105,11 @@ class VLLMWorkerCalls:
     def destroy_update_group(self) -> list[None]:
         return self._rpc(RollWorkerExtension.roll_destroy_update_group)
 
-    def receive_bucket(self, meta: Any, verify: bool) -> list[None]:
-        return self._rpc(RollWorkerExtension.roll_receive_bucket, meta, verify)
+    def receive_bucket(self, group: str, meta: Any, verify: bool) -> list[None]:
+        return self._rpc(RollWorkerExtension.roll_receive_bucket, group, meta, verify)
 
-    def take_checksums(self) -> list[list[tuple[int, int]]]:
-        return self._rpc(RollWorkerExtension.roll_take_checksums)
+    def take_checksums(self, group: str) -> list[list[tuple[int, int]]]:
+        return self._rpc(RollWorkerExtension.roll_take_checksums, group)
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, device_index: int | None, verify: bool

@@ -6,9 +6,11 @@ vLLM's TP workers (``strategy/vllm_worker_extension.py``) and SGLang's worker
 ``model.load_weights``, SGLang's ``Engine.update_weights_from_tensor``). A bucket arrives one of
 two ways:
 
-* broadcast: ``join`` the sender's group, then ``receive(meta)`` each bucket into the double
-  buffer (``ReceiveBuffers``, queued on the device: bucket k+1 arrives while k loads) and
-  ``take_checksums()`` after the last one;
+* broadcast: ``join`` the sender's group, then ``receive(group, meta)`` each bucket into that
+  group's double buffer (``ReceiveBuffers``, queued on the device: bucket k+1 arrives while k
+  loads) and ``take_checksums(group)`` after the last one. An engine joins one group per trainer
+  rank that broadcasts to it (a DP or PP trainer over several devices feeds each engine from
+  several ranks), each named by its ``prefix``;
 * colocated: ``load_shared(meta, handle)`` maps the sender's buffer (``ipc``) and loads from it.
 
 Either way ``load`` gets views into the flat buffer, so no bucket is unpacked twice::
@@ -16,8 +18,8 @@ Either way ``load`` gets views into the flat buffer, so no bucket is unpacked tw
     receiver = EngineReceiver(device, load=lambda named: model.load_weights(weights=named))
     receiver.join(host, port, "link0/data", rank=1, world_size=3, backend="nccl")
     for meta in metas:
-        receiver.receive(meta, verify=True)
-    sums = receiver.take_checksums()
+        receiver.receive("link0/data", meta, verify=True)
+    sums = receiver.take_checksums("link0/data")
 
 An engine that passes the tensors on to other processes by CUDA IPC (SGLang's schedulers, vLLM's
 TP workers from ``VLLMStrategy.load_weights``) needs them in memory this process allocated:
@@ -100,6 +102,16 @@ class ReceiveBuffers:
             self.work_stream.synchronize()
 
 
+class _Incoming:
+    """One broadcast group this engine receives from: its transport, double buffer and the
+    checksums of the buckets queued since the last ``take_checksums``."""
+
+    def __init__(self, transport: BroadcastTransport, device: torch.device) -> None:
+        self.transport = transport
+        self.buffers = ReceiveBuffers(device)
+        self.sums: list[torch.Tensor] = []
+
+
 class EngineReceiver:
     """Receives buckets for one engine process and hands each to ``load`` (see the module docstring).
 
@@ -112,40 +124,42 @@ class EngineReceiver:
         self.load = load
         self.reshare = reshare
         self.ipc = IpcCache()
-        self.transport: BroadcastTransport | None = None
-        self.buffers: ReceiveBuffers | None = None
-        self.sums: list[torch.Tensor] = []
+        # Broadcast groups joined, by prefix: one per trainer rank that sends to this engine.
+        self.groups: dict[str, _Incoming] = {}
 
     # ------------------------------------------------------------------------------ broadcast
     def join(self, host: str, port: int, prefix: str, rank: int, world_size: int, backend: str) -> None:
-        """Join the sender's broadcast group (its store at host:port) as ``rank``."""
+        """Join the sender's broadcast group ``prefix`` (its store at host:port) as ``rank``."""
         store = open_store(host, port, world_size, is_master=False)
-        self.transport = BroadcastTransport(new_group(backend, store, prefix, rank, world_size), rank)
-        self.buffers = ReceiveBuffers(self.device)
-        self.sums = []
+        transport = BroadcastTransport(new_group(backend, store, prefix, rank, world_size), rank)
+        self.groups[prefix] = _Incoming(transport, self.device)
 
     def leave(self) -> None:
-        self.transport = self.buffers = None
+        self.groups = {}
 
-    def receive(self, meta: BucketMeta, verify: bool = False) -> None:
-        """Receive the next broadcast bucket and load it, queued on the device without waiting;
-        its per-tensor checksums (when ``verify``) come back from ``take_checksums``."""
-        if self.transport is None or self.buffers is None:
-            raise RuntimeError("a broadcast bucket arrived before this engine joined the update group")
-        flat, work = self.buffers.post_recv(meta.index, meta.nbytes, self.transport)
-        with self.buffers.reading(meta.index, work):
+    def receive(self, group: str, meta: BucketMeta, verify: bool = False) -> None:
+        """Receive the next bucket broadcast on ``group`` and load it, queued on the device without
+        waiting; its per-tensor checksums (when ``verify``) come back from ``take_checksums``."""
+        incoming = self.groups.get(group)
+        if incoming is None:
+            joined = ", ".join(sorted(self.groups)) or "none"
+            raise RuntimeError(
+                f"a bucket arrived on broadcast group {group!r}, which this engine has not joined (joined: {joined})"
+            )
+        flat, work = incoming.buffers.post_recv(meta.index, meta.nbytes, incoming.transport)
+        with incoming.buffers.reading(meta.index, work):
             if verify:
-                self.sums.append(bucket_checksums(meta, flat))
+                incoming.sums.append(bucket_checksums(meta, flat))
             self.load(unpack_bucket(meta, flat))
 
-    def take_checksums(self) -> list[tuple[int, int]]:
-        """Wait for every queued bucket; their checksums in order (then forgotten)."""
-        if self.buffers is None:
+    def take_checksums(self, group: str) -> list[tuple[int, int]]:
+        """Wait for every bucket queued on ``group``; their checksums in order (then forgotten)."""
+        incoming = self.groups.get(group)
+        if incoming is None:
             return []
         self.synchronize()
-        rows = [tuple(row) for row in torch.cat(self.sums).cpu().tolist()] if self.sums else []
-        self.sums = []
-        return rows
+        sums, incoming.sums = incoming.sums, []
+        return [tuple(row) for row in torch.cat(sums).cpu().tolist()] if sums else []
 
     # ------------------------------------------------------------------------------ colocated
     def load_shared(

@@ -70,6 +70,11 @@ class LinkSpec:
         return 1 + sum(self.ranks_of(r) for r in remote[: remote.index(receiver)])
 
     @property
+    def data_prefix(self) -> str:
+        """The data group's name in the store; an engine that joins several links tells them apart by it."""
+        return f"{self.name}/data"
+
+    @property
     def remote_receivers(self) -> tuple[int, ...]:
         return tuple(r for r, is_local in zip(self.receivers, self.local) if not is_local)
 
@@ -136,7 +141,7 @@ class Link:
         control = ControlChannel(control_group, control_rank, ack_group, ack_rank)
         data = None
         remote = spec.remote_receivers
-        prefix, world = f"{spec.name}/data", spec.data_world_size
+        prefix, world = spec.data_prefix, spec.data_world_size
         if remote and is_sender:
             data = BroadcastTransport(new_group(spec.backend, store, prefix, 0, world, timeout), 0)
         elif member in remote and join_data is not None:
