@@ -15,6 +15,10 @@ the run, the stage and by how much.
     python benchmarks/gpu_speed.py --only qwen2.5-1.5B-rlvr_megatron_vllm_2gpus --save
     python benchmarks/gpu_speed.py --repo /path/to/other/checkout --label before   # same runs, other code
     python benchmarks/gpu_speed.py --from_runs output/gpu_speed --gpu_name "NVIDIA H200" --gpus 1  # tables again
+    python benchmarks/gpu_speed.py --only qwen2.5-7B-rlvr_megatron_vllm_4gpus   # a pending_gpu draft, by name
+
+Drafts in ``examples/config/pending_gpu`` (``pending=True`` below) run only when ``--only`` names
+them: they are not shipped yet, and a guard run of them is how one qualifies.
 
 ``--save`` merges the measured runs into the baseline file (plain JSON, see ``save_baseline``).
 ``--parallel`` runs configs on disjoint GPUs at once (a 4-GPU host runs two 2-GPU configs
@@ -59,14 +63,31 @@ DATASHEETS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
 
 @dataclass(frozen=True)
 class SpeedRun:
-    """One shipped config the guard runs: its GPU count, the random checkpoint it needs (preset,
-    layer count) and overrides beyond the step count."""
+    """One config the guard runs: its GPU count, the random checkpoint it needs (preset, layer
+    count), overrides beyond the step count, and whether it is a draft of examples/config/pending_gpu."""
 
     config: str
     gpus: int
     preset: str | None = None
     layers: int | None = None
     overrides: tuple[str, ...] = ()
+    pending: bool = False
+
+    @property
+    def config_dir(self) -> str:
+        return "examples/config/pending_gpu" if self.pending else "examples/config"
+
+    def launcher(self, *args: str) -> list[str]:
+        """The launcher's command line for this config (``args`` after its name)."""
+        where = ["--config_path", self.config_dir] if self.pending else []
+        return [
+            sys.executable,
+            "examples/start_rlvr_pipeline.py",
+            *where,
+            "--config_name",
+            self.config,
+            *args,
+        ]
 
 
 RUNS = (
@@ -82,6 +103,11 @@ RUNS = (
         preset="qwen3-30b-a3b",
         layers=4,
         overrides=("response_length=128",),
+    ),
+    SpeedRun("qwen2.5-7B-rlvr_megatron_vllm_4gpus", 4, preset="qwen2.5-7b", pending=True),
+    SpeedRun("qwen3-30B-A3B-rlvr_megatron_vllm_4gpus", 4, preset="qwen3-30b-a3b", layers=4, pending=True),
+    SpeedRun(
+        "qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg", 4, preset="qwen3-30b-a3b", layers=4, pending=True
     ),
 )
 
@@ -284,7 +310,7 @@ def save_baseline(path: Path, gpu_name: str, commit: str, measured: list[Measure
 
 # ----------------------------------------------------------------------------- running
 def config_values(repo: Path, run: SpeedRun) -> dict:
-    return yaml.safe_load((repo / "examples" / "config" / f"{run.config}.yaml").read_text())
+    return yaml.safe_load((repo / run.config_dir / f"{run.config}.yaml").read_text())
 
 
 def ensure_checkpoint(repo: Path, run: SpeedRun, log) -> None:
@@ -323,7 +349,7 @@ def launch(
         *run.overrides,
         *extra,
     ]
-    cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, *overrides]
+    cmd = run.launcher(*overrides)
     # A fresh run each time (older checkouts have no overwrite_output_dir).
     shutil.rmtree(out / run.config, ignore_errors=True)
     log = open(out / f"{run.config}.log", "w")  # noqa: SIM115 - closed when the process is reaped
@@ -336,9 +362,8 @@ def start_dry_run(repo: Path, run: SpeedRun, overrides: list[str], gpu: str) -> 
     run with CUDA hidden (a CUDA context of its own would take memory while the run's engine sizes
     its KV cache)."""
     overrides = [*overrides, f"gpu={gpu}"] if gpu in DATASHEETS else overrides
-    cmd = [sys.executable, "examples/start_rlvr_pipeline.py", "--config_name", run.config, "--dry_run"]
     return subprocess.Popen(
-        cmd + overrides,
+        run.launcher("--dry_run", *overrides),
         cwd=repo,
         env=_env(repo, ""),
         stdout=subprocess.PIPE,
@@ -461,6 +486,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def select_runs(gpus: int, only: set[str]) -> list[SpeedRun]:
+    """The runs that fit ``gpus``: those named in ``only``, else every shipped one (no draft)."""
+    return [r for r in RUNS if r.gpus <= gpus and (r.config in only if only else not r.pending)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_runs is None:
@@ -483,10 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    runs = [r for r in RUNS if r.gpus <= gpus and (not only or r.config in only)]
-    missing = [
-        r.config for r in runs if not (args.repo / "examples" / "config" / f"{r.config}.yaml").exists()
-    ]
+    runs = select_runs(gpus, only)
+    missing = [r.config for r in runs if not (args.repo / r.config_dir / f"{r.config}.yaml").exists()]
     if missing:
         print(f"gpu_speed: {args.repo} has no config {missing}; skipped", file=sys.stderr)
         runs = [r for r in runs if r.config not in missing]

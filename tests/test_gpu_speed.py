@@ -133,3 +133,23 @@ def test_run_devices_are_indices_among_the_visible_gpus(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpu_speed._env(Path("/repo"), "0,1")["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert gpu_speed._env(Path("/repo"), "")["CUDA_VISIBLE_DEVICES"] == ""  # the dry run: CUDA hidden
+
+
+def test_drafts_run_only_when_named_and_launch_from_pending_gpu() -> None:
+    repo = Path(__file__).resolve().parents[1]
+    for run in gpu_speed.RUNS:  # every run's file is where the guard looks for it
+        assert (repo / run.config_dir / f"{run.config}.yaml").exists(), run.config
+    drafts = {r.config for r in gpu_speed.RUNS if r.pending}
+    assert drafts and all((repo / "examples/config/pending_gpu" / f"{c}.yaml").exists() for c in drafts)
+    assert not drafts & {r.config for r in gpu_speed.select_runs(8, set())}  # not in the default set
+    named = gpu_speed.select_runs(4, {"qwen2.5-7B-rlvr_megatron_vllm_4gpus"})
+    assert [r.config for r in named] == ["qwen2.5-7B-rlvr_megatron_vllm_4gpus"]
+    cmd = named[0].launcher("--dry_run")
+    assert cmd[-5:] == [
+        "--config_path",
+        "examples/config/pending_gpu",
+        "--config_name",
+        "qwen2.5-7B-rlvr_megatron_vllm_4gpus",
+        "--dry_run",
+    ]
+    assert "--config_path" not in RUN.launcher()
