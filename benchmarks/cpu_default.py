@@ -44,7 +44,7 @@ EXAMPLE = REPO / "output" / "default_example"
 sys.path.insert(0, str(REPO))
 
 STAGES = ("generate", "reward", "reference", "old_log_probs", "advantages", "train", "model_update")
-PHASES = ("data", "ray", "workers", "initialize", "model_update_setup", "first_sync", "validation")
+PHASES = ("launch", "data", "ray", "workers", "initialize", "model_update_setup", "first_sync", "validation")
 
 
 class CpuMeter:

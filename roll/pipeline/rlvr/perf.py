@@ -82,10 +82,16 @@ def process_uptime() -> float:
     return time.time() - psutil.Process().create_time()
 
 
+def record_launch(timer: StageTimer) -> None:
+    """The ``launch`` phase: from the process's start to the pipeline's (interpreter, imports, the
+    launcher's config checks and memory plan, with Ray starting beside them where it prestarts)."""
+    timer.times["time/launch"] = process_uptime()
+
+
 def startup_metrics(timer: StageTimer) -> dict[str, float]:
-    """``startup/<phase>_s`` for each phase ``timer`` saw (data, ray, workers, initialize,
+    """``startup/<phase>_s`` for each phase ``timer`` saw (launch, data, ray, workers, initialize,
     model_update_setup, first_sync, validation) and ``startup/to_first_step_s``: from the process's
-    start (interpreter, imports, config checks) to now, the start of the first step."""
+    start to now, the start of the first step."""
     out = {f"startup/{key.removeprefix('time/')}_s": value for key, value in timer.times.items()}
     out["startup/to_first_step_s"] = process_uptime()
     return out

@@ -17,7 +17,7 @@ from roll.pipeline.common.output_dir import claim_output_dir
 from roll.pipeline.common.run_log import setup_logging
 from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr import stages
-from roll.pipeline.rlvr.perf import memory_metrics, startup_metrics, throughput_metrics
+from roll.pipeline.rlvr.perf import memory_metrics, record_launch, startup_metrics, throughput_metrics
 from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun
 from roll.pipeline.rlvr.start import build_run, shutdown
@@ -36,6 +36,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         setup_logging(Path(config.output_dir))
         checkpoint = resolve_resume(config)  # verified against its manifest before any model loads
         startup = StageTimer()
+        record_launch(startup)
         run = build_run(config, startup)
         with startup("first_sync"):
             start = resume(run, checkpoint)
