@@ -9,7 +9,10 @@ device-wide used memory sampled on global device ``d`` since the previous step (
 it: colocated roles, caches, CUDA contexts); ``memory/<role>/peak_allocated_gib`` is the largest
 allocator peak among the role's ranks. On CPU only ``memory/<role>/peak_rss_gib`` is reported.
 
-``perf/wall_s`` is the driver process's age when the step ends; the first row a run logs also
+``perf/driver_gc_s`` / ``perf/driver_gc_max_s`` are the driver's garbage-collection pauses during
+the step, summed and the longest (``roll.utils.gc_pauses``): a collection stops the driver's
+threads and shows up inside whichever stage it lands in. ``perf/wall_s`` is the driver process's
+age when the step ends; the first row a run logs also
 carries its start-up phases, ``startup/*_s`` (``startup_metrics``). ``swap/<role>/reload_s`` and
 ``swap/<role>/offload_s`` are the seconds a colocated role spent coming onto and leaving its devices
 during the step (``roll.pipeline.common.timing.SwapTimes``; part of the stage that asked for it, e.g. waking vLLM is part of

@@ -22,6 +22,7 @@ from roll.pipeline.rlvr.rollout_source import RolloutSource
 from roll.pipeline.rlvr.run import RLVRRun
 from roll.pipeline.rlvr.start import build_run, shutdown
 from roll.utils.atomic_io import write_dir_durably
+from roll.utils.gc_pauses import GcPauses
 from roll.utils.rng import rng_state, set_rng_state
 
 logger = logging.getLogger("roll")
@@ -30,6 +31,7 @@ logger = logging.getLogger("roll")
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
     run = rollouts = None
+    gc_pauses = GcPauses()  # the driver's garbage-collection pauses, logged per step
     lock = claim_output_dir(config)  # refuses a second run on output_dir, or one over an old run
     finished = False
     try:
@@ -43,6 +45,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         run.tracker = _tracker(run, start)
         first = validate_first(run, start, startup)  # step 0; start-up phases not logged yet
         rollouts = RolloutSource(run)  # async_generation_ratio 1: generates one step ahead
+        gc_pauses.take()  # start-up's are not a step's
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
             # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
@@ -69,6 +72,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
                 with timer("validation"):
                     metrics |= stages.run_validation(run, step)
             metrics |= throughput_metrics(run, batch, timer.times) | memory_metrics(run) | run.swaps.take()
+            metrics |= gc_pauses.take()
             run.tracker.log(metrics | timer.metrics() | first, step)
             first = {}
             if config.save_steps and step % config.save_steps == 0:
@@ -82,6 +86,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         shutdown(run, graceful=finished)
         if rollouts is not None:
             rollouts.close()
+        gc_pauses.close()
         lock.release()
 
 
