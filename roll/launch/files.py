@@ -81,12 +81,9 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
     cfg = strategy_options(role)
     if not isinstance(cfg, MegatronConfig):
         return
-    path = Path(role.model_args.model_name_or_path)
-    if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+    hf_config = _readable_hf_config(role)
+    if hf_config is None:
         return  # not a config transformers can read; the worker's model load names it
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role.model_args.trust_remote_code)
     try:
         check_model_fits(hf_config, cfg, f"{name}.strategy_args.strategy_config")
     except ConfigError as exc:
