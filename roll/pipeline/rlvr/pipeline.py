@@ -30,8 +30,7 @@ logger = logging.getLogger("roll")
 
 def run_pipeline(config: RLVRConfig) -> Path:
     """Train, validate and checkpoint for ``config.max_steps`` steps; returns the run directory."""
-    run = rollouts = None
-    gc_pauses = GcPauses()  # the driver's garbage-collection pauses, logged per step
+    run = rollouts = gc_pauses = None
     lock = claim_output_dir(config)  # refuses a second run on output_dir, or one over an old run
     finished = False
     try:
@@ -45,7 +44,7 @@ def run_pipeline(config: RLVRConfig) -> Path:
         run.tracker = _tracker(run, start)
         first = validate_first(run, start, startup)  # step 0; start-up phases not logged yet
         rollouts = RolloutSource(run)  # async_generation_ratio 1: generates one step ahead
-        gc_pauses.take()  # start-up's are not a step's
+        gc_pauses = GcPauses()  # the driver's garbage-collection pauses, logged per step
         for step in range(start + 1, config.max_steps + 1):
             timer = StageTimer()
             # generate + reward, in DAPO rounds when dynamic_sampling is on; overlong shaping
@@ -86,7 +85,8 @@ def run_pipeline(config: RLVRConfig) -> Path:
         shutdown(run, graceful=finished)
         if rollouts is not None:
             rollouts.close()
-        gc_pauses.close()
+        if gc_pauses is not None:
+            gc_pauses.close()
         lock.release()
 
 
