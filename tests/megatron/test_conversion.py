@@ -245,6 +245,10 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
     spec_fn = default_layer_spec_fn() if case.roll_spec else local_layer_spec
     chunks = build_model_chunks(hf_config, cfg, torch.float32, spec_fn)
     _load_and_check_reads(chunks, ckpt)
+    # As the strategies' runtime does after loading: megatron builds some modules on CPU whatever
+    # the device (torch norms of the local spec, the MoE router), so a CUDA forward needs them moved.
+    for chunk in chunks:
+        chunk.to(_device())
     _check_export(chunks, ckpt, scratch / "export", case)
     if case.forward:
         _check_forward(chunks, ckpt)
