@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import time
 
@@ -394,12 +395,8 @@ def test_single_node_run_listens_on_loopback_only(runtime):
 @pytest.mark.parametrize(
     "num_nodes, existing, expected",
     [
-        (
-            1,
-            False,
-            [{"address": "auto"}, {"address": "local", "_node_ip_address": "127.0.0.1", "num_gpus": None}],
-        ),
-        (1, True, [{"address": "auto"}]),  # joins the cluster `ray start` made on this machine
+        (1, False, [{"address": "local", "_node_ip_address": "127.0.0.1", "num_gpus": None}]),
+        (1, True, [{"address": "10.0.0.5:6379"}]),  # joins the cluster `ray start` made on this machine
         (2, False, [{}]),  # multi-node: ray.init() as before
     ],
 )
@@ -413,16 +410,46 @@ def test_gpu_driver_starts_loopback_ray_only_for_one_node(monkeypatch, num_nodes
         calls.append({k: kwargs[k] for k in keys if k in kwargs})
         if kwargs.get("address") == "local":
             assert os.environ[resource_manager.LOCAL_ONLY_ENV] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
-        if kwargs.get("address") == "auto" and not existing:
-            raise ConnectionError("Could not find any running Ray instance")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(resource_manager, "ray_start_address", lambda: "10.0.0.5:6379" if existing else None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv(resource_manager.LOCAL_ONLY_ENV, raising=False)
     assert init_ray(PlacementPlan(num_nodes, 8, {}, ()), "cuda") == "cuda"
     assert calls == expected
     assert resource_manager.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
+
+
+def test_only_the_ray_start_address_file_is_joined_and_only_while_its_gcs_answers(monkeypatch, tmp_path):
+    """Another run's Ray on a shared host (a running gcs_server that ``ray start`` did not write
+    down) is never joined, and a stale address file (its GCS gone) means no cluster."""
+    from ray._private import services
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        live = f"127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setattr(services, "find_gcs_addresses", lambda: {live})  # what "auto" would take
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+        assert resource_manager.ray_start_address() is None
+        monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: live)
+        assert resource_manager.ray_start_address() == live
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: live)  # closed now
+    assert resource_manager.ray_start_address() is None
+
+
+def test_a_ray_address_nobody_answers_is_one_config_error(monkeypatch):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{free.getsockname()[1]}"  # bound, never listening: refused
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("ray.init must not be reached"))
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    with pytest.raises(ConfigError, match=f"RAY_ADDRESS.*no Ray cluster answers at {dead}.*ray start --head"):
+        init_ray(PlacementPlan(2, 8, {}, ()), "cuda")
+    for other in ("auto", "ray://10.0.0.5:10001"):  # Ray's own forms pass through to ray.init
+        resource_manager.check_ray_address(other)
 
 
 def test_each_method_gets_its_stage_timeout():

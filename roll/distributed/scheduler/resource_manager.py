@@ -46,6 +46,8 @@ NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 # A single-node run's private Ray listens on loopback only (see ``start_local_ray``).
 LOOPBACK = "127.0.0.1"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Seconds to wait for a Ray GCS to accept a connection before calling its address dead.
+GCS_PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,8 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
 
     - ``RAY_ADDRESS`` set: join that cluster (multi-node: ``ray start`` on every node first).
     - GPU, several nodes: ``ray.init()`` joins the cluster started with ``ray start``.
-    - GPU, one node: join a cluster started with ``ray start`` on this machine, else start a private
-      one that listens on 127.0.0.1 only.
+    - GPU, one node: join a cluster started with ``ray start`` on this machine (``ray_start_address``),
+      else start a private one that listens on 127.0.0.1 only.
     - CPU: start a private local Ray (127.0.0.1 only) with one fake GPU per device slot of the plan.
     An already initialized Ray (e.g. a test fixture's) is used as it is.
     """
@@ -97,6 +99,7 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
     address = os.environ.get("RAY_ADDRESS")
     with keep_signal_handlers():
         if address:
+            check_ray_address(address)
             ray.init(address=address, **kwargs)
         elif device == "cuda" and plan.num_nodes > 1:
             ray.init(**kwargs)
@@ -136,13 +139,49 @@ def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
 
 
 def _join_local_cluster(kwargs: dict[str, Any]) -> bool:
-    """Join a Ray cluster started on this machine with ``ray start`` (as ``ray.init()`` would);
-    False when there is none."""
-    try:
-        ray.init(address="auto", **kwargs)
-    except ConnectionError:
+    """Join the Ray cluster that ``ray start`` began on this machine; False when there is none."""
+    address = ray_start_address()
+    if address is None:
         return False
+    ray.init(address=address, **kwargs)
     return True
+
+
+def ray_start_address() -> str | None:
+    """The GCS address in Ray's address file (written by ``ray start`` on this machine) when a GCS
+    still answers there, else None.
+
+    Not ``ray.init(address="auto")``: that also joins any Ray it finds running on the machine, so on
+    a shared host a run joined another run's private Ray, or waited for good on a GCS that had just
+    shut down."""
+    from ray._private.services import find_bootstrap_address
+
+    address = find_bootstrap_address(None)
+    return address if address and gcs_answers(address) else None
+
+
+def gcs_answers(address: str, timeout_s: float = GCS_PROBE_S) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def check_ray_address(address: str) -> None:
+    """A ``RAY_ADDRESS`` of the form ``host:port`` must answer: ``ray.init`` would otherwise retry
+    for good. Other forms (``auto``, ``local``, ``ray://`` clients) are Ray's to resolve."""
+    if "://" in address or address in ("auto", "local") or ":" not in address:
+        return
+    if not gcs_answers(address):
+        raise ConfigError(
+            "RAY_ADDRESS",
+            f"no Ray cluster answers at {address} (TCP, {GCS_PROBE_S:.0f} s): start its head with "
+            "`ray start --head` (and the other nodes with `ray start --address=...`), or unset RAY_ADDRESS "
+            "to start a private Ray",
+        )
 
 
 @contextlib.contextmanager
