@@ -15,7 +15,7 @@ the run, the stage and by how much.
     python benchmarks/gpu_speed.py --only qwen2.5-1.5B-rlvr_megatron_vllm_2gpus --save
     python benchmarks/gpu_speed.py --repo /path/to/other/checkout --label before   # same runs, other code
     python benchmarks/gpu_speed.py --from_runs output/gpu_speed --gpu_name "NVIDIA H200" --gpus 1  # tables again
-    python benchmarks/gpu_speed.py --only qwen2.5-7B-rlvr_megatron_vllm_4gpus   # a pending_gpu draft, by name
+    python benchmarks/gpu_speed.py --only qwen3-30B-A3B-rlvr_megatron_vllm_4gpus   # a pending_gpu draft, by name
 
 Drafts in ``examples/config/pending_gpu`` (``pending=True`` below) run only when ``--only`` names
 them: they are not shipped yet, and a guard run of them is how one qualifies.
@@ -104,7 +104,7 @@ RUNS = (
         layers=4,
         overrides=("response_length=128",),
     ),
-    SpeedRun("qwen2.5-7B-rlvr_megatron_vllm_4gpus", 4, preset="qwen2.5-7b", pending=True),
+    SpeedRun("qwen2.5-7B-rlvr_megatron_vllm_4gpus", 4, preset="qwen2.5-7b"),
     SpeedRun("qwen3-30B-A3B-rlvr_megatron_vllm_4gpus", 4, preset="qwen3-30b-a3b", layers=4, pending=True),
     SpeedRun(
         "qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg", 4, preset="qwen3-30b-a3b", layers=4, pending=True
