@@ -20,6 +20,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.rl_options import PolicyLossConfig
+from roll.configs.roll_compat_judge import map_judge_cluster
 from roll.configs.roll_compat_lora import map_lora
 from roll.configs.roll_compat_options import Problems, map_expert_keys, map_fsdp_size
 from roll.configs.roll_compat_roles import class_name, drop_offload_nccl, map_engine, map_role, map_strategy
@@ -50,9 +51,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "*.pg_variant": Unsupported("remove it; only actor_train trains a policy", (None,)),
     "rewards.*.response_length_penalty_coef": Unsupported("remove it; no length penalty on rewards", _OFF0),
     "rewards.*.judge_model_type": Unsupported(
-        "ROLL: api asks a remote judge API, cluster a separate judge service (ROLL's own "
-        "LLMJudgeRewardWorker refuses cluster too); roll's llm_judge scores with the role's own engine: "
-        "write inference",
+        "ROLL: api asks a remote judge API; roll's llm_judge scores with the role's own engine "
+        "(write inference, or cluster with ROLL's top-level reward_model role)",
         (None, "inference"),
     ),
     "rewards.*.reward_type": Unsupported(
@@ -115,6 +115,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     """Return ``raw`` with ROLL keys mapped or dropped; raise one ConfigError naming every refused key."""
     problems = Problems()
     notes: list[str] = []
+    map_judge_cluster(raw, problems, notes)  # first: the judge role takes the service's engine keys
     sections = _sections(raw)
     roll_file = any("worker_cls" in section for section in sections.values())
     if roll_file:  # ROLL's behaviours that would hide a mistake in roll's own files
