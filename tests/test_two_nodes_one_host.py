@@ -1,0 +1,46 @@
+"""``benchmarks/two_nodes_one_host.py`` on CPU: two ``ray start`` nodes on loopback, the default
+config's roles split across them (actor_train + reference on device 0, actor_infer on device 1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OVERRIDES = [
+    "actor_train.device_mapping=0",
+    "actor_infer.device_mapping=1",
+    "reference.device_mapping=0",
+    "max_steps=2",
+    "save_steps=1",
+    "eval_steps=0",
+    "validation=null",
+    "rollout_batch_size=4",
+    "num_return_sequences_in_group=4",
+    "actor_train.training_args.per_device_train_batch_size=16",
+]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_roles_land_on_both_nodes_and_nothing_survives(tmp_path, example):
+    data = [f"pretrain={example}/sft_model", f"actor_train.data_args.file_name=[{example}/data/train.jsonl]"]
+    cmd = [sys.executable, str(REPO / "benchmarks/two_nodes_one_host.py"), "--gpus_per_node", "1"]
+    cmd += ["--cpus_per_node", "1", "--timeout", "200", "--out", str(tmp_path), *OVERRIDES, *data]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith(("actor_", "reference"))]
+    nodes = {row[0]: row[1] for row in rows}
+    assert nodes["actor_train"] == "0" and nodes["actor_infer"] == "1", run.stdout
+    assert "checkpoints: step_1, step_2" in run.stdout
+    address = next(line.split()[5] for line in run.stdout.splitlines() if line.startswith("two Ray nodes"))
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any("roll2n_" in part or address in part for part in p.info["cmdline"] or [])
+    ]
+    assert not left, left
