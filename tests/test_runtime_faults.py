@@ -26,7 +26,13 @@ from test_pipeline_e2e import config_dict, write_data  # noqa: E402
 from tiny_models import build_tiny_model_dir  # noqa: E402
 
 from roll.pipeline.common.checkpoint import read_state  # noqa: E402
-from roll.pipeline.common.signals import RunInterrupted, interruption, release_signals, take_signals  # noqa: E402
+from roll.pipeline.common.signals import (  # noqa: E402
+    QUIET_RAY_ERRORS,
+    RunInterrupted,
+    interruption,
+    release_signals,
+    take_signals,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,7 +264,8 @@ def _check_signal_stop(rc, err, took, out, mark, signum, code) -> None:
 @pytest.mark.parametrize(
     "signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
 )
-def test_signals_raise_run_interrupted(signum, code):
+def test_signals_raise_run_interrupted(signum, code, monkeypatch):
+    monkeypatch.delenv(QUIET_RAY_ERRORS, raising=False)
     take_signals()
     try:
         with pytest.raises(KeyboardInterrupt) as info:  # what Ray's waits let through
@@ -267,6 +274,7 @@ def test_signals_raise_run_interrupted(signum, code):
     finally:
         release_signals()  # also cancels the clean-up deadline
     assert isinstance(info.value, RunInterrupted)
+    assert os.environ[QUIET_RAY_ERRORS] == "1"  # the killed calls' failures print no tracebacks
     stop = interruption()  # the signal, also when Ray re-raised a plain KeyboardInterrupt
     assert (stop.exit_code, str(stop)) == (code, f"stopped by {signal.Signals(signum).name}")
 

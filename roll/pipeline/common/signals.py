@@ -27,6 +27,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The clean-up after a signal gets this long; then the driver leaves without it (a clean-up can
 # block when the signal also reached Ray's own processes, e.g. SIGTERM to the process group).
 CLEANUP_GRACE_S = 60.0
+# Ray checks this variable each time it would print an error nobody waited for.
+QUIET_RAY_ERRORS = "RAY_IGNORE_UNHANDLED_ERRORS"
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -50,6 +52,10 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     if _interrupted:  # a second signal while the first one's clean-up runs: leave now
         os._exit(128 + signum)
     _interrupted.append(signum)
+    # The calls in flight fail as the clean-up kills their workers (a checkpoint half written, a
+    # generate cut off); Ray would print each failure's traceback as an "Unhandled error" around
+    # the one line the launcher prints.
+    os.environ[QUIET_RAY_ERRORS] = "1"
     timer = threading.Timer(CLEANUP_GRACE_S, _leave, (signum,))
     timer.daemon = True
     timer.start()
