@@ -155,6 +155,24 @@ def test_startup_metrics_name_each_phase_and_the_time_to_the_first_step():
     assert metrics["startup/to_first_step_s"] >= metrics["startup/launch_s"] + metrics["startup/ray_s"]
 
 
+def test_the_launchers_marks_split_the_launch_phase_into_parts_that_sum_to_it():
+    from roll.pipeline.rlvr import perf
+
+    perf.mark_launch("stale")
+    perf.mark_launch("imports", first=True)  # a new launch drops an earlier one's marks
+    time.sleep(0.01)
+    perf.mark_launch("checks")
+    timer = StageTimer()
+    record_launch(timer)
+    parts = {k: v for k, v in timer.times.items() if k.startswith("time/launch.")}
+    assert list(parts) == ["time/launch.imports", "time/launch.checks", "time/launch.to_pipeline"]
+    assert parts["time/launch.checks"] >= 0.01
+    assert sum(parts.values()) == pytest.approx(timer.times["time/launch"])
+    again = StageTimer()
+    record_launch(again)  # the marks were taken: a second run in this process has none
+    assert list(again.times) == ["time/launch"]
+
+
 def test_prestart_hands_its_ray_to_the_run_of_the_same_config_and_raises_its_error(monkeypatch):
     """The launcher starts Ray and the hosts on a thread (``prestart``) while it checks the config;
     start_clusters takes them for that config, an error there raises at the take, and one nobody

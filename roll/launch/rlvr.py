@@ -62,14 +62,19 @@ def main(argv: list[str] | None = None) -> int:
         from roll.distributed.scheduler.placement import format_plan
         from roll.launch.checks import check_before_launch
         from roll.launch.roles import check_engines_installed, engines_missing_here
+        from roll.pipeline.rlvr.perf import mark_launch
         from roll.pipeline.rlvr.prestart import prestart
         from roll.planner.report import memory_report
 
+        mark_launch("imports", first=True)  # the interpreter and the launcher's imports
         config = load_config(config_file(args.config_path, args.config_name), args.overrides)
         if not args.dry_run and prestarts_here(config):
             prestart(config)  # Ray and the workers start while the checks import (docs/architecture_ray.md)
+        mark_launch("config")
         plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
+        mark_launch("checks")
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error
+        mark_launch("memory_plan")
         if args.dry_run:
             kind = "CPU slot" if config.device == "cpu" else "GPU"
             print(format_plan(plan, device_kind=kind))

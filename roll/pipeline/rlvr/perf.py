@@ -85,10 +85,33 @@ def process_uptime() -> float:
     return time.time() - psutil.Process().create_time()
 
 
+# The launcher's marks inside the launch phase: (part, seconds since the process started when that
+# part ended), in order (``mark_launch``).
+_launch_marks: list[tuple[str, float]] = []
+
+
+def mark_launch(part: str, first: bool = False) -> None:
+    """End the launch sub-phase ``part`` now (the launcher calls it after each of its steps;
+    ``first`` drops the marks of an earlier launch in this process, e.g. a ``--dry_run``)."""
+    if first:
+        _launch_marks.clear()
+    _launch_marks.append((part, process_uptime()))
+
+
 def record_launch(timer: StageTimer) -> None:
     """The ``launch`` phase: from the process's start to the pipeline's (interpreter, imports, the
-    launcher's config checks and memory plan, with Ray starting beside them where it prestarts)."""
-    timer.times["time/launch"] = process_uptime()
+    launcher's config checks and memory plan, with Ray starting beside them where it prestarts),
+    and ``launch.<part>`` for each part the launcher marked (the first from the process's start),
+    then ``launch.to_pipeline`` for the rest."""
+    now = process_uptime()
+    timer.times["time/launch"] = now
+    last = 0.0
+    for part, at in _launch_marks:
+        timer.times[f"time/launch.{part}"] = at - last
+        last = at
+    if _launch_marks:  # the pipeline's imports, the output_dir lock and the resume check
+        timer.times["time/launch.to_pipeline"] = now - last
+    _launch_marks.clear()
 
 
 def startup_metrics(timer: StageTimer) -> dict[str, float]:
