@@ -122,8 +122,9 @@ NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 # torch intra-op threads of the driver process. Its tensors are a step's rollouts (a few MB), so a
 # pool as wide as the host only adds wake-ups, which cost most where the workers keep the cores busy:
-# on a 2-core machine with both cores loaded, the 1.5B shape's advantages stage took 5.7 ms median
-# (47 ms worst) on 2 threads and 2.0 ms on 1; on the 64-core GPU host it took 15-300 ms a step.
+# with both cores of a 2-core machine loaded, the 1.5B shape's advantages stage took 85.7 ms median
+# (0.5 s worst) on 2 threads and 6.5 ms on 1 (benchmarks/driver_threads.py); on the 64-core GPU host
+# it took 15-300 ms a step.
 DRIVER_TORCH_THREADS = 1
 
 
