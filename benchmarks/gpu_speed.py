@@ -5,7 +5,9 @@ For every run below whose GPU count fits the visible GPUs it starts
 listed overrides changed; validation and checkpoints off) and prints one table: the start-up phases
 (``startup/*`` of the first metrics row), the seconds of each stage of the last step, the peak
 device memory beside the memory planner's prediction (``--dry_run``'s "device peak"), each next to
-the baseline of this GPU (``benchmarks/baselines/<gpu>.json``), their ratio and the stage's bound.
+the baseline of this GPU (``benchmarks/baselines/<gpu>.json``), their ratio and the stage's bound,
+and the host's speed figures (``host_probe.py``: Python, torch dispatch, CUDA launches, matmul)
+beside the baseline host's, so that a slower host shows as such.
 It exits 1 when a stage, the step or the start-up is more than ``--tolerance`` (15%) slower than
 its baseline (and more than ``--floor_s`` seconds: sub-second stages jitter by tens of ms), naming
 the run, the stage and by how much.
@@ -55,6 +57,9 @@ sys.path.insert(0, str(REPO))
 from roll.configs.loader import apply_overrides  # noqa: E402
 from roll.planner.model_shape import ModelShape, shape_from_config  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_probe import host_rows, probe_host  # noqa: E402
 
 BASELINES = REPO / "benchmarks" / "baselines"
 # GPU name -> (dense bf16 FLOP/s, HBM bytes/s), from the vendors' datasheets (SXM parts).
@@ -131,9 +136,12 @@ class Measured:
     tokens: float = 0.0
     response_tokens: float = 0.0
     error: str = ""
+    # This host's speed figures (host_probe.py), measured before the runs started.
+    host: dict[str, float] = field(default_factory=dict)
 
     def as_baseline(self) -> dict:
         return {
+            "host": self.host,
             "gpus": self.gpus,
             "startup_s": self.startup_s,
             "startup": self.startup,
@@ -277,6 +285,7 @@ def run_table(now: Measured, base: dict | None, bounds: dict[str, float]) -> lis
         f"| planner's predicted peak GiB | {_cell(now.predicted_peak_gib, 1)} | | "
         f"{_ratio(now.peak_gib, now.predicted_peak_gib)} measured/predicted | |"
     )
+    lines += host_rows(now.host, base.get("host"))  # a slower host slows every stage alike
     if now.error:
         lines.append(f"\nfailed: {now.error}")
     return lines
@@ -532,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = (args.out / args.label) if args.label else args.out
         out.mkdir(parents=True, exist_ok=True)
+        host = probe_host()
+        log(f"host: {json.dumps({k: round(v, 3) for k, v in host.items()})}")
         results = run_all(
             args.repo.resolve(),
             runs,
@@ -544,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             sheet,
             tuple(args.override),
         )
+        for measured in results:
+            measured.host = host
     failures, slower = report(args, runs, results, baseline, gpu_name)
     if args.from_runs is None:
         (out / "results.json").write_text(json.dumps([m.__dict__ for m in results], indent=1) + "\n")

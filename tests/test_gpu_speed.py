@@ -70,6 +70,7 @@ def test_the_baseline_file_round_trips_and_keeps_other_runs(tmp_path: Path) -> N
     run = saved["runs"][RUN.config]
     assert run["stages"] == {"generate": 4.0, "train": 6.0} and run["predicted_peak_gib"] == 41.0
     assert run["gpus"] == 2 and saved["commit"] == "abc1234"
+    assert run["host"] == {}  # a run measured without the probe (--from_runs) keeps no host figures
 
 
 def test_predicted_peak_is_the_largest_device_peak_of_the_plan() -> None:
@@ -124,6 +125,27 @@ def test_gpu_names_and_tables() -> None:
     assert "| train | 6.00 | 5.00 | 1.20x | 0.500 |" in table
     assert "**start-up to first step** | 50.00" in table
     assert "| (within the stages) actor_infer/reload | 0.25 |" in table
+
+
+def test_the_host_figures_sit_beside_the_baseline_hosts_as_a_slowdown() -> None:
+    """A slower host shows as slowdowns > 1 in every figure, whichever way the figure runs."""
+    m = gpu_speed.measured_from_rows(RUN, ROWS, 0, 120.0)
+    m.host = {"python_loop_ms": 40.0, "cuda_launch_us": 6.0, "matmul_tflops": 500.0, "cpus": 64.0}
+    base = {"host": {"python_loop_ms": 20.0, "cuda_launch_us": 4.0, "matmul_tflops": 750.0}}
+    table = "\n".join(gpu_speed.run_table(m, base, {}))
+    assert "| host: python_loop_ms | 40.0 | 20.0 | 2.00x | |" in table
+    assert "| host: cuda_launch_us | 6.00 | 4.00 | 1.50x | |" in table
+    assert "| host: matmul_tflops | 500 | 750 | 1.50x | |" in table  # fewer TFLOP/s: slower
+    assert "torch_small_op_us" not in table  # measured on neither host
+    assert gpu_speed.Measured("x", 1, 0, 1.0, host=m.host).as_baseline()["host"] == m.host
+
+
+def test_the_host_probe_measures_the_cpu_figures_here() -> None:
+    import host_probe
+
+    figures = host_probe.probe_host()
+    assert figures["python_loop_ms"] > 0 and figures["torch_small_op_us"] > 0 and figures["cpus"] >= 1
+    assert ("cuda_launch_us" in figures) == host_probe.torch.cuda.is_available()
 
 
 def test_run_devices_are_indices_among_the_visible_gpus(monkeypatch) -> None:
