@@ -59,7 +59,7 @@ from roll.planner.model_shape import ModelShape, shape_from_config  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_probe import host_rows, probe_host  # noqa: E402
+from host_probe import host_rows  # noqa: E402
 
 BASELINES = REPO / "benchmarks" / "baselines"
 # GPU name -> (dense bf16 FLOP/s, HBM bytes/s), from the vendors' datasheets (SXM parts).
@@ -318,6 +318,21 @@ def save_baseline(path: Path, gpu_name: str, commit: str, measured: list[Measure
 
 
 # ----------------------------------------------------------------------------- running
+def probe_host_apart(timeout_s: float = 120.0) -> dict[str, float]:
+    """``host_probe.py``'s figures, from a process of its own: its CUDA context must not stay on a
+    GPU the runs measure. Empty when the probe fails."""
+    probe = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / "host_probe.py")],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    try:
+        return json.loads(probe.stdout) if probe.returncode == 0 else {}
+    except json.JSONDecodeError:
+        return {}
+
+
 def config_values(repo: Path, run: SpeedRun) -> dict:
     return yaml.safe_load((repo / run.config_dir / f"{run.config}.yaml").read_text())
 
@@ -541,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = (args.out / args.label) if args.label else args.out
         out.mkdir(parents=True, exist_ok=True)
-        host = probe_host()
+        host = probe_host_apart()
         log(f"host: {json.dumps({k: round(v, 3) for k, v in host.items()})}")
         results = run_all(
             args.repo.resolve(),
