@@ -534,3 +534,55 @@ def test_split_and_gather_for_dp():
 def test_register_rejects_a_non_mode():
     with pytest.raises(TypeError, match="takes a Dispatch mode"):
         register("one_to_all")
+
+
+def test_a_rank_that_fails_after_another_node_went_down_names_that_node(monkeypatch):
+    """On a run that spans nodes, a rank on a live node often fails first when a peer's node dies
+    (its collective's connection resets): the line names the node that went down. Ray marks a
+    killed node dead only after its health checks time out, so a raylet that refuses connections
+    counts as gone too."""
+    from ray.exceptions import RayError
+
+    from roll.distributed.scheduler import cluster as cluster_mod
+
+    with socket.socket() as live, socket.socket() as closed:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused like a killed raylet's port
+        nodes = [
+            {
+                "NodeID": "a",
+                "Alive": True,
+                "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": live.getsockname()[1],
+            },
+            {
+                "NodeID": "b",
+                "Alive": True,
+                "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": closed.getsockname()[1],
+            },
+            {
+                "NodeID": "c",
+                "Alive": False,
+                "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": live.getsockname()[1],
+            },
+        ]
+        monkeypatch.setattr(ray, "nodes", lambda: nodes)
+        run_nodes = {"a": "node 0 (127.0.0.1)", "b": "node 1 (127.0.0.1)", "c": "node 2 (127.0.0.1)"}
+        assert cluster_mod.gone_nodes(run_nodes) == ["node 1 (127.0.0.1)", "node 2 (127.0.0.1)"]
+        assert cluster_mod.gone_nodes({"a": "node 0 (127.0.0.1)"}) == []
+
+        role = cluster_mod.Cluster.__new__(cluster_mod.Cluster)
+        role.role, role.workers, role.nodes, role._error = "actor_train", [], {}, None
+        role.run_nodes = {"a": "node 0 (127.0.0.1)", "b": "node 1 (127.0.0.1)"}
+        monkeypatch.setattr(role, "_kill", lambda *args, **kwargs: None)
+        error = role._fail(0, RayError("RuntimeError: [gloo] Read error: Connection reset by peer"))
+    assert str(error) == (
+        "actor_train rank 0, after node 1 (127.0.0.1) went down: RayError: "
+        "RuntimeError: [gloo] Read error: Connection reset by peer"
+    )
+    role.run_nodes = {}  # one node: the line stays the rank's own
+    role._error = None
+    assert str(role._fail(0, RayError("boom"))) == "actor_train rank 0: RayError: boom"

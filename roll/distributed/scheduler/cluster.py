@@ -49,6 +49,7 @@ from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import RolePlan
 from roll.distributed.scheduler.resource_manager import ResourceManager
 from roll.distributed.scheduler.watchdog import Deadline
+from roll.utils.ports import answers
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -216,6 +217,8 @@ class Cluster:
         self._error: WorkerError | None = None
         # Where each rank runs, for naming a dead one on a run that spans nodes (``_fail``).
         self.nodes = _rank_nodes(resource_manager, role_plan)
+        # The run's Ray nodes, for naming one that died under a rank of another (``_fail``).
+        self.run_nodes = _run_nodes(resource_manager)
         self.timeouts = pipeline_config.worker_timeouts if pipeline_config else WorkerTimeoutsConfig()
         extra_env = worker_extra_env(pipeline_config, role_config)
         remote_cls = ray.remote(worker_cls) if hosts is None else None
@@ -321,6 +324,14 @@ class Cluster:
             self._error = self._error.on_host(worker.host.describe())
         elif isinstance(exc, RayActorError) and self.nodes.get(rank):
             self._error = self._error.on_host(f"{self.role} rank {rank} on {self.nodes[rank]}")
+        elif self.run_nodes:
+            # A rank on a live node whose peer's node died fails first (a collective's connection
+            # reset): the line names the dead node, which is what to act on.
+            gone = gone_nodes(self.run_nodes)
+            if gone:
+                self._error = self._error.on_host(
+                    f"{self.role} rank {rank}, after {' and '.join(gone)} went down"
+                )
         self._kill()
         return self._error
 
@@ -368,6 +379,40 @@ def _rank_nodes(resource_manager: ResourceManager, role_plan: RolePlan) -> dict[
     return {
         w.rank: f"node {w.node} ({resource_manager.slots[w.devices[0]].node_ip})" for w in role_plan.workers
     }
+
+
+def _run_nodes(resource_manager: ResourceManager) -> dict[str, str]:
+    """``{Ray node id: "node 1 (10.0.0.2)"}`` for every node of a run that spans nodes; empty on one."""
+    per_node = resource_manager.plan.devices_per_node
+    if resource_manager.plan.num_nodes < 2:
+        return {}
+    return {
+        slot.node_id: f"node {device // per_node} ({slot.node_ip})"
+        for device, slot in enumerate(resource_manager.slots)
+    }
+
+
+# Seconds to wait for a node's raylet to accept a connection before calling the node gone.
+RAYLET_PROBE_S = 1.0
+
+
+def gone_nodes(run_nodes: dict[str, str]) -> list[str]:
+    """The names of ``run_nodes`` that Ray lists as dead, or whose raylet no longer accepts
+    connections (Ray takes many seconds to mark a killed node dead; its raylet's port closes at once)."""
+    try:
+        table = {node["NodeID"]: node for node in ray.nodes()}
+    except Exception:  # noqa: BLE001 - the GCS itself may be gone; then nothing can be named
+        return []
+    gone = []
+    for node_id, name in run_nodes.items():
+        node = table.get(node_id)
+        if (
+            node is None
+            or not node.get("Alive")
+            or not answers(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", RAYLET_PROBE_S)
+        ):
+            gone.append(name)
+    return gone
 
 
 def _share_batches(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:

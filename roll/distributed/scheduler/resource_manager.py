@@ -25,7 +25,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.errors import PlacementError
 from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
 from roll.distributed.scheduler.ray_shutdown import run_with_deadline
+from roll.utils.ports import answers
 
 # We set CUDA_VISIBLE_DEVICES ourselves (from the bundle probe), so Ray must not.
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -157,17 +157,7 @@ def ray_start_address() -> str | None:
     from ray._private.services import find_bootstrap_address
 
     address = find_bootstrap_address(None)
-    return address if address and gcs_answers(address) else None
-
-
-def gcs_answers(address: str, timeout_s: float = GCS_PROBE_S) -> bool:
-    """Whether something accepts TCP connections at ``host:port``."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
+    return address if address and answers(address, GCS_PROBE_S) else None
 
 
 def check_ray_address(address: str) -> None:
@@ -175,7 +165,7 @@ def check_ray_address(address: str) -> None:
     for good. Other forms (``auto``, ``local``, ``ray://`` clients) are Ray's to resolve."""
     if "://" in address or address in ("auto", "local") or ":" not in address:
         return
-    if not gcs_answers(address):
+    if not answers(address, GCS_PROBE_S):
         raise ConfigError(
             "RAY_ADDRESS",
             f"no Ray cluster answers at {address} (TCP, {GCS_PROBE_S:.0f} s): start its head with "
@@ -402,9 +392,4 @@ def gcs_reachable(timeout_s: float = 2.0) -> bool:
     """Whether this driver's Ray GCS still accepts connections."""
     if not ray.is_initialized():
         return False
-    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    return answers(ray.get_runtime_context().gcs_address, timeout_s)
