@@ -586,3 +586,10 @@ def test_a_rank_that_fails_after_another_node_went_down_names_that_node(monkeypa
     role.run_nodes = {}  # one node: the line stays the rank's own
     role._error = None
     assert str(role._fail(0, RayError("boom"))) == "actor_train rank 0: RayError: boom"
+    # A rank on the node that went down is named with its node, and not "after" its own death.
+    monkeypatch.setattr(cluster_mod, "gone_nodes", lambda run_nodes: ["node 1 (127.0.0.1)"])
+    role.run_nodes, role.nodes, role._error = {"b": "node 1 (127.0.0.1)"}, {0: "node 1 (127.0.0.1)"}, None
+    line = str(role._fail(0, ray.exceptions.RayActorError()))
+    assert line.startswith(
+        "actor_train rank 0 on node 1 (127.0.0.1): RayActorError: the worker process died"
+    ), line

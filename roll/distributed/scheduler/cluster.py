@@ -320,18 +320,18 @@ class Cluster:
         whose call saw the death first is only one of them."""
         self._error = WorkerError.from_ray(self.role, rank, exc)
         worker = self.workers[rank] if rank < len(self.workers) else None
+        where = None
         if isinstance(worker, HostedWorker) and isinstance(exc, RayActorError) and not worker.host.killed:
-            self._error = self._error.on_host(worker.host.describe())
+            where = worker.host.describe()
         elif isinstance(exc, RayActorError) and self.nodes.get(rank):
-            self._error = self._error.on_host(f"{self.role} rank {rank} on {self.nodes[rank]}")
-        elif self.run_nodes:
-            # A rank on a live node whose peer's node died fails first (a collective's connection
-            # reset): the line names the dead node, which is what to act on.
-            gone = gone_nodes(self.run_nodes)
-            if gone:
-                self._error = self._error.on_host(
-                    f"{self.role} rank {rank}, after {' and '.join(gone)} went down"
-                )
+            where = f"{self.role} rank {rank} on {self.nodes[rank]}"
+        # On a run that spans nodes a rank on a live node often fails first when a peer's node dies
+        # (a collective's connection resets, or its process aborts): name the node that went down.
+        gone = [n for n in gone_nodes(self.run_nodes) if n != self.nodes.get(rank)] if self.run_nodes else []
+        if gone:
+            where = f"{where or f'{self.role} rank {rank}'}, after {' and '.join(gone)} went down"
+        if where:
+            self._error = self._error.on_host(where)
         self._kill()
         return self._error
 
