@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_speed import DATASHEETS  # noqa: E402
+from host_probe import measured_peak_tflops  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
@@ -128,23 +128,6 @@ def datasheet_peak_tflops(gpu_name: str) -> float | None:
 def mfu(model_tflop: float, step_ms: float, gpus: int, peak_tflops: float) -> float:
     """Model FLOPs utilization: the step's model TFLOP over (seconds x GPUs x peak TFLOP/s)."""
     return model_tflop / (step_ms / 1e3) / gpus / peak_tflops
-
-
-def measured_peak_tflops(device: torch.device) -> float:
-    """Best of 20 bf16 8192^3 matmuls after 5 warm-ups, in TFLOP/s."""
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    for _ in range(5):
-        a @ b
-    best = math.inf
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * 8192**3 / best / 1e12
 
 
 # ------------------------------------------------------------------------------------- data
