@@ -21,7 +21,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from roll.utils.ports import free_port  # noqa: E402
 from roll.utils.tracking import read_metrics  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -46,12 +46,6 @@ LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # ``ray start`` (Ray 2.60) turns on token authentication (the token in ~/.ray/auth_token); every
 # client of the cluster (``ray status``, the driver) must then say so too.
 TOKEN_AUTH = {"RAY_AUTH_MODE": "token"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def node_env(node: int, gpus_per_node: int) -> dict[str, str]:
@@ -83,7 +77,7 @@ class TwoNodes:
     ends them and any Ray process left that names this cluster's temp dir or GCS port."""
 
     def __init__(self, gpus_per_node: int, cpus_per_node: int, out: Path) -> None:
-        self.port = free_port()
+        self.port = free_port(LOOPBACK)
         self.address = f"{LOOPBACK}:{self.port}"
         # Short: Ray's socket paths under it must stay below the 107-byte limit of a Unix socket.
         self.temp_dir = tempfile.mkdtemp(prefix="roll2n_")
