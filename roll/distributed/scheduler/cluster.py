@@ -376,20 +376,23 @@ def _rank_nodes(resource_manager: ResourceManager, role_plan: RolePlan) -> dict[
     its node); empty on one node, where the rank says it all."""
     if resource_manager.plan.num_nodes < 2 or role_plan.cpu_only:
         return {}
-    return {
-        w.rank: f"node {w.node} ({resource_manager.slots[w.devices[0]].node_ip})" for w in role_plan.workers
-    }
+    return {w.rank: _node_name(resource_manager, w.devices[0]) for w in role_plan.workers}
 
 
 def _run_nodes(resource_manager: ResourceManager) -> dict[str, str]:
     """``{Ray node id: "node 1 (10.0.0.2)"}`` for every node of a run that spans nodes; empty on one."""
-    per_node = resource_manager.plan.devices_per_node
-    if resource_manager.plan.num_nodes < 2:
+    plan = resource_manager.plan
+    if plan.num_nodes < 2:
         return {}
-    return {
-        slot.node_id: f"node {device // per_node} ({slot.node_ip})"
-        for device, slot in enumerate(resource_manager.slots)
-    }
+    firsts = [node * plan.devices_per_node for node in range(plan.num_nodes)]  # each node's first device
+    return {resource_manager.slots[d].node_id: _node_name(resource_manager, d) for d in firsts}
+
+
+def _node_name(resource_manager: ResourceManager, device: int) -> str:
+    """``"node 1 (10.0.0.2)"``: the plan's node of global device ``device`` and its IP."""
+    return (
+        f"node {device // resource_manager.plan.devices_per_node} ({resource_manager.slots[device].node_ip})"
+    )
 
 
 # Seconds to wait for a node's raylet to accept a connection before calling the node gone.
