@@ -41,9 +41,9 @@ def map_judge_cluster(raw: dict[str, Any], problems: Problems, notes: list[str])
         for name, reward in (raw.get("rewards") or {}).items()
         if isinstance(reward, dict) and reward.get("judge_model_type") == "cluster"
     ]
-    services = [key for key in JUDGE_SERVICE_ROLES if isinstance(raw.get(key), dict)]
     if not judges:
         return
+    services = [key for key in JUDGE_SERVICE_ROLES if isinstance(raw.get(key), dict)]
     if len(services) != 1:
         found = f"found {', '.join(services)}" if services else "found none"
         for name in judges:
@@ -66,9 +66,7 @@ def map_judge_cluster(raw: dict[str, Any], problems: Problems, notes: list[str])
     del reward["judge_model_type"]
     for key in SERVED:
         if key in service:
-            reward[key] = (
-                _merged(reward.get(key), service.pop(key)) if key.endswith("_args") else service.pop(key)
-            )
+            reward[key] = _merged(reward.get(key), service.pop(key))
     for key, why in SERVICE_DROPPED.items():
         if key in service:
             notes.append(f"{service_key}.{key}: {service.pop(key)!r} dropped; {why}")
@@ -83,7 +81,8 @@ def map_judge_cluster(raw: dict[str, Any], problems: Problems, notes: list[str])
 
 
 def _merged(own: Any, served: Any) -> Any:
-    """The service's ``*_args`` over the reward role's own (the reward's keys it lacks are kept)."""
+    """The service's value over the reward role's own; for two dicts (``*_args``) key by key, so the
+    reward's keys the service lacks are kept."""
     if isinstance(own, dict) and isinstance(served, dict):
         return {**own, **served}
     return served
