@@ -222,6 +222,7 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
 
     from roll.configs.strategy_configs import MegatronConfig
     from roll.models.megatron.model_builder import build_model_chunks, default_layer_spec_fn, local_layer_spec
+    from roll.models.megatron.runtime import move_params
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=case.tp,
@@ -247,8 +248,7 @@ def _run_case(case: Case, ckpt: str, scratch: Path) -> None:
     _load_and_check_reads(chunks, ckpt)
     # As the strategies' runtime does after loading: megatron builds some modules on CPU whatever
     # the device (torch norms of the local spec, the MoE router), so a CUDA forward needs them moved.
-    for chunk in chunks:
-        chunk.to(_device())
+    move_params(chunks, _device())
     _check_export(chunks, ckpt, scratch / "export", case)
     if case.forward:
         _check_forward(chunks, ckpt)
