@@ -7,7 +7,8 @@ tokens at temperature 1, with the sampled tokens' log-probs, on one GPU in bf16:
 - ``raw_vllm``: vLLM's engine driven directly (``llm.llm_engine.add_request`` / ``step``) with what
   roll's strategy sends: its engine options, the engine core in-process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the requests of ``vllm_generate_requests`` (our ids, ``n``
-  per request, per-request seeds, ``logprobs=0``, final output only);
+  per request, ``logprobs=0``, final output only), seeded as the strategy's ``seed_mode`` (the
+  engine's generator once per call; ``--seed_mode request``: every request);
 - ``raw_vllm_mp``: the same requests through ``vllm.LLM.generate`` in vLLM's default layout (engine
   core in its own process), as vLLM users call it;
 - ``vllm``: roll's ``vllm`` strategy (the same requests, plus its bookkeeping and Batch conversion);
@@ -68,6 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM rows with torch.compile (the strategy's torch_compile: true)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed_mode",
+        choices=("step", "request"),
+        default="step",
+        help="vLLM rows: seed the engine's generator once per call (roll's default) or every request",
+    )
+    parser.add_argument(
+        "--no_logprobs", action="store_true", help="do not ask for the sampled tokens' log-probs"
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one row, write JSON
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -101,6 +111,7 @@ def vllm_config(args: argparse.Namespace) -> dict:
         torch_compile=args.torch_compile,
         sleep_level=0,
         max_model_len=args.prompt_len + args.new_tokens + 16,
+        seed_mode=args.seed_mode,
     )
 
 
@@ -114,11 +125,16 @@ def sglang_config(args: argparse.Namespace) -> dict:
 
 def sampling_params(args: argparse.Namespace):
     """What every row asks for: one sample a prompt, ``--new_tokens`` past EOS, temperature 1, the
-    sampled tokens' log-probs, seeded."""
+    sampled tokens' log-probs (unless ``--no_logprobs``), seeded."""
     from roll.core.sampling import SamplingParams
 
     return SamplingParams(
-        n=1, max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True, logprobs=True, seed=args.seed
+        n=1,
+        max_new_tokens=args.new_tokens,
+        temperature=1.0,
+        ignore_eos=True,
+        logprobs=not args.no_logprobs,
+        seed=args.seed,
     )
 
 
@@ -138,10 +154,15 @@ def raw_sglang_requests(args: argparse.Namespace, prompts: list[list[int]], pref
 
 
 def raw_vllm_requests(args: argparse.Namespace, prompts: list[list[int]], prefix: str):
-    """``(request id, prompt ids, vllm.SamplingParams kwargs)`` as roll's vllm strategy submits them."""
+    """``(request id, prompt ids, vllm.SamplingParams kwargs)`` as roll's vllm strategy submits them
+    (with ``--seed_mode step``, unseeded: the caller seeds the engine's generator instead)."""
+    import dataclasses
+
     from roll.distributed.strategy.engine_requests import RequestPlan, vllm_generate_requests
 
     params = sampling_params(args)
+    if args.seed_mode == "step":
+        params = dataclasses.replace(params, seed=None)
     plan = RequestPlan(prefix, len(prompts), params.n, per_sample=False)
     return [(r.request_id, r.prompt_ids, r.sampling) for r in vllm_generate_requests(plan, prompts, params)]
 
@@ -182,12 +203,15 @@ def _vllm_llm(args: argparse.Namespace, in_process: bool):
 
 def run_raw_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[int, float]:
     """vLLM's engine loop in-process with roll's options and requests (see the module docstring)."""
+    import torch
     import vllm
 
     engine = _vllm_llm(args, in_process=True).llm_engine
     final_only = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
 
     def run(requests) -> int:
+        if args.seed_mode == "step":  # what the strategy's roll_manual_seed does in the worker
+            torch.manual_seed(args.seed)
         for rid, prompt, kwargs in requests:
             engine.add_request(
                 rid, {"prompt_token_ids": prompt}, vllm.SamplingParams(**kwargs, output_kind=final_only)
@@ -317,7 +341,8 @@ def print_table(args: argparse.Namespace, results: list[dict]) -> None:
         return f"{rate[row] / rate[base]:.2f}x" if base in rate else "-"
 
     print(
-        f"\n{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, bf16, {Path(args.model).name}"
+        f"\n{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens, bf16, {Path(args.model).name}, "
+        f"vLLM seeds per {args.seed_mode}, log-probs {'off' if args.no_logprobs else 'on'}"
     )
     print(
         f"{'row':<16}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'vs raw vLLM':>13}{'vs raw same':>13}"

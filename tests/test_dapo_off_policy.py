@@ -116,3 +116,15 @@ def test_bad_options_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:  # ranges at load, named values before launch
         check_before_launch(load_config("examples/config/rlvr_config.yaml", [override]), files=False)
     assert str(err.value).startswith(f"{key}:")
+
+
+def test_correction_without_engine_logprobs_is_refused_before_launch():
+    from roll.launch.checks import check_before_launch
+
+    overrides = ["off_policy_correction.mode=tis", "actor_infer.generating_args.logprobs=false"]
+    with pytest.raises(ConfigError) as err:
+        check_before_launch(load_config("examples/config/rlvr_config.yaml", overrides), files=False)
+    assert str(err.value).startswith("actor_infer.generating_args.logprobs:")
+    assert "tis" in str(err.value)
+    # without the correction, the engine may skip its log-probs
+    check_before_launch(load_config("examples/config/rlvr_config.yaml", overrides[1:]), files=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from roll.configs.errors import ConfigError
-from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs
+from roll.configs.role import GeneratingArgs, ModelArgs, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
@@ -455,3 +455,9 @@ def test_sglang_abort_keeps_only_tokens_with_log_probs():
     out["meta_info"]["finish_reason"] = {"type": "length"}
     with pytest.raises(RuntimeError, match="2 output log-probs for 3 tokens"):
         completion_from_sglang(out)
+
+
+def test_generating_args_pass_logprobs_on():
+    assert GeneratingArgs().sampling_params().logprobs is True
+    assert GeneratingArgs(logprobs=False).sampling_params().logprobs is False
+    assert vllm_sampling_kwargs(GeneratingArgs(logprobs=False).sampling_params())["logprobs"] is None

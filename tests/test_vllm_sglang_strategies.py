@@ -416,7 +416,7 @@ def test_vllm_engine_start_options(fake_engines, tokenizer_dir):
 
 
 def test_vllm_generate_batch_layout_order_and_seeds(fake_engines, tokenizer_dir):
-    strategy, llm = vllm_strategy(tokenizer_dir)
+    strategy, llm = vllm_strategy(tokenizer_dir, seed_mode="request")
     rows = [[5, 6], [7], [9, 10, 11]]
     out = strategy.generate(
         prompt_batch(rows), SamplingParams(n=2, max_new_tokens=3, temperature=0.5, seed=40)
@@ -440,6 +440,21 @@ def test_vllm_generate_batch_layout_order_and_seeds(fake_engines, tokenizer_dir)
     assert_rows_close(out["infer_logprobs"], mask, want_lp)
     assert list(out["uid"]) == ["u0", "u0", "u1", "u1", "u2", "u2"] and out.meta["temperature"] == 0.5
     assert strategy.registry.in_flight() == [] and strategy._finished == {}
+
+
+def test_vllm_step_seed_goes_to_the_workers_generators_not_the_requests(fake_engines, tokenizer_dir):
+    strategy, llm = vllm_strategy(tokenizer_dir, tensor_parallel_size=2)
+    torch.manual_seed(1)
+    strategy.generate(prompt_batch([[5], [6]]), SamplingParams(n=2, max_new_tokens=2, seed=40))
+    # the requests carry no seed (vLLM samples them in one batch), every TP worker was seeded with 40
+    assert [p.seed for _, _, p in llm.llm_engine.added] == [None, None]
+    assert llm.calls.count(("collective_rpc", "roll_manual_seed")) == 1
+    drawn = torch.rand(3)
+    torch.manual_seed(40)
+    assert torch.equal(drawn, torch.rand(3))
+    # unseeded calls leave the generators alone
+    strategy.generate(prompt_batch([[5]]), SamplingParams(n=1, max_new_tokens=2))
+    assert llm.calls.count(("collective_rpc", "roll_manual_seed")) == 1
 
 
 def test_vllm_generate_without_logprobs_and_renamed_ids(fake_engines, tokenizer_dir):

@@ -110,6 +110,10 @@ class GeneratingArgs:
     do_sample: bool = True
     repetition_penalty: float = bounded(1.0, gt=0)
     stop_strings: list[str] | None = None
+    # Each sampled token's log-prob from the engine (``infer_logprobs``): off_policy_correction
+    # needs it and rollout/logprob_mismatch reads it. false spares the engine a full-vocabulary
+    # log-softmax and a Python log-prob record per token (docs/benchmarks.md "Rollout").
+    logprobs: bool = True
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """The engine-neutral sampling parameters these arguments describe (greedy when
@@ -124,6 +128,7 @@ class GeneratingArgs:
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
             stop=list(self.stop_strings) if self.stop_strings else None,
+            logprobs=self.logprobs,
         )
         for key, value in overrides.items():
             setattr(params, key, value)

@@ -371,6 +371,11 @@ class VLLMConfig(_EngineTensorParallel):
     # Decode batch sizes captured as CUDA graphs (a batch runs in the next larger one); None: the
     # powers of two up to 512. vLLM's own default captures about 50 sizes, most of its graph time.
     cuda_graph_sizes: list[int] | None = bounded(None, ge=1)
+    # How a seeded ``generate`` seeds vLLM's sampling. ``step``: the call's seed goes into every TP
+    # worker's torch generator and the requests carry none, so vLLM samples the whole batch in one
+    # pass. ``request``: each request carries its own seed (reproducible per sample whatever the
+    # batch), and vLLM samples seeded requests one at a time (docs/strategies.md "Sampling seeds").
+    seed_mode: str = one_of("step", "step", "request")
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -180,6 +180,12 @@ def check_algorithm(config: RLVRConfig) -> None:
     wants_kl = config.use_kl_loss or (config.add_token_level_kl and config.init_kl_coef > 0)
     if wants_kl and config.reference is None:
         raise ConfigError("reference", "use_kl_loss / add_token_level_kl need a reference role")
+    if config.off_policy_correction.mode != "none" and not config.actor_infer.generating_args.logprobs:
+        raise ConfigError(
+            "actor_infer.generating_args.logprobs",
+            f"must be true: off_policy_correction.mode={config.off_policy_correction.mode!r} weighs the "
+            "loss by the engine's log-probs",
+        )
     if not config.rewards:
         raise ConfigError(
             "rewards", "at least one reward role is required, e.g. rewards: {math: {reward_fn: math_rule}}"

@@ -32,6 +32,7 @@ Model update (the receiver on this worker calls these; each is one ``collective_
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -113,9 +114,14 @@ class VLLMStrategy:
     # ------------------------------------------------------------------------------ generation
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt row: one engine request of ``n`` per row, all submitted
-        before the engine steps, so vLLM batches the whole call."""
+        before the engine steps, so vLLM batches the whole call. A seed is applied as
+        ``seed_mode`` says (see VLLMConfig)."""
         width = response_width(self.ctx, params)
         params = capped(params, width)
+        if params.seed is not None and self.config.seed_mode == "step":
+            self._ensure_ready()
+            self.workers.manual_seed(params.seed)
+            params = dataclasses.replace(params, seed=None)
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=False)
         requests = [
@@ -135,7 +141,8 @@ class VLLMStrategy:
     ) -> list[Completion]:
         """``params.n`` samples of one prompt as separate requests (``<request_id>-0-<j>``), so
         ``abort([request_id])`` from another thread stops them; aborted samples come back empty with
-        ``finish_reason == "abort"``. Safe to call from several threads at once."""
+        ``finish_reason == "abort"``. Safe to call from several threads at once, so a seed is always
+        the requests' own (``seed_mode`` applies to ``generate``)."""
         params = capped(params, response_width(self.ctx, params))
         plan = RequestPlan(request_id or self.registry.new_prefix(self.ctx), 1, params.n, per_sample=True)
         requests = [

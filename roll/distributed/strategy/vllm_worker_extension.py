@@ -77,6 +77,11 @@ class RollWorkerExtension:
     def roll_weight_version(self) -> int | None:
         return getattr(self, "_roll_version", None)
 
+    def roll_manual_seed(self, seed: int) -> int:
+        """Seed this worker's torch generators: vLLM samples unseeded requests from them."""
+        torch.manual_seed(seed)
+        return seed
+
     # ------------------------------------------------------------------------------ helpers
     def _roll_receiver(self) -> EngineReceiver:
         """This worker's receiver (made on first use), loading into the model on its device."""
@@ -124,6 +129,9 @@ class VLLMWorkerCalls:
 
     def weight_version(self) -> list[int | None]:
         return self._rpc(RollWorkerExtension.roll_weight_version)
+
+    def manual_seed(self, seed: int) -> list[int]:
+        return self._rpc(RollWorkerExtension.roll_manual_seed, seed)
 
     def _rpc(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """The one place a worker method becomes the name vLLM looks it up by."""

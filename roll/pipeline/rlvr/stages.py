@@ -285,7 +285,8 @@ def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
     and per domain."""
     if run.val_prompts is None:
         return {}
-    params = run.val_generating_args.sampling_params(seed=run.config.seed + 10_000_019 + step)
+    # Nothing reads validation's log-probs: the engine is spared computing them.
+    params = run.val_generating_args.sampling_params(seed=run.config.seed + 10_000_019 + step, logprobs=False)
     chunks = []
     size = run.val_batch_size
     for chunk in run.progress(run.val_prompts.split(size), desc=f"validation@{step}"):
