@@ -259,3 +259,14 @@ def test_fsdp2_shards_fp32_state_over_the_world() -> None:
     four = fsdp2_train(shape, 4, 2, 1024, True, sharded=True, mixed=True)
     assert one["params"] + one["grads"] + one["optimizer"] == 16 * params  # fp32 param, grad, 2 moments
     assert four["grads"] + four["optimizer"] == 12 * params // 4
+
+
+def test_vllm_with_its_kv_cache_in_bytes_is_weights_cache_and_extra(tmp_path, capsys) -> None:
+    path = _shipped_with_model("rlvr_megatron_vllm_2gpus", tmp_path, "qwen2.5-7b")
+    argv = ["--config_name", "rlvr_megatron_vllm_2gpus", "--config_path", path, "--dry_run", "gpu=H200"]
+    main(argv + ["actor_infer.strategy_args.strategy_config.kv_cache_memory_gb=8"])
+    plan = capsys.readouterr().out.split("Memory plan", 1)[1]
+    row = next(line for line in plan.splitlines() if line.strip().startswith("actor_infer"))
+    # 7B bf16 weights 14.2 GiB (TP=1) + the 8 GiB cache + 2 GiB of graphs, profile run and sampler,
+    # not gpu_memory_utilization's share of the device
+    assert row.split()[-2:] == ["24.2", "-"]  # peak; asleep (sleep_level 1) it holds nothing

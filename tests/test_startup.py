@@ -74,6 +74,20 @@ def test_only_engines_initialize_alone_on_their_devices_and_first():
     ]
 
 
+def test_an_engine_given_its_kv_cache_in_bytes_initializes_with_the_others():
+    names = ["actor_train", "actor_infer", "reference", "rewards.math"]
+    cfg = config(actor_infer=role("0-1", "vllm", VLLMConfig(kv_cache_memory_gb=8)))
+    plan = plan_placement(cfg)
+    assert start.fixed_engine_memory(cfg) == {"actor_infer"}
+    assert init_waves(plan, names, fixed_memory=start.fixed_engine_memory(cfg)) == [names]
+    # every colocated role is then offloaded once that one wave is done
+    assert offloads_after_waves(plan, [names], {"actor_train", "actor_infer", "reference"}) == [
+        ["actor_infer", "actor_train", "reference"]
+    ]
+    profiled = config(actor_infer=role("0-1", "vllm", VLLMConfig()))
+    assert start.fixed_engine_memory(profiled) == set()
+
+
 def test_a_colocated_role_leaves_its_devices_before_a_later_wave_uses_them():
     names = ["actor_train", "actor_infer", "reference", "rewards.math"]
     plan = plan_placement(config(actor_infer=role("0-1", "vllm", VLLMConfig())))

@@ -100,6 +100,7 @@ class FakeEngineArgs:
     logprobs_mode: str = "raw_logprobs"
     compilation_config: Any = None
     swap_space: float = 4
+    kv_cache_memory_bytes: int | None = None
 
 
 class RequestOutputKind(enum.Enum):
@@ -410,6 +411,7 @@ def test_vllm_engine_start_options(fake_engines, tokenizer_dir):
         kw["block_size"] == 16 and kw["gpu_memory_utilization"] == 0.8 and kw["enable_prefix_caching"] is True
     )
     assert strategy.pad_token_id == PAD and strategy.model_update_ranks() == 2
+    assert "kv_cache_memory_bytes" not in kw  # sized by gpu_memory_utilization unless given
     # dummy weights: generating before the first model update is an error, not garbage
     with pytest.raises(RuntimeError, match="model update"):
         strategy.generate(prompt_batch([[5]]), SamplingParams(max_new_tokens=4))
@@ -440,6 +442,11 @@ def test_vllm_generate_batch_layout_order_and_seeds(fake_engines, tokenizer_dir)
     assert_rows_close(out["infer_logprobs"], mask, want_lp)
     assert list(out["uid"]) == ["u0", "u0", "u1", "u1", "u2", "u2"] and out.meta["temperature"] == 0.5
     assert strategy.registry.in_flight() == [] and strategy._finished == {}
+
+
+def test_vllm_kv_cache_in_gib_reaches_the_engine_in_bytes(fake_engines, tokenizer_dir):
+    _, llm = vllm_strategy(tokenizer_dir, kv_cache_memory_gb=1.5)
+    assert llm.kwargs["kv_cache_memory_bytes"] == 3 << 29
 
 
 def test_vllm_step_seed_goes_to_the_workers_generators_not_the_requests(fake_engines, tokenizer_dir):

@@ -371,6 +371,11 @@ class VLLMConfig(_EngineTensorParallel):
     # Decode batch sizes captured as CUDA graphs (a batch runs in the next larger one); None: the
     # powers of two up to 512. vLLM's own default captures about 50 sizes, most of its graph time.
     cuda_graph_sizes: list[int] | None = bounded(None, ge=1)
+    # The KV cache's size in GiB per engine (vLLM's ``kv_cache_memory_bytes``) instead of what
+    # ``gpu_memory_utilization`` leaves after profiling: the engine then sizes nothing from free
+    # memory and initializes beside the roles that share its devices (roll.pipeline.rlvr.start),
+    # and a smaller cache is less to drop and map again at every sleep and wake.
+    kv_cache_memory_gb: float | None = bounded(None, gt=0)
     # How a seeded ``generate`` seeds vLLM's sampling. ``step``: the call's seed goes into every TP
     # worker's torch generator and the requests carry none, so vLLM samples the whole batch in one
     # pass. ``request``: each request carries its own seed (reproducible per sample whatever the

@@ -259,8 +259,18 @@ def _engine(x: RoleInputs, fraction: float, knob: str, asleep: bool) -> Predicti
     return {"engine": engine}, 0 if asleep else engine, knobs
 
 
+# Beside its weights and a KV cache given in bytes, a vLLM engine holds its CUDA graphs, the
+# activations of its profile run and the sampler's buffers (the GPU guard checks this figure).
+VLLM_FIXED_KV_EXTRA_BYTES = 2 << 30
+
+
 def _vllm(x: RoleInputs) -> Prediction:
-    return _engine(x, x.cfg.gpu_memory_utilization, "gpu_memory_utilization", x.cfg.sleep_level > 0)
+    if x.cfg.kv_cache_memory_gb is None:
+        return _engine(x, x.cfg.gpu_memory_utilization, "gpu_memory_utilization", x.cfg.sleep_level > 0)
+    weights = x.shape.total_params() * x.dtype // x.cfg.tensor_parallel_size
+    engine = weights + int(x.cfg.kv_cache_memory_gb * 2**30) + VLLM_FIXED_KV_EXTRA_BYTES
+    knob = f"{STRATEGY}.kv_cache_memory_gb"
+    return {"engine": engine}, 0 if x.cfg.sleep_level > 0 else engine, {"engine": knob, "idle": knob}
 
 
 def _sglang(x: RoleInputs) -> Prediction:

@@ -159,6 +159,8 @@ def vllm_engine_options(
         "enable_chunked_prefill",
     ):
         derived[key] = (getattr(cfg, key), f"{path}.{key}")
+    if cfg.kv_cache_memory_gb is not None:
+        derived["kv_cache_memory_bytes"] = (int(cfg.kv_cache_memory_gb * 2**30), f"{path}.kv_cache_memory_gb")
     compilation = vllm_compilation_config(cfg)
     if compilation is not None:
         derived["compilation_config"] = (compilation, f"{path}.torch_compile")

@@ -12,7 +12,8 @@ of a CPU run's start-up, and waiting for one role's ranks before asking for the 
 cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
 GPU engine that shares a device: an engine sizes its memory from what is free when it starts
 (vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
-the roles sharing them initialize together after it (``init_waves``). A GPU engine worker starts
+the roles sharing them initialize together after it (``init_waves``), unless its KV cache is given
+in bytes (vLLM ``kv_cache_memory_gb``). A GPU engine worker starts
 importing its engine when it is constructed (``StrategySpec.preload``), beside the other roles'
 start. CPU slots size nothing from free memory, so there every role initializes at once.
 A colocated role is offloaded once its wave has initialized if a later wave uses its devices, and
@@ -134,7 +135,9 @@ def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
     return bool(drops is not None and drops())
 
 
-def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False) -> list[list[str]]:
+def init_waves(
+    plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False, fixed_memory: Iterable[str] = ()
+) -> list[list[str]]:
     """Roles grouped into waves that initialize together. Only an engine that sizes its memory
     from what is free when it starts (``StrategySpec.sizes_from_free_memory``: vLLM, SGLang) must
     not initialize beside a role on its devices: engines come first, in the order of ``names``,
@@ -142,16 +145,18 @@ def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = Fa
     other role then joins the first wave after the last engine it shares a device with, so trainers,
     reference models and rewards initialize together (their memory is not sized from what is free,
     and an engine is offloaded before the next wave starts: ``offloads_after_waves``). CPU-only
-    roles (rule rewards) share nothing. ``all_at_once``: one wave."""
+    roles (rule rewards) share nothing. ``all_at_once``: one wave. ``fixed_memory``: engine roles
+    told their memory in bytes (``fixed_engine_memory``), which join the others."""
     from roll.configs.strategies import STRATEGIES
 
     names = list(names)
     if all_at_once:
         return [names]
+    fixed = set(fixed_memory)
 
     def sizes_from_free(name: str) -> bool:
         spec = STRATEGIES.get(plan.roles[name].strategy_name or "")
-        return spec is not None and spec.sizes_from_free_memory
+        return spec is not None and spec.sizes_from_free_memory and name not in fixed
 
     engines = [name for name in names if sizes_from_free(name)]
     waves: list[tuple[list[str], set[int], set[int]]] = []  # members, all devices, engines' devices
@@ -175,6 +180,17 @@ def init_waves(plan: PlacementPlan, names: Iterable[str], all_at_once: bool = Fa
         if engine:
             by_engines.update(devices)
     return [members for members, _, _ in waves]
+
+
+def fixed_engine_memory(config: RLVRConfig) -> set[str]:
+    """The engine roles whose KV cache is given in bytes (vLLM ``kv_cache_memory_gb``): they do not
+    size their memory from what is free, so they need not initialize alone."""
+    return {
+        name
+        for name, role in config.roles().items()
+        if role.strategy_args is not None
+        and getattr(role.strategy_args.strategy_config, "kv_cache_memory_gb", None) is not None
+    }
 
 
 def offloads_after_waves(plan: PlacementPlan, waves: list[list[str]], colocated: set[str]) -> list[list[str]]:
@@ -215,7 +231,9 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         _start_workers(run, hosted)
         check_worker_nodes(run)
     with timer("initialize"):
-        waves = init_waves(run.plan, run.clusters, all_at_once=on_cpu_slots(config))
+        waves = init_waves(
+            run.plan, run.clusters, all_at_once=on_cpu_slots(config), fixed_memory=fixed_engine_memory(config)
+        )
         # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
         for wave, offload in zip(waves, offloads_after_waves(run.plan, waves, run.colocated)):
             seconds = get_all(*(_async_initialize(run, name) for name in wave))
