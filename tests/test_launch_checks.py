@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launch_files import point_at_files
-from test_vllm_sglang_strategies import ENGINE_CONFIG, fake_engines  # noqa: F401 (fixture)
+from test_vllm_sglang_strategies import ENGINE_CONFIG, FakeEngineArgs, fake_engines  # noqa: F401 (fixture)
 
 from roll.configs.errors import ConfigError
 from roll.configs.loader import load_config
@@ -91,6 +91,32 @@ def test_unknown_engine_option_fails_before_launch_where_the_engine_imports(tmp_
         f"actor_infer.strategy_args.strategy_config.{key}",
         "did you mean",
     )
+
+
+def test_engine_options_are_read_from_the_installed_source_without_importing_the_engine(
+    tmp_path, monkeypatch
+):
+    import sys
+
+    site = tmp_path / "site"
+    (site / "vllm" / "engine").mkdir(parents=True)
+    # importing this vllm fails the test: the driver's check must read its source instead
+    (site / "vllm" / "__init__.py").write_text("raise RuntimeError('the driver imported vllm')\n")
+    (site / "vllm" / "engine" / "__init__.py").write_text("")
+    fields = "\n".join(f"    {name}: object = None" for name in FakeEngineArgs.__dataclass_fields__)
+    (site / "vllm" / "engine" / "arg_utils.py").write_text(
+        f"from dataclasses import dataclass\n\n\n@dataclass\nclass EngineArgs:\n{fields}\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    engines(tmp_path, infer_cfg="{sleep_level: 1, engine_kwargs: {swap_space: 1}}")
+    refused(
+        lambda: engines(tmp_path, infer_cfg="{sleep_level: 1, engine_kwargs: {swap_spcae: 1}}"),
+        "actor_infer.strategy_args.strategy_config.engine_kwargs.swap_spcae",
+        "did you mean",
+    )
+    assert "vllm" not in sys.modules
 
 
 def test_unknown_engine_option_waits_for_the_worker_where_the_engine_is_missing(tmp_path, monkeypatch):

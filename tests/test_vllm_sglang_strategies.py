@@ -316,6 +316,8 @@ def fake_engines(monkeypatch):
     vllm.LLM, vllm.SamplingParams, vllm.EngineArgs = FakeLLM, FakeSamplingParams, FakeEngineArgs
     vllm.sampling_params = types.ModuleType("vllm.sampling_params")
     vllm.sampling_params.RequestOutputKind = RequestOutputKind
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = FakeEngineArgs
     sglang = types.ModuleType("sglang")
     sglang.Engine = FakeSGLangEngine
     srt = types.ModuleType("sglang.srt")
@@ -324,6 +326,8 @@ def fake_engines(monkeypatch):
     for name, module in {
         "vllm": vllm,
         "vllm.sampling_params": vllm.sampling_params,
+        "vllm.engine": types.ModuleType("vllm.engine"),
+        "vllm.engine.arg_utils": arg_utils,
         "sglang": sglang,
         "sglang.srt": srt,
         "sglang.srt.server_args": server_args,

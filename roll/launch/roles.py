@@ -1,7 +1,7 @@
 """Each role against the strategy registry and the strategy's own options: the strategy exists and
 fits the role, its ``strategy_config`` fits the role's devices and token budgets, a reward role's
 function exists, and what an engine-backed strategy would refuse once started (its options against
-the engine's argument dataclass when the engine imports here, options that only an updated role can
+the engine's argument dataclass, read from its source where it is installed, options that only an updated role can
 use). Each failure is one ``ConfigError`` naming the key.
 
     check_role("actor_infer", config.actor_infer, config)
@@ -32,7 +32,7 @@ from roll.distributed.strategy.engine_options import (
     sglang_engine_options,
     vllm_engine_options,
 )
-from roll.distributed.strategy.engine_startup import ENGINES, EngineKind, accepted_options
+from roll.distributed.strategy.engine_startup import ENGINES, EngineKind, declared_options
 from roll.distributed.strategy.generation import sampling_temperature
 from roll.distributed.strategy.registry import implements
 from roll.models.logprobs import transformers_detects_packing
@@ -196,13 +196,15 @@ def check_sglang_role(cfg: SGLangConfig, name: str, role: RoleConfig, config: RL
 
 
 def _check_engine_options(options: EngineOptions, kind: EngineKind) -> None:
-    """Every option is one the installed engine accepts, when the engine imports on the driver. A
-    driver without it (the engine lives on the GPU nodes) leaves this to the worker's own check."""
+    """Every option is one the installed engine accepts, read from the engine's source without
+    importing it (``declared_options``). A driver without the engine (it lives on the GPU nodes)
+    leaves this to the worker's own check."""
     try:
-        accepted = accepted_options(kind)
-    except Exception:  # not installed here, or fails to import: the worker that needs it reports it
+        accepted = declared_options(kind)
+    except Exception:  # an unreadable or broken install: the worker that needs it reports it
         return
-    options.check(accepted, kind.display, kind.package)
+    if accepted is not None:
+        options.check(accepted, kind.display, kind.package)
 
 
 def engines_missing_here(config: Any) -> list[ConfigError]:

@@ -11,9 +11,13 @@ is a row of ``ENGINES``::
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +38,7 @@ class EngineKind:
 
 
 ENGINES = {
-    "vllm": EngineKind("vllm", "vLLM", "vllm:EngineArgs", "LLM"),
+    "vllm": EngineKind("vllm", "vLLM", "vllm.engine.arg_utils:EngineArgs", "LLM"),
     "sglang": EngineKind("sglang", "SGLang", "sglang.srt.server_args:ServerArgs", "Engine"),
 }
 
@@ -50,6 +54,37 @@ def accepted_options(kind: EngineKind) -> set[str]:
     """The option names the installed engine's argument class takes (imports the engine)."""
     args_module, args_class = kind.args_class.split(":")
     return dataclass_field_names(getattr(importlib.import_module(args_module), args_class))
+
+
+def declared_options(kind: EngineKind) -> set[str] | None:
+    """The option names of the engine's argument class without importing the engine (``import
+    vllm`` takes ~12 s on a GPU host, which a check before launch must not pay): from the class if
+    its module is already imported, else from the annotated fields in the installed source. None
+    when neither can say (not installed here, or a class whose fields are not all in its own body):
+    the worker's check at engine start (``accepted_options``) then decides."""
+    args_module, args_class = kind.args_class.split(":")
+    if args_module in sys.modules:
+        return accepted_options(kind)
+    top, *rest = args_module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: finds without importing
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations)), *rest[:-1], f"{rest[-1]}.py") if rest else None
+    if source is None or not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == args_class:
+            if node.bases:
+                return None
+            return {
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
+    return None
 
 
 def start_engine(
