@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 from roll.configs.pipeline_config import RLVRConfig
 
 GIB = 1 << 30
@@ -23,12 +26,25 @@ def device_capacity(config: RLVRConfig, probe: bool = True) -> tuple[int | None,
     if config.gpu is not None:
         return int(KNOWN_GPUS[config.gpu] * GIB), f"gpu {config.gpu}"
     if probe:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                total = torch.cuda.mem_get_info(0)[1]
-                return total, f"{torch.cuda.get_device_name(0)} (detected)"
-        except (ImportError, RuntimeError):
-            pass
+        found = first_visible_gpu()
+        if found is not None:
+            name, total = found
+            return total, f"{name} (detected)"
     return None, "unknown (set gpu: H100|H200|... or device_memory_gib to check the fit)"
+
+
+def first_visible_gpu() -> tuple[str, int] | None:
+    """(name, total bytes) of the first visible GPU, asked of ``nvidia-smi`` so that the launching
+    process opens no CUDA context (one would hold ~0.5 GiB of that GPU for the whole run and take
+    a second or two to create); None without an NVIDIA GPU or driver tools."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.strip():
+        return None
+    first = visible.split(",")[0].strip() if visible else "0"
+    query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i", first]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
+        name, mib = out.strip().splitlines()[0].rsplit(",", 1)
+        return name.strip(), int(float(mib)) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
