@@ -36,3 +36,18 @@ def test_gpu_configs_prestart_only_where_their_gpus_can_be(monkeypatch, tmp_path
         rlvr.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None
     )
     assert rlvr.prestarts_here(gpu)
+
+
+def test_ray_starts_before_the_launcher_imports_torch():
+    """What the launcher imports before ``prestart`` (the config loader, the launch timer, prestart
+    itself) pulls in neither torch nor transformers: their import runs beside Ray's start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import roll.launch.rlvr, roll.configs.loader, roll.pipeline.rlvr.perf, roll.pipeline.rlvr.prestart\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

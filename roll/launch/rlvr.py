@@ -58,19 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     take_signals()
     try:
+        # Only what reading the config and starting Ray need (no torch, transformers or engine):
+        # Ray and the workers start before the checks' imports, which take seconds (~15 s on a
+        # fresh GPU host), and go on while they run (docs/architecture_ray.md).
         from roll.configs.loader import load_config
+        from roll.pipeline.rlvr.perf import mark_launch
+        from roll.pipeline.rlvr.prestart import prestart
+
+        mark_launch("imports", first=True)  # the interpreter and the launcher's own imports
+        config = load_config(config_file(args.config_path, args.config_name), args.overrides)
+        if not args.dry_run and prestarts_here(config):
+            prestart(config)
+        mark_launch("config")
         from roll.distributed.scheduler.placement import format_plan
         from roll.launch.checks import check_before_launch
         from roll.launch.roles import check_engines_installed, engines_missing_here
-        from roll.pipeline.rlvr.perf import mark_launch
-        from roll.pipeline.rlvr.prestart import prestart
         from roll.planner.report import memory_report
 
-        mark_launch("imports", first=True)  # the interpreter and the launcher's imports
-        config = load_config(config_file(args.config_path, args.config_name), args.overrides)
-        if not args.dry_run and prestarts_here(config):
-            prestart(config)  # Ray and the workers start while the checks import (docs/architecture_ray.md)
-        mark_launch("config")
         plan = check_before_launch(config)  # for --dry_run and a launch alike, before any worker
         mark_launch("checks")
         memory = memory_report(config, plan)  # predicted peaks; ConfigError with memory_check: error

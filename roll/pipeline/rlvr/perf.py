@@ -24,10 +24,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from roll.core.batch import Batch
 from roll.pipeline.common.timing import StageTimer
 
 if TYPE_CHECKING:
+    from roll.core.batch import Batch
     from roll.pipeline.rlvr.run import RLVRRun
 
 
