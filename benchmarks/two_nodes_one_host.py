@@ -37,7 +37,9 @@ from roll.utils.tracking import read_metrics  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 PLACEMENT = re.compile(r"placement: node (\d+): (\S+) \(Ray node (\w+)\) \w+ ids [\w,]+: (.*)$")
-# ``ray start`` with loopback kept as the node's IP (see the module docstring).
+# Ray's CLI (``ray start``, ``ray status``) through this interpreter, so no ``ray`` script needs to be
+# on PATH (a wheel installed with ``pip --target`` has none), with loopback kept as the node's IP
+# (see the module docstring).
 RAY_CLI = (
     "import sys, ray._private.services as s; s.resolve_ip_for_localhost = lambda host: host; "
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
@@ -106,7 +108,7 @@ class TwoNodes:
     def alive_nodes(self) -> int:
         """Alive nodes by ``ray status`` (-1 when the GCS does not answer yet)."""
         run = subprocess.run(
-            ["ray", "status", f"--address={self.address}"],
+            [sys.executable, "-c", RAY_CLI, "status", f"--address={self.address}"],
             capture_output=True,
             text=True,
             env=os.environ | LOCAL_ONLY | TOKEN_AUTH,
@@ -183,13 +185,20 @@ def with_group(pid: int, sig: int) -> None:
         pass
 
 
+def launcher_env(address: str) -> dict[str, str]:
+    """The launcher's environment: this one, joined to the cluster at ``address``, with the repository
+    ahead of whatever PYTHONPATH already holds (where the GPU machines keep their packages)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return os.environ | LOCAL_ONLY | TOKEN_AUTH | {"RAY_ADDRESS": address, "PYTHONPATH": path}
+
+
 def run_rlvr(args: argparse.Namespace, nodes: TwoNodes, run_dir: Path) -> tuple[int, Path, Path]:
     """Run the RLVR launcher against the cluster; returns (exit code, stdout log, stderr log)."""
     cmd = [sys.executable, str(REPO / "examples/start_rlvr_pipeline.py"), "--config_name", args.config]
     if args.config_path:
         cmd += ["--config_path", args.config_path]
     cmd += [f"num_gpus_per_node={args.gpus_per_node}", f"output_dir={run_dir}", *args.overrides]
-    env = os.environ | LOCAL_ONLY | TOKEN_AUTH | {"RAY_ADDRESS": nodes.address, "PYTHONPATH": str(REPO)}
+    env = launcher_env(nodes.address)
     stdout, stderr = args.out / "run_stdout.log", args.out / "run_stderr.log"
     print("run:", " ".join(cmd), flush=True)
     with open(stdout, "w") as out, open(stderr, "w") as err:

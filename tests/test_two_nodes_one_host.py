@@ -3,6 +3,7 @@ config's roles split across them (actor_train + reference on device 0, actor_inf
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,13 @@ def test_roles_land_on_both_nodes_and_nothing_survives(tmp_path, example):
     data = [f"pretrain={example}/sft_model", f"actor_train.data_args.file_name=[{example}/data/train.jsonl]"]
     cmd = [sys.executable, str(REPO / "benchmarks/two_nodes_one_host.py"), "--gpus_per_node", "1"]
     cmd += ["--cpus_per_node", "1", "--timeout", "200", "--out", str(tmp_path), *OVERRIDES, *data]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)
+    # as on the GPU machines (a wheelhouse installed with pip --target): no ``ray`` script on PATH
+    bare_path = os.pathsep.join(
+        d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "ray").exists()
+    )
+    run = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=230, env=os.environ | {"PATH": bare_path}
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith(("actor_", "reference"))]
     nodes = {row[0]: row[1] for row in rows}
@@ -44,3 +51,17 @@ def test_roles_land_on_both_nodes_and_nothing_survives(tmp_path, example):
         if any("roll2n_" in part or address in part for part in p.info["cmdline"] or [])
     ]
     assert not left, left
+
+
+def test_the_launcher_keeps_the_pythonpath_it_was_given(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import two_nodes_one_host
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    env = two_nodes_one_host.launcher_env("127.0.0.1:6390")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/tmp/site"]
+    assert env["RAY_ADDRESS"] == "127.0.0.1:6390"
+    monkeypatch.delenv("PYTHONPATH")
+    assert two_nodes_one_host.launcher_env("127.0.0.1:6390")["PYTHONPATH"] == str(REPO)
