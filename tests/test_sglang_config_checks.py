@@ -2,7 +2,7 @@
 missing where the workers start or of a version roll does not run on, a memory fraction that leaves
 no room for a colocated trainer, memory saver off on a trainer's devices, TP that does not divide
 the role's devices. Runs the real launcher (``roll.launch.rlvr.main``) on the SGLang drafts of
-``examples/config/pending_gpu`` pointed at files made here; no engine is installed on CPU."""
+``examples/config`` pointed at files made here; no engine is installed on CPU."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from roll.launch import rlvr
 from roll.launch.rlvr import main
 
 REPO = Path(__file__).resolve().parents[1]
-PENDING = REPO / "examples/config/pending_gpu"
+EXAMPLES = REPO / "examples/config"
 COLOCATED = "rlvr_megatron_sglang_2gpus"
 INFER_CFG = "actor_infer.strategy_args.strategy_config"
 
@@ -41,7 +41,7 @@ def sglang_absent(monkeypatch):
 def write_config(tmp_path: Path, name: str = COLOCATED, qwen_shape: bool = False) -> Path:
     """The draft with its model and prompt files made under ``tmp_path``; ``qwen_shape`` gives the
     model directory Qwen2.5-1.5B's config.json so the memory planner can predict the roles."""
-    raw = point_at_files(yaml.safe_load((PENDING / f"{name}.yaml").read_text()), tmp_path)
+    raw = point_at_files(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()), tmp_path)
     if qwen_shape:
         from roll.models.random_checkpoint import preset_config
 

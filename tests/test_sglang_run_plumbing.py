@@ -25,12 +25,12 @@ from roll.distributed.scheduler.cluster import worker_extra_env
 from roll.pipeline.rlvr.start import refills_on_wake
 
 REPO = Path(__file__).resolve().parents[1]
-PENDING = REPO / "examples/config/pending_gpu"
+EXAMPLES = REPO / "examples/config"
 COLOCATED = {"actor_train", "actor_infer", "reference"}
 
 
 def sglang_config(tmp_path: Path, *overrides: str):
-    raw = point_at_files(yaml.safe_load((PENDING / "rlvr_megatron_sglang_2gpus.yaml").read_text()), tmp_path)
+    raw = point_at_files(yaml.safe_load((EXAMPLES / "rlvr_megatron_sglang_2gpus.yaml").read_text()), tmp_path)
     path = tmp_path / "rlvr_megatron_sglang_2gpus.yaml"
     path.write_text(yaml.safe_dump(raw))
     return load_config(path, list(overrides))
