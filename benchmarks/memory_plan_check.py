@@ -19,8 +19,9 @@ Sources, each with what its peak is compared with:
   the steps, the config planned as ``--dry_run`` plans it (``--preset``: with a config.json of that
   preset instead of the config's model).
 
-Left out, since they cannot disagree: a vLLM / SGLang role (its memory is the configured
-``gpu_memory_utilization`` / ``mem_fraction_static`` of the device), a device whose predicted peak is
+Left out, since they cannot disagree: a vLLM / SGLang role sized by a fraction (its memory is the
+configured ``gpu_memory_utilization`` / ``mem_fraction_static`` of the device; a vLLM engine given
+``kv_cache_memory_gb`` is compared like any role), a device whose predicted peak is
 such an engine's stage, and a baseline config whose every GPU role is such an engine. Each is named
 on a ``left out:`` line, as is a measurement with no prediction.
 """
@@ -42,6 +43,7 @@ from roll.planner import memory as mem  # noqa: E402
 GIB = mem.GIB
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "config"
 ENGINES = ("vllm", "sglang")
+FRACTION_KNOBS = ("gpu_memory_utilization", "mem_fraction_static")
 TOLERANCE = 0.15
 
 
@@ -181,6 +183,13 @@ def planned(config_name: str, preset: str | None, layers: int | None, overrides:
     return plan_memory(config, plan_placement(config), capacity, source)
 
 
+def set_fraction(role) -> bool:
+    """Whether the planner's figure for this role is the configured fraction of the device (an
+    engine sized by ``gpu_memory_utilization`` / ``mem_fraction_static``), which agrees by
+    construction; a vLLM engine given ``kv_cache_memory_gb`` is predicted from its parts instead."""
+    return role.strategy in ENGINES and role.knob_for("engine").endswith(FRACTION_KNOBS)
+
+
 def run_rows(metrics: Path, report, label: str, left_out: list[str]) -> list[Row]:
     """Rows of one run: its roles' allocator peaks and its device groups' used memory."""
     peaks = measured_peaks(metrics)
@@ -189,14 +198,14 @@ def run_rows(metrics: Path, report, label: str, left_out: list[str]) -> list[Row
         ids = f"{group.devices[0]}-{group.devices[-1]}" if len(group.devices) > 1 else f"{group.devices[0]}"
         for role in group.roles:
             measured = peaks.pop(f"memory/{role.role}/peak_allocated_gib", None)
-            if role.strategy in ENGINES:
+            if set_fraction(role):
                 left_out.append(f"{label}: {role.role} ({role.strategy}: a set fraction of the device)")
             elif measured is not None:
                 rows.append(Row(label, f"{role.role} (alloc)", sum(role.parts.values()) / GIB, measured))
         device_peaks = [peaks.pop(f"memory/device{d}/peak_used_gib", None) for d in group.devices]
         measured = max((p for p in device_peaks if p is not None), default=None)
         running, predicted = group.peak()
-        if next(r for r in group.roles if r.role == running).strategy in ENGINES:
+        if set_fraction(next(r for r in group.roles if r.role == running)):
             left_out.append(f"{label}: device {ids} (its predicted peak is {running}'s engine fraction)")
         elif measured is not None:
             rows.append(Row(label, f"device {ids} (device)", predicted / GIB, measured))

@@ -86,7 +86,9 @@ def test_run_rows_read_metrics_and_leave_the_engine_out(tmp_path: Path) -> None:
     ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert check.measured_peaks(metrics)["memory/actor_train/peak_allocated_gib"] == 31.0
-    report = check.planned("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", "qwen2.5-1.5b", None, ["gpu=H200"])
+    # the engine sized by gpu_memory_utilization, as the config shipped before kv_cache_memory_gb
+    fraction = ["gpu=H200", "actor_infer.strategy_args.strategy_config.kv_cache_memory_gb=null"]
+    report = check.planned("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", "qwen2.5-1.5b", None, fraction)
     left_out: list[str] = []
     rows = check.run_rows(metrics, report, "run", left_out)
     measured = {r.measured_as: r.measured_gib for r in rows}
@@ -96,6 +98,20 @@ def test_run_rows_read_metrics_and_leave_the_engine_out(tmp_path: Path) -> None:
     # This config's device peak is the vLLM stage (the engine's fraction + the others' idle memory).
     assert not any(r.measured_as.endswith("(device)") for r in rows)
     assert any("device 0-1 (its predicted peak is actor_infer's" in line for line in left_out)
+
+
+def test_an_engine_given_its_kv_cache_in_bytes_is_compared(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    row = {"step": 1, "memory/actor_infer/peak_allocated_gib": 13.8, "memory/device0/peak_used_gib": 54.3}
+    metrics.write_text(json.dumps(row) + "\n")
+    # as shipped: kv_cache_memory_gb: 8, so the engine is weights + cache + 2 GiB, not a fraction
+    report = check.planned("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", "qwen2.5-1.5b", None, ["gpu=H200"])
+    left_out: list[str] = []
+    rows = {r.measured_as: r for r in check.run_rows(metrics, report, "run", left_out)}
+    assert rows["actor_infer (alloc)"].measured_gib == 13.8
+    assert abs(rows["actor_infer (alloc)"].predicted_gib - 12.9) < 0.1
+    assert rows["device 0-1 (device)"].measured_gib == 54.3
+    assert not any("actor_infer" in line for line in left_out)
 
 
 def test_nothing_to_compare_is_refused() -> None:
