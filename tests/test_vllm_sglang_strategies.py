@@ -186,6 +186,8 @@ class FakeLLM:
         module, cls = kwargs["worker_extension_cls"].rsplit(".", 1)
         worker_cls = type("Worker", (FakeWorkerBase, getattr(importlib.import_module(module), cls)), {})
         self.workers = [worker_cls(rank) for rank in range(kwargs["tensor_parallel_size"])]
+        self.inside, self.overlaps, self.rpc_delay_s = 0, 0, 0.0
+        self._inside_lock = threading.Lock()
         FakeLLM.instances.append(self)
 
     def sleep(self, level: int = 1) -> None:
@@ -199,8 +201,20 @@ class FakeLLM:
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         """Like vLLM: every worker runs the method at once (threads here, processes there); the
-        arguments cross a process boundary, so they are pickled."""
+        arguments cross a process boundary, so they are pickled. ``overlaps`` counts calls that
+        began while another was still running (vLLM's multiprocess executor does not allow it)."""
         self.calls.append(("collective_rpc", method))
+        with self._inside_lock:
+            self.inside += 1
+            self.overlaps += self.inside > 1
+        try:
+            time.sleep(self.rpc_delay_s)
+            return self._run_on_workers(method, args, kwargs)
+        finally:
+            with self._inside_lock:
+                self.inside -= 1
+
+    def _run_on_workers(self, method, args, kwargs):
         args = pickle.loads(pickle.dumps(args))
         with ThreadPoolExecutor(len(self.workers)) as pool:
             futures = [pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
@@ -446,6 +460,17 @@ def test_vllm_generate_batch_layout_order_and_seeds(fake_engines, tokenizer_dir)
     assert_rows_close(out["infer_logprobs"], mask, want_lp)
     assert list(out["uid"]) == ["u0", "u0", "u1", "u1", "u2", "u2"] and out.meta["temperature"] == 0.5
     assert strategy.registry.in_flight() == [] and strategy._finished == {}
+
+
+@pytest.mark.parametrize("tp, serialized", [(2, True), (1, False)])
+def test_vllm_calls_into_tp_workers_one_at_a_time(fake_engines, tokenizer_dir, tp, serialized):
+    # a model update calls the engine from one thread per trainer rank; with TP > 1 (vLLM's
+    # multiprocess executor, one unlocked shared-memory queue) those calls must not overlap
+    strategy, llm = vllm_strategy(tokenizer_dir, tensor_parallel_size=tp)
+    llm.rpc_delay_s = 0.02
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: strategy.workers.weight_version(), range(8)))
+    assert (llm.overlaps == 0) is serialized
 
 
 def test_vllm_kv_cache_in_gib_reaches_the_engine_in_bytes(fake_engines, tokenizer_dir):

@@ -104,7 +104,7 @@ class VLLMStrategy:
 
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
-        self.workers = VLLMWorkerCalls(self.llm)
+        self.workers = VLLMWorkerCalls(self.llm, serialize=self.config.tensor_parallel_size > 1)
         self._weights_stale = self.config.load_format == "dummy"
 
     def dp_layout(self) -> tuple[int, int, bool]:

@@ -20,6 +20,8 @@ way the tensors are views into the flat buffer, loaded with the model's own ``lo
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -95,10 +97,17 @@ class RollWorkerExtension:
 
 
 class VLLMWorkerCalls:
-    """Every TP worker of ``llm`` runs the call; each method returns their results in rank order."""
+    """Every TP worker of ``llm`` runs the call; each method returns their results in rank order.
 
-    def __init__(self, llm: Any) -> None:
+    ``serialize``: one call at a time. vLLM's multiprocess executor (TP > 1) writes every call into
+    one shared-memory queue and reads the replies back without a lock, so two threads calling at
+    once (a model update receives from several trainer ranks on threads of its own) can corrupt the
+    queue; the in-process executor (TP = 1) calls the worker directly and needs no lock.
+    """
+
+    def __init__(self, llm: Any, serialize: bool = False) -> None:
         self.llm = llm
+        self._one_at_a_time = threading.Lock() if serialize else contextlib.nullcontext()
 
     def init_update_group(
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str
@@ -135,4 +144,5 @@ class VLLMWorkerCalls:
 
     def _rpc(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """The one place a worker method becomes the name vLLM looks it up by."""
-        return self.llm.collective_rpc(method.__name__, args=args)
+        with self._one_at_a_time:
+            return self.llm.collective_rpc(method.__name__, args=args)
