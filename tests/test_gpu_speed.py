@@ -175,3 +175,34 @@ def test_drafts_run_only_when_named_and_launch_from_pending_gpu() -> None:
         "--dry_run",
     ]
     assert "--config_path" not in RUN.launcher()
+
+
+def test_a_run_is_stopped_once_its_last_step_is_logged(tmp_path: Path, monkeypatch) -> None:
+    """The guard needs the last step's row only: a run still exporting after it is stopped then,
+    not left to run into --timeout."""
+    import subprocess
+    import time
+
+    script = (
+        "import json, sys, time\n"
+        f"path = {str(tmp_path / RUN.config / 'metrics.jsonl')!r}\n"
+        "for step in (1, 2, 3):\n"
+        "    open(path, 'a').write(json.dumps({'step': step, 'time/step': 1.0}) + '\\n')\n"
+        "time.sleep(120)  # the end-of-run export\n"
+    )
+    (tmp_path / RUN.config).mkdir()
+
+    def fake_launch(repo, run, steps, out, devices, extra=()):
+        return subprocess.Popen([sys.executable, "-c", script]), []
+
+    monkeypatch.setattr(gpu_speed, "launch", fake_launch)
+    monkeypatch.setattr(gpu_speed, "start_dry_run", lambda *a: subprocess.Popen([sys.executable, "-c", ""]))
+    monkeypatch.setattr(gpu_speed, "ensure_checkpoint", lambda *a: None)
+    monkeypatch.setattr(gpu_speed, "collect", lambda repo, run, out, code, wall, dry: (code, wall))
+    lines: list[str] = []
+    start = time.time()
+    [(code, wall)] = gpu_speed.run_all(Path("."), [RUN], 3, tmp_path, 2, False, 100, lines.append)
+    assert code == 0 and wall < 60 and time.time() - start < 60
+    assert any("step 3 logged; stopped before its end-of-run export" in line for line in lines)
+    assert gpu_speed.steps_logged(tmp_path / RUN.config / "metrics.jsonl") == 3
+    assert gpu_speed.steps_logged(tmp_path / "absent.jsonl") == 0
