@@ -47,3 +47,20 @@ def test_create_strategy_waits_for_the_preload(monkeypatch):
     )
     worker.create_strategy()
     assert order == ["joined", "built"] and worker._preloading is None and worker.strategy == "strategy"
+
+
+def test_every_strategys_preload_names_a_module_of_its_installed_package():
+    """A misspelled preload name would only log a warning on GPU workers: check the names here,
+    for each strategy whose package this machine has (megatron-core on CI; vLLM/SGLang not)."""
+    import importlib.util
+
+    from roll.configs.strategies import STRATEGIES
+
+    checked = 0
+    for spec in STRATEGIES.values():
+        for module in spec.preload:
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                continue
+            assert importlib.util.find_spec(module) is not None, f"{spec.name}: preload {module!r}"
+            checked += 1
+    assert checked >= 2  # the megatron strategies' modules, at least

@@ -80,7 +80,8 @@ class StrategySpec:
     # roles it must initialize alone (``roll.pipeline.rlvr.start.init_waves``).
     sizes_from_free_memory: bool = False
     # Modules a GPU worker of this strategy imports on a background thread as soon as it starts, so
-    # the engine's import (~12 s for vLLM) overlaps the other roles' start-up instead of adding to it.
+    # the import (~12 s for vLLM; megatron-core with Transformer Engine) overlaps the other roles'
+    # start-up instead of adding to the role's ``initialize``.
     preload: tuple[str, ...] = ()
     # Whether the strategy trains LoRA adapters when ``model_args.lora_rank`` is set (roll.models.lora)
     # and exports merged weights; any other strategy refuses the lora_* keys before launch.
@@ -106,6 +107,9 @@ class StrategySpec:
 
 
 _S = "roll.distributed.strategy"
+# megatron-core's model code (with Transformer Engine where installed: seconds to import on a GPU
+# host), imported while the other roles' workers start rather than inside ``initialize``.
+MEGATRON_PRELOAD = ("megatron.core.models.gpt",)
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
@@ -144,6 +148,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             records_train_log_probs=True,
             offloads_on_cpu=True,
             trains_lora=True,
+            preload=MEGATRON_PRELOAD + ("megatron.core.optimizer", "megatron.core.distributed"),
         ),
         StrategySpec(
             "megatron_infer",
@@ -155,6 +160,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             extra="megatron",
             requires=("megatron.core",),
             protocols=("HFWeightSource", "FinishesModelUpdate"),
+            preload=MEGATRON_PRELOAD,
         ),
         StrategySpec(
             "vllm",

@@ -13,9 +13,9 @@ cores idle. ``initialize`` (model load, engine start) then runs at once for ever
 GPU engine that shares a device: an engine sizes its memory from what is free when it starts
 (vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
 the roles sharing them initialize together after it (``init_waves``), unless its KV cache is given
-in bytes (vLLM ``kv_cache_memory_gb``). A GPU engine worker starts
-importing its engine when it is constructed (``StrategySpec.preload``), beside the other roles'
-start. CPU slots size nothing from free memory, so there every role initializes at once.
+in bytes (vLLM ``kv_cache_memory_gb``). A GPU engine or megatron worker starts
+importing its engine or megatron-core when it is constructed (``StrategySpec.preload``), beside the
+other roles' start. CPU slots size nothing from free memory, so there every role initializes at once.
 A colocated role is offloaded once its wave has initialized if a later wave uses its devices, and
 after the last wave otherwise (``offloads_after_waves``).
 """
