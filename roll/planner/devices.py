@@ -26,7 +26,7 @@ def device_capacity(config: RLVRConfig, probe: bool = True) -> tuple[int | None,
     if config.gpu is not None:
         return int(KNOWN_GPUS[config.gpu] * GIB), f"gpu {config.gpu}"
     if probe:
-        found = first_visible_gpu()
+        found = first_visible_gpu() or _torch_first_gpu()
         if found is not None:
             name, total = found
             return total, f"{name} (detected)"
@@ -48,3 +48,16 @@ def first_visible_gpu() -> tuple[str, int] | None:
         return name.strip(), int(float(mib)) << 20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def _torch_first_gpu() -> tuple[str, int] | None:
+    """The same through torch, where ``nvidia-smi`` is missing (this opens a CUDA context in the
+    launching process, which ``first_visible_gpu`` avoids)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0), torch.cuda.mem_get_info(0)[1]
+    except (ImportError, RuntimeError):
+        pass
+    return None
