@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -99,7 +100,26 @@ def link_spec(layout: str, port: int) -> LinkSpec:
     return LinkSpec(f"bench/{layout}", 0, "127.0.0.1", port, (LAYOUTS[layout],), (local,), "nccl", 0)
 
 
+MEMBER_NAMES = {TRAINER: "trainer", COLOCATED: "colocated engine", DISAGG: "disaggregated engine"}
+
+
 def member(rank: int, args: argparse.Namespace, config_dirs: dict[str, str], ports: dict[str, int], out: str):
+    """One of the three processes. torch.multiprocessing reports the first process it sees fail,
+    often a peer whose connection this one's death closed, so each prints its own error first."""
+    try:
+        _member(rank, args, config_dirs, ports, out)
+    except BaseException:
+        print(
+            f"model_update_engine: the {MEMBER_NAMES[rank]} (process {rank}) failed:\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise
+
+
+def _member(
+    rank: int, args: argparse.Namespace, config_dirs: dict[str, str], ports: dict[str, int], out: str
+):
     # One visible GPU per process, as Ray gives each worker: vLLM's in-process executor always takes
     # the first visible device (the first run of this script let the "disagg" engine land on GPU 0).
     os.environ["CUDA_VISIBLE_DEVICES"] = "1" if rank == DISAGG else "0"

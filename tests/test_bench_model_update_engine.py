@@ -94,3 +94,14 @@ def test_table_has_the_same_columns_for_every_engine_and_the_nccl_bound():
     assert "update_weights_from_tensor" in tables["sglang"][1]
     assert tables["sglang"][4].split() == ["qwen2.5-7b", "disagg", "15.20", "304.0", "152.0", "2.00"]
     assert tables["sglang"][0].startswith("model update into sglang 1.0 (roll sglang strategy)")
+
+
+def test_a_failing_member_prints_its_own_error_under_its_name(monkeypatch, capsys):
+    def broken(rank, *args):
+        raise RuntimeError("engine start failed: no module named sglang.srt")
+
+    monkeypatch.setattr(bench, "_member", broken)
+    with pytest.raises(RuntimeError):
+        bench.member(bench.DISAGG, None, {}, {}, "")
+    err = capsys.readouterr().err
+    assert "the disaggregated engine (process 2) failed" in err and "no module named sglang.srt" in err
