@@ -249,12 +249,21 @@ def _hf_infer(x: RoleInputs) -> Prediction:
 
 def _engine(x: RoleInputs, fraction: float, knob: str, asleep: bool) -> Prediction:
     """vLLM / SGLang reserve ``fraction`` of the device for weights + KV cache at start."""
-    tp = x.cfg.tensor_parallel_size
     if x.capacity is not None:
         engine = int(fraction * x.capacity)
     else:  # unknown device: the weights and the KV cache this batch needs (a lower bound)
-        weights = x.shape.total_params() * x.dtype // tp
-        engine = weights + mem.kv_cache_bytes(x.shape, x.work.gen_rows, x.work.seq, tp)
+        tp = x.cfg.tensor_parallel_size
+        engine = _engine_weights(x) + mem.kv_cache_bytes(x.shape, x.work.gen_rows, x.work.seq, tp)
+    return _engine_prediction(engine, knob, asleep)
+
+
+def _engine_weights(x: RoleInputs) -> int:
+    """One engine rank's share of the weights (split by its tensor parallelism)."""
+    return x.shape.total_params() * x.dtype // x.cfg.tensor_parallel_size
+
+
+def _engine_prediction(engine: int, knob: str, asleep: bool) -> Prediction:
+    """An engine's bytes while it runs, none while it sleeps, both turned by ``knob``."""
     knobs = {"engine": f"{STRATEGY}.{knob}", "idle": f"{STRATEGY}.{knob}"}
     return {"engine": engine}, 0 if asleep else engine, knobs
 
@@ -265,12 +274,11 @@ VLLM_FIXED_KV_EXTRA_BYTES = 2 << 30
 
 
 def _vllm(x: RoleInputs) -> Prediction:
+    asleep = x.cfg.sleep_level > 0
     if x.cfg.kv_cache_memory_gb is None:
-        return _engine(x, x.cfg.gpu_memory_utilization, "gpu_memory_utilization", x.cfg.sleep_level > 0)
-    weights = x.shape.total_params() * x.dtype // x.cfg.tensor_parallel_size
-    engine = weights + int(x.cfg.kv_cache_memory_gb * 2**30) + VLLM_FIXED_KV_EXTRA_BYTES
-    knob = f"{STRATEGY}.kv_cache_memory_gb"
-    return {"engine": engine}, 0 if x.cfg.sleep_level > 0 else engine, {"engine": knob, "idle": knob}
+        return _engine(x, x.cfg.gpu_memory_utilization, "gpu_memory_utilization", asleep)
+    engine = _engine_weights(x) + int(x.cfg.kv_cache_memory_gb * 2**30) + VLLM_FIXED_KV_EXTRA_BYTES
+    return _engine_prediction(engine, "kv_cache_memory_gb", asleep)
 
 
 def _sglang(x: RoleInputs) -> Prediction:
