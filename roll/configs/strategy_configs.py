@@ -389,6 +389,12 @@ class VLLMConfig(_EngineTensorParallel):
         refills them): sleep level 2 discards them, level 1 keeps a CPU copy."""
         return self.sleep_level == 2
 
+    def sizes_from_free_memory(self) -> bool:
+        """Whether the engine sizes its KV cache from the memory free when it starts (vLLM's
+        profile of ``gpu_memory_utilization``), so it must start alone on shared devices; not when
+        ``kv_cache_memory_gb`` gives the size."""
+        return self.kv_cache_memory_gb is None
+
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")
         if self.cuda_graph_sizes == []:
@@ -423,6 +429,10 @@ class SGLangConfig(_EngineTensorParallel):
         """Whether actor_infer's weights are gone after ``offload_states``: with the memory saver
         actor_infer releases them, and SGLang keeps no copy (the next model update refills them)."""
         return self.enable_memory_saver
+
+    def sizes_from_free_memory(self) -> bool:
+        """SGLang always sizes its memory from what is free at start (``mem_fraction_static``)."""
+        return True
 
     def validate(self, num_devices: int, path: str) -> None:
         _check_engine_tp(self.tensor_parallel_size, num_devices, f"{path}.tensor_parallel_size")

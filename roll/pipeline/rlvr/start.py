@@ -183,14 +183,16 @@ def init_waves(
 
 
 def fixed_engine_memory(config: RLVRConfig) -> set[str]:
-    """The engine roles whose KV cache is given in bytes (vLLM ``kv_cache_memory_gb``): they do not
-    size their memory from what is free, so they need not initialize alone."""
-    return {
-        name
-        for name, role in config.roles().items()
-        if role.strategy_args is not None
-        and getattr(role.strategy_args.strategy_config, "kv_cache_memory_gb", None) is not None
-    }
+    """The engine roles whose options say they size nothing from free memory (their
+    ``sizes_from_free_memory()``: vLLM given ``kv_cache_memory_gb``), so they need not initialize
+    alone."""
+    fixed = set()
+    for name, role in config.roles().items():
+        args = role.strategy_args
+        sizes = getattr(args.strategy_config, "sizes_from_free_memory", None) if args is not None else None
+        if sizes is not None and not sizes():
+            fixed.add(name)
+    return fixed
 
 
 def offloads_after_waves(plan: PlacementPlan, waves: list[list[str]], colocated: set[str]) -> list[list[str]]:
