@@ -12,6 +12,7 @@ is a row of ``ENGINES``::
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import sys
@@ -75,15 +76,20 @@ def declared_options(kind: EngineKind) -> set[str] | None:
     source = Path(next(iter(spec.submodule_search_locations)), *rest[:-1], f"{rest[-1]}.py") if rest else None
     if source is None or not source.is_file():
         return None
+    fields = _annotated_fields(source, args_class)
+    return set(fields) if fields is not None else None
+
+
+@functools.cache
+def _annotated_fields(source: Path, class_name: str) -> frozenset[str] | None:
+    """The annotated names in the body of class ``class_name`` of ``source`` (read and parsed once
+    per launch, however many roles use the engine); None when the class is absent or has bases."""
     for node in ast.parse(source.read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == args_class:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
             if node.bases:
                 return None
-            return {
-                item.target.id
-                for item in node.body
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-            }
+            items = (item for item in node.body if isinstance(item, ast.AnnAssign))
+            return frozenset(item.target.id for item in items if isinstance(item.target, ast.Name))
     return None
 
 
