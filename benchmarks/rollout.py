@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from roll.configs.strategy_configs import VLLM_SEED_MODES  # noqa: E402
 
 ROWS = ("raw_vllm", "raw_vllm_mp", "vllm", "raw_sglang", "sglang", "hf_infer", "megatron_infer")
 WARMUP_PROMPTS = 8
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--seed_mode",
-        choices=("step", "request"),
+        choices=VLLM_SEED_MODES,
         default="step",
         help="vLLM rows: seed the engine's generator once per call (roll's default) or every request",
     )

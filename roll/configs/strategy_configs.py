@@ -348,6 +348,10 @@ class _EngineTensorParallel:
         return ParallelSizes(tp=self.tensor_parallel_size, dp=max(world_size // self.tensor_parallel_size, 1))
 
 
+# How a seeded vLLM ``generate`` seeds sampling (VLLMConfig.seed_mode).
+VLLM_SEED_MODES = ("step", "request")
+
+
 @dataclass
 class VLLMConfig(_EngineTensorParallel):
     """vLLM V1 engine options; a worker owns ``tensor_parallel_size`` devices."""
@@ -380,7 +384,7 @@ class VLLMConfig(_EngineTensorParallel):
     # worker's torch generator and the requests carry none, so vLLM samples the whole batch in one
     # pass. ``request``: each request carries its own seed (reproducible per sample whatever the
     # batch), and vLLM samples seeded requests one at a time (docs/strategies.md "Sampling seeds").
-    seed_mode: str = one_of("step", "step", "request")
+    seed_mode: str = one_of("step", *VLLM_SEED_MODES)
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
