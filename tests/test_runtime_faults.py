@@ -243,8 +243,8 @@ def _check_signal_stop(rc, err, took, out, mark, signum, code) -> None:
     # `timeout -k 10` kills a driver still running 10 s after its SIGTERM; ray.shutdown alone took
     # 8-10 s when the signal had reached Ray's own processes too (now bounded, ray_shutdown.py).
     assert took < 7, f"the driver took {took:.1f} s to exit after {signal.Signals(signum).name}"
-    bad = [line for line in err if "Traceback" in line or "SIGTERM received" in line]
-    assert not bad, [*bad, "--- stderr's last lines:", *err[-30:]]  # the offending lines first
+    bad = [i for i, line in enumerate(err) if "Traceback" in line or "SIGTERM received" in line]
+    assert not bad, err[bad[0] : bad[0] + 25]  # from the first offending line on
     assert err[-1].startswith(
         f"roll: stopped by {signal.Signals(signum).name}; the workers were stopped; "
         f"last checkpoint: {out / 'checkpoints'}/step_"
@@ -277,6 +277,44 @@ def test_signals_raise_run_interrupted(signum, code, monkeypatch):
     assert os.environ[QUIET_RAY_ERRORS] == "1"  # the killed calls' failures print no tracebacks
     stop = interruption()  # the signal, also when Ray re-raised a plain KeyboardInterrupt
     assert (stop.exit_code, str(stop)) == (code, f"stopped by {signal.Signals(signum).name}")
+
+
+DIVERTED = """
+import os, signal, sys, threading, time
+from roll.pipeline.common.signals import RunInterrupted, divert_output_on_signal, take_signals, terminal
+take_signals()
+print("before the signal", file=sys.stderr, flush=True)
+divert_output_on_signal(sys.argv[1])
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except RunInterrupted:
+    pass
+print("Traceback (most recent call last): a forwarded worker line", file=sys.stderr)
+print("Ray's error message", flush=True)
+os.write(2, b"written to fd 2 by C code\\n")
+thread = threading.Thread(target=lambda: 1 / 0)
+thread.start()
+thread.join()
+print("roll: stopped by SIGTERM", file=terminal())
+"""
+
+
+def test_after_a_signal_output_goes_to_the_run_log_and_the_last_line_to_the_terminal(tmp_path):
+    """What a clean-up shakes loose after a signal (a dying worker's forwarded traceback, a thread's
+    exception, C code writing to fd 2, Ray's messages on stdout) lands in run.log, not around the
+    one line."""
+    log = tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", DIVERTED, str(log)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["before the signal", "roll: stopped by SIGTERM"]
+    assert proc.stdout == ""
+    kept = log.read_text()
+    for line in ("a forwarded worker line", "Ray's error message", "written to fd 2", "ZeroDivisionError"):
+        assert line in kept, kept
 
 
 def test_fault_spec_names_the_variable_when_malformed():

@@ -26,7 +26,7 @@ from roll.distributed.model_update.errors import ModelUpdateError
 from roll.distributed.scheduler.errors import WorkerError
 from roll.distributed.scheduler.ray_shutdown import RAY_SHUTDOWN_GRACE_S, shutdown_ray
 from roll.pipeline.common.checkpoint import checkpoint_root, newest_checkpoint
-from roll.pipeline.common.signals import interruption, release_signals, take_signals
+from roll.pipeline.common.signals import interruption, release_signals, take_signals, terminal
 from roll.pipeline.rlvr.prestart import discard_prestart
 
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:  # a signal before any worker started
         stop = interruption()
-        print(f"roll: {stop}", file=sys.stderr)
+        print(f"roll: {stop}", file=terminal())
         return stop.exit_code
     finally:
         discard_prestart()  # one a ConfigError left behind
@@ -154,7 +154,7 @@ def run(config: RLVRConfig) -> int:
         discard_prestart()  # host processes a failure before start_clusters left (Ray still up)
         clean = shutdown_ray(RAY_SHUTDOWN_GRACE_S)
     if line:
-        print(line, file=sys.stderr)
+        print(line, file=terminal())  # after a signal, stderr itself goes to run.log
     if not clean:  # ray.shutdown is blocked on dying Ray processes (a SIGTERM to the process group)
         _exit_now(code)
     return code
@@ -163,8 +163,8 @@ def run(config: RLVRConfig) -> int:
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's exit hooks: Ray's would block on the same dead processes."""
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr, terminal()):
+        stream.flush()
     os._exit(code)
 
 

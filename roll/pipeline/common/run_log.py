@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from roll.pipeline.common.signals import divert_output_on_signal, output_diverted
+
 
 class RunLogHandler(logging.FileHandler):
     """run.log. A record it cannot write (a full disk) is one line on stderr, once, instead of
@@ -24,16 +26,26 @@ class RunLogHandler(logging.FileHandler):
             print(f"roll: cannot write {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """The console's INFO lines, until a signal sends stderr into run.log (which has them already)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not output_diverted():
+            super().emit(record)
+
+
 def setup_logging(run_dir: Path) -> None:
-    """Create ``run_dir`` and attach the console and run.log handlers to the ``roll`` logger (once)."""
+    """Create ``run_dir`` and attach the console and run.log handlers to the ``roll`` logger (once);
+    from a SIGTERM/SIGINT on, stdout and stderr go to run.log too (``signals``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    divert_output_on_signal(run_dir / "run.log")
     root = logging.getLogger("roll")
     if root.handlers:
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     # The console gets INFO; run.log also keeps DEBUG lines such as a failed worker's traceback.
     for handler, level in (
-        (logging.StreamHandler(sys.stderr), logging.INFO),
+        (ConsoleHandler(sys.stderr), logging.INFO),
         (RunLogHandler(run_dir / "run.log"), logging.DEBUG),
     ):
         handler.setFormatter(fmt)

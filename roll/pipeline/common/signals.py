@@ -13,6 +13,11 @@ dump); ``resource_manager.init_ray`` puts these back after it::
         run_pipeline(config)
     except KeyboardInterrupt:     # Ray may re-raise it as a plain KeyboardInterrupt
         sys.exit(interruption().exit_code)
+
+Once the run has a log, ``divert_output_on_signal(run_log)`` makes the first signal also send the
+process's stdout and stderr (file descriptors 1 and 2) to that file: what the clean-up shakes
+loose (Ray forwarding a dying worker's traceback, a driver thread's exception, Ray's error
+messages) is kept there instead of printed around the one line, which goes to ``terminal()``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The clean-up after a signal gets this long; then the driver leaves without it (a clean-up can
@@ -46,6 +53,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 _interrupted: list[int] = []
 _timers: list[threading.Timer] = []
+_divert_to: list[Path] = []  # the file that takes fds 1 and 2 after a signal (the run's log)
+_terminal: list[TextIO] = []  # the process's stderr as it was before the diversion
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -56,6 +65,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     # generate cut off); Ray would print each failure's traceback as an "Unhandled error" around
     # the one line the launcher prints.
     os.environ[QUIET_RAY_ERRORS] = "1"
+    _divert_output()
     timer = threading.Timer(CLEANUP_GRACE_S, _leave, (signum,))
     timer.daemon = True
     timer.start()
@@ -65,7 +75,9 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 def _leave(signum: int) -> None:
     name = signal.Signals(signum).name
-    print(f"roll: stopped by {name}; the clean-up did not end within {CLEANUP_GRACE_S:g} s", file=sys.stderr)
+    out = terminal()
+    print(f"roll: stopped by {name}; the clean-up did not end within {CLEANUP_GRACE_S:g} s", file=out)
+    out.flush()
     os._exit(128 + signum)
 
 
@@ -75,9 +87,41 @@ def interruption() -> RunInterrupted:
     return RunInterrupted(_interrupted[0] if _interrupted else signal.SIGINT)
 
 
+def divert_output_on_signal(path: Path) -> None:
+    """From the first signal on, append this process's stdout and stderr to ``path``."""
+    _divert_to[:] = [path]
+
+
+def _divert_output() -> None:
+    if not _divert_to or _terminal:
+        return
+    try:
+        fd = os.open(_divert_to[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:  # the output_dir is gone or full: keep printing to the terminal
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _terminal.append(os.fdopen(os.dup(2), "w", buffering=1))
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+def terminal() -> TextIO:
+    """Where the run's last line goes: stderr as it was before a signal diverted it."""
+    return _terminal[0] if _terminal else sys.stderr
+
+
+def output_diverted() -> bool:
+    """Whether a signal has sent stdout and stderr to the run's log (a console handler that writes
+    there would write each line twice)."""
+    return bool(_terminal)
+
+
 def take_signals() -> None:
     """Make SIGTERM and SIGINT raise ``RunInterrupted`` (call it from the main thread)."""
     _interrupted.clear()
+    _divert_to.clear()  # a run that sets up its log names it again
     for signum in SIGNALS:
         signal.signal(signum, _on_signal)
 
