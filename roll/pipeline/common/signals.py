@@ -99,8 +99,13 @@ def _divert_output() -> None:
         fd = os.open(_divert_to[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:  # the output_dir is gone or full: keep printing to the terminal
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (RuntimeError, OSError, ValueError):
+            # The signal came while this thread was writing to the stream (a reentrant flush is a
+            # RuntimeError); its buffered bytes go to the log with the next flush instead.
+            pass
     _terminal.append(os.fdopen(os.dup(2), "w", buffering=1))
     for target in (1, 2):
         os.dup2(fd, target)
