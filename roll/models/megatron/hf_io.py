@@ -16,7 +16,8 @@ it (it gathers TP shards onto TP rank 0). Which ranks yield what, with ``gather=
 
 So the senders are "one per PP stage and EP rank", and each HF tensor is yielded by exactly one rank
 of the world. With ``gather=False`` there is no communication: every TP (expert-TP) rank of those
-groups yields its own slice of each HF tensor (padding rows of the vocab dropped).
+groups yields its own slice of each HF tensor (padding rows of the vocab dropped; for a Gated
+DeltaNet conv weight, its blocks of the q, k and v sections, concatenated).
 
 >>> load_hf_weights(chunks, "/models/Qwen2.5-7B")
 >>> for name, tensor in export_hf_weights(chunks):      # on every rank; names as in the HF checkpoint
@@ -141,8 +142,9 @@ class _Checkpoint:
 def _read_pieces(
     ckpt: _Checkpoint, weight: wm.BoundWeight, info: wm.ConversionInfo, read: bool = True
 ) -> list[torch.Tensor]:
-    """This rank's piece of each HF tensor of ``weight`` (vocab pieces zero-padded to full length);
-    with ``read=False`` empty ``meta`` tensors of the pieces' shapes (nothing is read)."""
+    """This rank's piece of each HF tensor of ``weight`` (vocab pieces zero-padded to full length;
+    several pieces of one tensor where its layout has sections, ``wm.read_ranges``); with
+    ``read=False`` empty ``meta`` tensors of the pieces' shapes (nothing is read)."""
     _, rank, size = _group_rank_size(weight.expert)
     dim = wm.TP_DIM[weight.layout]
     pieces = []
@@ -154,22 +156,39 @@ def _read_pieces(
         if dim >= len(shape):
             raise CheckpointError(f"{ckpt.where(name)} has shape {shape}; expected at least {dim + 1} dims")
         try:
-            start, stop = wm.shard_range(weight.layout, shape[dim], size, rank, info.padded_vocab_size)
+            ranges = wm.read_ranges(weight.layout, shape[dim], size, rank, info.padded_vocab_size, info.heads)
         except ValueError as err:
             raise CheckpointError(f"{ckpt.where(name)} (shape {shape}): {err}") from err
-        if not read:
-            shape = [*shape[:dim], stop - start, *shape[dim + 1 :]]
-            if weight.layout == wm.VOCAB:
-                shape[0] = info.padded_vocab_size // size
-            pieces.append(ckpt.meta(name, shape))
-            continue
-        piece = ckpt.read(name, dim, start, stop)
-        if weight.layout == wm.VOCAB and stop - start < info.padded_vocab_size // size:
-            padded = torch.zeros(info.padded_vocab_size // size, *shape[1:], dtype=piece.dtype)
-            padded[: stop - start] = piece
-            piece = padded
-        pieces.append(piece)
+        pieces += [
+            _read_piece(ckpt, name, weight, info, shape, (start, stop), read) for start, stop in ranges
+        ]
     return pieces
+
+
+def _read_piece(
+    ckpt: _Checkpoint,
+    name: str,
+    weight: wm.BoundWeight,
+    info: wm.ConversionInfo,
+    shape: list[int],
+    rows: tuple[int, int],
+    read: bool,
+) -> torch.Tensor:
+    """Rows (or columns) [start, stop) of HF tensor ``name`` along the layout's TP dim (vocab rows
+    zero-padded to the rank's padded length); a ``meta`` tensor of that shape when not ``read``."""
+    dim, (start, stop) = wm.TP_DIM[weight.layout], rows
+    padded_rows = info.padded_vocab_size // _group_rank_size(weight.expert)[2]
+    if not read:
+        shape = [*shape[:dim], stop - start, *shape[dim + 1 :]]
+        if weight.layout == wm.VOCAB:
+            shape[0] = padded_rows
+        return ckpt.meta(name, shape)
+    piece = ckpt.read(name, dim, start, stop)
+    if weight.layout == wm.VOCAB and stop - start < padded_rows:
+        padded = torch.zeros(padded_rows, *shape[1:], dtype=piece.dtype)
+        padded[: stop - start] = piece
+        piece = padded
+    return piece
 
 
 def weight_value(
@@ -234,13 +253,17 @@ def _check_checkpoint_names(ckpt: _Checkpoint, info: wm.ConversionInfo) -> None:
     ignorable = set(wm.OUTPUT.hf) if info.tie_word_embeddings else set()
     skipped = {name for name in ckpt.files if info.skipped(name)}
     if skipped:
+        if info.extra_layers:
+            what = f"of the {info.extra_layers} multi-token-prediction layer(s) after layer {info.num_layers - 1}"
+        else:
+            what = (
+                f"of the multi-token-prediction module ({', '.join(p + '*' for p in info.skipped_prefixes)})"
+            )
         logger.info(
-            "%s: skipping %d tensors of the %d multi-token-prediction layer(s) after layer %d "
-            "(not built by roll's %s)",
+            "%s: skipping %d tensors %s (not built by roll's %s)",
             ckpt.dir,
             len(skipped),
-            info.extra_layers,
-            info.num_layers - 1,
+            what,
             info.model_type,
         )
         ignorable |= skipped
@@ -322,10 +345,11 @@ def _hf_tensors(
     if shards is None:
         return None
     per_shard = [wm.unfuse(weight.layout, s, info.heads) for s in shards]
-    tensors = [
-        torch.cat([pieces[i] for pieces in per_shard], dim) if len(per_shard) > 1 else per_shard[0][i]
-        for i in range(len(weight.hf))
+    pieces = [
+        torch.cat([parts[i] for parts in per_shard], dim) if len(per_shard) > 1 else per_shard[0][i]
+        for i in range(len(per_shard[0]))
     ]
+    tensors = wm.join(weight.layout, pieces)
     if weight.layout == wm.VOCAB:
         first_row = 0 if len(shards) == size else rank * (info.padded_vocab_size // size)
         tensors = [t[: max(0, info.vocab_size - first_row)] for t in tensors]

@@ -13,11 +13,18 @@ layout          TP dim   Megatron parameter of TP rank r
 ``vocab``       0        rows of the vocab padded to ``padded_vocab_size``; padding rows are zero
 ``qkv``         0        the rank's query groups, each as [its q heads, k, v] (megatron's linear_qkv)
 ``gate_up``     0        [gate rows of rank r; up rows of rank r] (megatron's swiglu linear_fc1)
+``qkv_gated``   0        ``qkv`` with each group's output gates after its q heads (Qwen3-Next)
+``gdn_in``      0        Gated DeltaNet's in_proj [q; k; v; z; beta; alpha] of rank r's heads
+``gdn_conv``    0        Gated DeltaNet's conv1d [q; k; v] of rank r's heads (three blocks of HF rows)
 ==============  =======  ==========================================================================
 
-The fused layouts split every HF tensor into ``tp`` equal contiguous pieces along the TP dim, so a
-rank reads only its pieces and fuses them (``fuse``); export unfuses each rank's shard into pieces
-and concatenates the pieces of all ranks (``unfuse``). Expert parameters use the expert-TP group.
+The last three are Qwen3-Next's (``hybrid_layouts`` has their row orders).
+
+The fused layouts split every HF tensor into ``tp`` equal contiguous pieces along the TP dim
+(``gdn_conv``: each of its three sections), so a rank reads only its pieces (``read_ranges``) and
+fuses them (``fuse``); export unfuses each rank's shard into pieces, concatenates the pieces of
+all ranks and joins them into HF tensors (``unfuse``, ``join``). Expert parameters use the
+expert-TP group.
 
 Megatron names differ by backend; ``MegatronNaming.detect`` reads them off the built model:
 TransformerEngine fuses the layer norms into the next linear (``linear_qkv.layer_norm_weight``) and
@@ -36,9 +43,23 @@ from dataclasses import dataclass
 
 import torch
 
+from roll.models.megatron import hybrid_layouts as hybrid
+from roll.models.megatron.hybrid_layouts import LinearHeads
+
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = "replicated", "column", "row", "vocab", "qkv", "gate_up"
+QKV_GATED, GDN_IN, GDN_CONV = "qkv_gated", "gdn_in", "gdn_conv"
 # Dim of the HF tensors (and of the Megatron parameter) split across TP ranks.
-TP_DIM: dict[str, int | None] = {REPLICATED: None, COLUMN: 0, ROW: 1, VOCAB: 0, QKV: 0, GATE_UP: 0}
+TP_DIM: dict[str, int | None] = {
+    REPLICATED: None,
+    COLUMN: 0,
+    ROW: 1,
+    VOCAB: 0,
+    QKV: 0,
+    GATE_UP: 0,
+    QKV_GATED: 0,
+    GDN_IN: 0,
+    GDN_CONV: 0,
+}
 
 HF_LAYER = "model.layers.{layer}."
 # Buffers (not parameters) that are HF weights: the MoE router's score-correction bias.
@@ -67,10 +88,12 @@ class WeightSpec:
 
 @dataclass(frozen=True)
 class LayerTables:
-    """The rows of one transformer layer: ``dense`` (dense MLP) and ``moe`` (MoE MLP) layers."""
+    """The rows of one transformer layer: ``dense`` (dense MLP) and ``moe`` (MoE MLP) layers;
+    ``linear``: the tables of the layers whose attention is linear (Qwen3-Next's Gated DeltaNet)."""
 
     dense: tuple[WeightSpec, ...] | None
     moe: tuple[WeightSpec, ...] | None = None
+    linear: LayerTables | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,8 @@ class HeadLayout:
 
     head_dim: int
     heads_per_group: int
+    # Gated DeltaNet heads (``gdn_in`` / ``gdn_conv``), for models with such layers.
+    linear: LinearHeads | None = None
 
 
 @dataclass(frozen=True)
@@ -98,9 +123,15 @@ class ConversionInfo:
     # Layers stored after the decoder layers that roll does not build (DeepSeek-V3's
     # multi-token-prediction layers): their HF tensors are skipped on load.
     extra_layers: int = 0
+    # Per layer: whether its attention is linear (``tables.linear``); empty: none is.
+    linear_layers: tuple[bool, ...] = ()
+    # HF tensors of other modules roll does not build (Qwen3-Next's ``mtp.``), skipped on load.
+    skipped_prefixes: tuple[str, ...] = ()
 
     def skipped(self, hf_name: str) -> bool:
-        """Whether ``hf_name`` belongs to one of the ``extra_layers``."""
+        """Whether ``hf_name`` belongs to one of the ``extra_layers`` or ``skipped_prefixes``."""
+        if self.skipped_prefixes and hf_name.startswith(self.skipped_prefixes):
+            return True
         match = _HF_LAYER_RE.match(hf_name)
         return match is not None and self.num_layers <= int(match[1]) < self.num_layers + self.extra_layers
 
@@ -229,6 +260,46 @@ def _deepseek(q: tuple[WeightSpec, ...]) -> LayerTables:
 DEEPSEEK_V3 = _deepseek(_MLA_Q_LORA)
 DEEPSEEK_V3_NO_Q_LORA = _deepseek(_MLA_Q)
 
+# Qwen3-Next: gated full attention (q_proj holds each head's query and output gate) with q/k norms,
+# Gated DeltaNet linear attention, MoE with a shared expert scaled by a sigmoid gate.
+_GATED_ATTENTION = (
+    *_INPUT_NORM,
+    WeightSpec(
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        QKV_GATED,
+    ),
+    WeightSpec("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW),
+    *_QK_NORM,
+)
+_GATED_DELTA_NET = (
+    *_INPUT_NORM,
+    WeightSpec(
+        "self_attention.in_proj.weight",
+        ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"),
+        GDN_IN,
+    ),
+    WeightSpec("self_attention.conv1d.weight", ("linear_attn.conv1d.weight",), GDN_CONV),
+    WeightSpec("self_attention.dt_bias", ("linear_attn.dt_bias",), COLUMN),
+    WeightSpec("self_attention.A_log", ("linear_attn.A_log",), COLUMN),
+    _norm("self_attention.out_norm.weight", "linear_attn.norm.weight"),
+    WeightSpec("self_attention.out_proj.weight", ("linear_attn.out_proj.weight",), ROW),
+)
+_QWEN3_NEXT_MOE = _moe_mlp("mlp", "gate_proj", "up_proj", "down_proj") + (
+    WeightSpec(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        GATE_UP,
+    ),
+    WeightSpec("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_expert.down_proj.weight",), ROW),
+    WeightSpec("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), REPLICATED),
+)
+QWEN3_NEXT = LayerTables(
+    dense=_GATED_ATTENTION + _DENSE_MLP,
+    moe=_GATED_ATTENTION + _QWEN3_NEXT_MOE,
+    linear=LayerTables(dense=_GATED_DELTA_NET + _DENSE_MLP, moe=_GATED_DELTA_NET + _QWEN3_NEXT_MOE),
+)
+
 EMBEDDING = WeightSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)
 FINAL_NORM = WeightSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)
 OUTPUT = WeightSpec("output_layer.weight", ("lm_head.weight",), VOCAB)
@@ -237,9 +308,11 @@ OUTPUT = WeightSpec("output_layer.weight", ("lm_head.weight",), VOCAB)
 # ------------------------------------------------------------------------------------- binding
 def layer_table(info: ConversionInfo, layer: int) -> tuple[WeightSpec, ...]:
     """The rows of global layer ``layer`` (0-based)."""
-    table = info.tables.moe if info.moe_layers[layer] else info.tables.dense
+    linear = bool(info.linear_layers) and info.linear_layers[layer]
+    tables = info.tables.linear if linear else info.tables
+    table = None if tables is None else tables.moe if info.moe_layers[layer] else tables.dense
     if table is None:
-        kind = "MoE" if info.moe_layers[layer] else "dense"
+        kind = ("linear-attention " if linear else "") + ("MoE" if info.moe_layers[layer] else "dense")
         raise ValueError(f"model_type {info.model_type!r} has no {kind} layers, but layer {layer} is {kind}")
     return table
 
@@ -323,8 +396,30 @@ def shard_range(layout: str, length: int, tp_size: int, tp_rank: int, padded_len
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
+def read_ranges(
+    layout: str, length: int, tp_size: int, tp_rank: int, padded_length: int, heads: HeadLayout
+) -> list[tuple[int, int]]:
+    """The [start, stop) blocks along the TP dim of an HF tensor of ``length`` that TP rank
+    ``tp_rank`` reads, one piece each (one block but for ``gdn_conv``)."""
+    if layout == GDN_CONV:
+        return hybrid.conv_ranges(length, _linear(heads), tp_size, tp_rank)
+    return [shard_range(layout, length, tp_size, tp_rank, padded_length)]
+
+
+def _linear(heads: HeadLayout) -> LinearHeads:
+    if heads.linear is None:
+        raise ValueError("a Gated DeltaNet layout on a model without linear-attention heads")
+    return heads.linear
+
+
 def fuse(layout: str, pieces: list[torch.Tensor], heads: HeadLayout) -> torch.Tensor:
     """Megatron parameter (of one TP rank) from that rank's pieces of the HF tensors."""
+    if layout == QKV_GATED:
+        return hybrid.fuse_qkv_gated(pieces, heads.head_dim, heads.heads_per_group)
+    if layout == GDN_IN:
+        return hybrid.fuse_gdn_in(pieces, _linear(heads))
+    if layout == GDN_CONV:
+        return torch.cat(pieces, dim=0)
     if layout == QKV:
         q, k, v = pieces
         groups, rest = k.shape[0] // heads.head_dim, q.shape[1:]
@@ -341,7 +436,14 @@ def fuse(layout: str, pieces: list[torch.Tensor], heads: HeadLayout) -> torch.Te
 
 
 def unfuse(layout: str, shard: torch.Tensor, heads: HeadLayout) -> list[torch.Tensor]:
-    """Inverse of ``fuse``: one TP rank's pieces of the HF tensors from its Megatron shard."""
+    """Inverse of ``fuse``: one TP rank's pieces of the HF tensors from its Megatron shard (for
+    ``gdn_conv`` the three blocks of its one HF tensor: ``join`` puts them together)."""
+    if layout == QKV_GATED:
+        return hybrid.unfuse_qkv_gated(shard, heads.head_dim, heads.heads_per_group)
+    if layout == GDN_IN:
+        return hybrid.unfuse_gdn_in(shard, _linear(heads))
+    if layout == GDN_CONV:
+        return hybrid.unfuse_gdn_conv(shard, _linear(heads))
     if layout == QKV:
         q_rows = heads.heads_per_group * heads.head_dim
         per_group, rest = q_rows + 2 * heads.head_dim, shard.shape[1:]
@@ -351,3 +453,10 @@ def unfuse(layout: str, shard: torch.Tensor, heads: HeadLayout) -> list[torch.Te
     if layout == GATE_UP:
         return list(torch.chunk(shard, 2, dim=0))
     return [shard]
+
+
+def join(layout: str, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The HF tensors from their pieces (each concatenated over the TP ranks already)."""
+    if layout == GDN_CONV:
+        return [torch.cat(pieces, dim=0)]
+    return pieces
