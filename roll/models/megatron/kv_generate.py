@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from roll.configs.errors import ConfigError
 from roll.core.sampling import SamplingParams
 from roll.models.megatron.sampling import sample_next
 
@@ -119,6 +120,12 @@ def generate_tokens(
         raise ValueError("megatron_infer generation does not support virtual pipeline stages")
     if chunks[0].config.sequence_parallel:
         raise ValueError("megatron_infer generation needs sequence_parallel: false")
+    if getattr(chunks[0].config, "experimental_attention_variant", None) is not None:
+        raise ConfigError(
+            "strategy_args.strategy_name",
+            "megatron_infer cannot generate with linear-attention layers (Qwen3-Next's Gated "
+            "DeltaNet keeps no cache here); generate with vllm or sglang",
+        )
     device = next(chunks[0].parameters()).device
     rows, width = len(prompts), _agree(max(len(p) for p in prompts), len(prompts), sync_group, device)
     total = width + params.max_new_tokens

@@ -19,6 +19,9 @@ weight tables in ``weight_mapping.py`` rely on that), with these modules swapped
   with ``torch._grouped_mm`` where torch offers it, else the per-expert loop.
 
 Options that need TE raise a ``ConfigError`` naming the key (see ``check_te_requirements``).
+Multi-latent attention (DeepSeek-V3) and hybrid models (Qwen3-Next, whose Gated DeltaNet layers
+``model_builder`` swaps in from ``roll.models.megatron.gated_delta_net``) take the plain-torch
+spec even where TE imports.
 
 >>> spec = build_layer_spec(transformer_config, megatron_cfg, num_experts=None)   # one dense layer
 
@@ -90,6 +93,9 @@ class TorchNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         shape = (self.hidden_size,)
+        if self.kind == "RMSNorm" and self.zero_centered_gamma:
+            # Qwen3-Next's order: (1 + weight) applied in fp32, then one cast.
+            return (F.rms_norm(x.float(), shape, eps=self.eps) * (1 + self.weight.float())).to(x.dtype)
         if self.kind == "RMSNorm":
             return weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
         return F.layer_norm(x.float(), shape, eps=self.eps).to(x.dtype) * weight + self.bias
@@ -419,9 +425,12 @@ def build_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_
     check_te_requirements(megatron_cfg, transformer_config)
     qk = bool(transformer_config.qk_layernorm)
     mla = bool(getattr(transformer_config, "multi_latent_attention", False))
+    hybrid = getattr(transformer_config, "experimental_attention_variant", None) is not None
     # Multi-latent attention always takes the plain-torch spec: the HF tables (weight_mapping's
     # DEEPSEEK_V3) follow the local spec, where TE's MLA spec replicates the down projections.
-    if _use_te(megatron_cfg) and not mla:
+    # So do hybrid models (Qwen3-Next): TE's spec fuses the norms their tables keep apart and
+    # would make every norm zero-centred, Gated DeltaNet's output norm included.
+    if _use_te(megatron_cfg) and not mla and not hybrid:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=megatron_cfg.moe_grouped_gemm, qk_layernorm=qk
         )

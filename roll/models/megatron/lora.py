@@ -4,7 +4,8 @@ HF target names map onto the fused megatron modules of each decoder layer (``TAR
 ``q_proj`` / ``k_proj`` / ``v_proj`` -> ``self_attention.linear_qkv`` (any of the three adapts the
 whole fused layer, so its adapter covers q, k and v), ``o_proj`` -> ``self_attention.linear_proj``,
 ``gate_proj`` / ``up_proj`` -> ``mlp.linear_fc1`` (both halves), ``down_proj`` -> ``mlp.linear_fc2``.
-MoE expert MLPs get no adapters (``all-linear`` on an MoE layer adapts its attention only).
+MoE expert MLPs get no adapters (``all-linear`` on an MoE layer adapts its attention only), nor do
+Gated DeltaNet (linear-attention) layers' attention (Qwen3-Next: its full-attention layers get them).
 
 The adapted layer keeps its module and parameter names (the HF weight tables and megatron's
 checkpoints see the same ``weight``) and gains ``lora_A`` [r, in] and ``lora_B`` [out, r], with
@@ -84,10 +85,12 @@ def layout(config: Any, targets: list[str], rank: int, path: str) -> dict[str, A
     """What a checkpoint's adapters depend on: the rank and every module of the whole model
     (``config``: its TransformerConfig) that ``targets`` adapt, the same on every rank whatever the
     parallel layout. MLP targets named on a model without a dense MLP layer are a ConfigError."""
+    from roll.models.megatron.gated_delta_net import linear_attention_pattern
     from roll.models.megatron.model_builder import moe_layer_pattern
 
     modules = megatron_targets(targets, path)
     dense = [not moe for moe in moe_layer_pattern(config)]
+    full_attention = [not linear for linear in linear_attention_pattern(config)]
     if LORA_ALL_LINEAR not in targets and set(modules) & set(MLP) and not any(dense):
         raise ConfigError(
             path,
@@ -98,7 +101,7 @@ def layout(config: Any, targets: list[str], rank: int, path: str) -> dict[str, A
         f"decoder.layers.{i}.{m}"
         for i in range(config.num_layers)
         for m in modules
-        if m in ATTENTION or dense[i]
+        if (m in ATTENTION and full_attention[i]) or (m in MLP and dense[i])
     ]
     return {"rank": rank, "modules": names}
 
@@ -115,6 +118,7 @@ def apply_lora(
 ) -> list[str]:
     """Freeze every parameter of ``chunks`` (GPTModels, before DDP) and adapt the targeted linear
     modules of their decoder layers; returns the adapted module names (global layer numbers)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP as DenseMLP
 
@@ -128,6 +132,8 @@ def apply_lora(
                 owner = layer.mlp if name in MLP else layer.self_attention
                 if name in MLP and not isinstance(owner, DenseMLP):
                     continue  # MoE layer: experts carry no adapters
+                if name in ATTENTION and isinstance(owner, GatedDeltaNet):
+                    continue  # linear-attention layer: its attention carries no adapters
                 leaf = name.rsplit(".", 1)[-1]
                 if not hasattr(owner, leaf):
                     raise ConfigError(path, f"this model's attention has no {leaf} (multi-latent attention)")

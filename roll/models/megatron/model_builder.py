@@ -150,23 +150,26 @@ def moe_layer_pattern(config: Any) -> list[int]:
 def decoder_block_spec(
     config: Any, megatron_cfg: MegatronConfig, layer_spec_fn: LayerSpecFn, vp_stage: int | None
 ) -> Any:
-    """This pipeline chunk's layer specs (dense or MoE per ``config.moe_layer_freq``) and final norm."""
+    """This pipeline chunk's layer specs (dense or MoE per ``config.moe_layer_freq``; Gated DeltaNet
+    attention per ``config.linear_attention_freq``) and final norm."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from roll.models.megatron.gated_delta_net import linear_attention_layer, linear_attention_pattern
+
     experts = config.num_moe_experts
-    pattern = moe_layer_pattern(config)
-    specs = {
-        0: layer_spec_fn(config, megatron_cfg, None) if 0 in pattern else None,
-        1: layer_spec_fn(config, megatron_cfg, experts) if 1 in pattern else None,
-    }
+    kinds = list(zip(moe_layer_pattern(config), linear_attention_pattern(config)))
+    specs = {}
+    for moe, linear in sorted(set(kinds)):
+        spec = layer_spec_fn(config, megatron_cfg, experts if moe else None)
+        specs[moe, linear] = linear_attention_layer(spec) if linear else spec
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layers = [specs[kind] for kind in pattern[offset : offset + count]]
-    norm = _final_norm(specs[0] or specs[1])
+    layers = [specs[kind] for kind in kinds[offset : offset + count]]
+    norm = _final_norm(next(iter(specs.values())))
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 
 
