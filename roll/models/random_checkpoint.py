@@ -83,7 +83,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             num_key_value_heads=8,
         ),
     ),
-    # Hybrid linear/full attention MoE; roll's Megatron strategies do not build it (families.py).
+    # Hybrid linear/full attention MoE (Gated DeltaNet; families.py, qwen3_next.py); the published
+    # config.json's linear-attention sizes are Qwen3NextConfig's defaults.
     "qwen3-next-80b-a3b": (
         "Qwen3NextConfig",
         dict(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
+from roll.models.megatron import qwen3_next
 from roll.models.megatron import weight_mapping as wm
 from roll.models.megatron.hf_fields import head_dim, rope_parameters
 
@@ -42,6 +43,14 @@ class Family:
     mla_kwargs: Callable[[Any], dict[str, Any]] | None = None
     # The weight tables for this HF config when they depend on it (DeepSeek's q_lora_rank).
     tables_fn: Callable[[Any], wm.LayerTables] | None = None
+    # TransformerConfig kwargs of the architecture beyond GQA attention and MLPs (Qwen3-Next's
+    # Gated DeltaNet layers, attention output gate, zero-centred norms) from the HF config.
+    arch_kwargs: Callable[[Any], dict[str, Any]] | None = None
+    # Layout rules of the family beyond heads, layers and experts per rank, given
+    # (hf_config, megatron_cfg, strategy_config path); ConfigError naming the key.
+    check_layout: Callable[[Any, MegatronConfig, str], None] | None = None
+    # Checkpoint tensors (by name prefix) of modules roll does not build: skipped on load.
+    skipped_prefixes: tuple[str, ...] = ()
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -111,6 +120,11 @@ def _deepseek_v3_kwargs(hf: Any) -> dict[str, Any]:
     }
 
 
+def _qwen3_next_moe(hf: Any) -> dict[str, Any]:
+    router = _router_kwargs(hf.num_experts, hf.num_experts_per_tok, bool(hf.norm_topk_prob))
+    return qwen3_next.moe_kwargs(hf, router)
+
+
 def _deepseek_v3_mla(hf: Any) -> dict[str, Any]:
     from roll.models.megatron import deepseek
 
@@ -129,6 +143,15 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", wm.QWEN3, qk_layernorm=True),
         Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
         Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
+        Family(
+            "qwen3_next",
+            wm.QWEN3_NEXT,
+            qk_layernorm=True,
+            moe_kwargs=_qwen3_next_moe,
+            arch_kwargs=qwen3_next.arch_kwargs,
+            check_layout=qwen3_next.check_layout,
+            skipped_prefixes=qwen3_next.SKIPPED_PREFIXES,
+        ),
         Family(
             "deepseek_v3",
             wm.DEEPSEEK_V3,
@@ -164,6 +187,10 @@ def rope_kwargs(hf: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
     if get_family(hf).mla_kwargs is not None:
         return kwargs  # multi-latent attention applies its own RoPE (checked by its mla_kwargs)
+    # RoPE on the first part of each head only (Qwen3-Next's partial_rotary_factor).
+    percent = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if percent is not None and float(percent) != 1.0:
+        kwargs["rotary_percent"] = float(percent)
     if rope["rope_type"] == "default":
         return kwargs
     if rope["rope_type"] == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_FIXED.items()):
@@ -198,10 +225,9 @@ def _check_supported(hf: Any, family: Family) -> None:
                 f"config.json {key}={value!r} is not supported for {family.model_type} by the Megatron strategies",
             )
     rope_kwargs(hf)
-    if family.mla_kwargs is not None:
-        family.mla_kwargs(hf)
-    if family.moe_kwargs is not None:
-        family.moe_kwargs(hf)
+    for check in (family.mla_kwargs, family.moe_kwargs, family.arch_kwargs):
+        if check is not None:
+            check(hf)
 
 
 def transformer_kwargs(hf: Any) -> dict[str, Any]:
@@ -230,6 +256,8 @@ def transformer_kwargs(hf: Any) -> dict[str, Any]:
         kwargs.update(family.moe_kwargs(hf))
     if family.mla_kwargs is not None:
         kwargs.update(family.mla_kwargs(hf))
+    if family.arch_kwargs is not None:
+        kwargs.update(family.arch_kwargs(hf))
     return kwargs
 
 
@@ -243,6 +271,8 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
     """What the weight conversion needs to know about this model (see ``weight_mapping``)."""
     family = get_family(hf)
     moe = family.moe_kwargs(hf) if family.moe_kwargs else {}
+    arch = family.arch_kwargs(hf) if family.arch_kwargs else {}
+    linear = tuple(bool(x) for x in arch.get("linear_attention_freq", ()))
     return wm.ConversionInfo(
         model_type=family.model_type,
         tables=family.tables_for(hf),
@@ -252,8 +282,24 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
         num_layers=hf.num_hidden_layers,
         num_experts=moe.get("num_moe_experts", 0),
         moe_layers=tuple(bool(x) for x in moe.get("moe_layer_freq", [0] * hf.num_hidden_layers)),
-        heads=wm.HeadLayout(head_dim(hf), hf.num_attention_heads // hf.num_key_value_heads),
+        heads=wm.HeadLayout(
+            head_dim(hf), hf.num_attention_heads // hf.num_key_value_heads, _linear_heads(arch)
+        ),
         extra_layers=_mtp_layers(hf),
+        linear_layers=linear if any(linear) else (),
+        skipped_prefixes=family.skipped_prefixes,
+    )
+
+
+def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:
+    """The Gated DeltaNet head sizes of a model with such layers (TransformerConfig kwargs)."""
+    if arch.get("experimental_attention_variant") != "gated_delta_net":
+        return None
+    return wm.LinearHeads(
+        key_heads=arch["linear_num_key_heads"],
+        value_heads=arch["linear_num_value_heads"],
+        key_dim=arch["linear_key_head_dim"],
+        value_dim=arch["linear_value_head_dim"],
     )
 
 
@@ -329,6 +375,8 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     _check_supported(hf_config, family)
     cfg, tp = megatron_cfg, megatron_cfg.tensor_model_parallel_size
     _check_pipeline_split(hf_config, cfg, path)
+    if family.check_layout is not None:
+        family.check_layout(hf_config, cfg, path)
     tp_key = f"{path}.tensor_model_parallel_size"
     _divides(tp, hf_config.num_attention_heads, "num_attention_heads", tp_key)
     _divides(tp, hf_config.num_key_value_heads, "num_key_value_heads", tp_key)

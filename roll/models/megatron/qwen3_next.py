@@ -1,0 +1,124 @@
+"""Qwen3-Next (HF ``model_type: qwen3_next``) on megatron-core: what of its config.json roll
+reproduces, as megatron-core ``TransformerConfig`` arguments, and the layouts it runs under.
+
+- Hybrid layers (``layer_types``, or every ``full_attention_interval``-th layer full): Gated
+  DeltaNet linear attention (``linear_num_key_heads`` / ``linear_num_value_heads`` heads of
+  ``linear_key_head_dim`` / ``linear_value_head_dim``, a causal conv of ``linear_conv_kernel_dim``;
+  ``roll.models.megatron.gated_delta_net``) and gated full attention (``q_proj`` twice as wide,
+  half of it a sigmoid output gate: megatron's ``attention_output_gate``; ``q_norm`` / ``k_norm``;
+  RoPE on the first ``partial_rotary_factor`` of each head).
+- Zero-centred RMSNorms (weight stored as its offset from 1: ``layernorm_zero_centered_gamma``);
+  the Gated DeltaNet output norm keeps a plain weight.
+- MoE: softmax top-k routing (``norm_topk_prob``) over ``num_experts``, a shared expert MLP of
+  ``shared_expert_intermediate_size`` scaled by a sigmoid gate (``moe_shared_expert_gate``);
+  ``mlp_only_layers`` / ``decoder_sparse_step`` choose dense layers as in Qwen3-MoE.
+- Not built: the multi-token-prediction module (``mtp.*`` tensors), skipped on load with a log
+  line and not exported.
+
+Refused with one ``ConfigError`` naming the key: context parallelism (megatron-core 0.16.1's
+Gated DeltaNet has none), a TP size that does not divide the linear-attention key heads, and
+config.json values the model above does not reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from roll.configs.errors import ConfigError
+from roll.configs.strategy_configs import MegatronConfig
+
+MODEL_PATH = "model_args.model_name_or_path"
+LINEAR, FULL = "linear_attention", "full_attention"
+# Checkpoint tensors of modules roll does not build.
+SKIPPED_PREFIXES = ("mtp.",)
+
+
+def _refuse(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(
+        MODEL_PATH,
+        f"config.json {key}={value!r} is not supported for qwen3_next by the Megatron strategies: {why}",
+    )
+
+
+def layer_types(hf: Any) -> list[str]:
+    """``linear_attention`` / ``full_attention`` per layer (transformers fills ``layer_types`` from
+    ``full_attention_interval`` when config.json has none)."""
+    types = getattr(hf, "layer_types", None)
+    if not types:
+        interval = int(getattr(hf, "full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf.num_hidden_layers)]
+    return list(types)
+
+
+def linear_layers(hf: Any) -> tuple[bool, ...]:
+    return tuple(t == LINEAR for t in layer_types(hf))
+
+
+def unsupported(hf: Any) -> None:
+    """ConfigError naming the first config.json key whose value roll's Qwen3-Next does not run."""
+    types = layer_types(hf)
+    if len(types) != hf.num_hidden_layers or set(types) - {LINEAR, FULL}:
+        raise _refuse("layer_types", types, f"one of {LINEAR!r} / {FULL!r} per layer is expected")
+    if hf.linear_num_value_heads % hf.linear_num_key_heads:
+        raise _refuse(
+            "linear_num_value_heads",
+            hf.linear_num_value_heads,
+            f"must be a multiple of linear_num_key_heads={hf.linear_num_key_heads}",
+        )
+    if not hf.num_experts:
+        raise _refuse(
+            "num_experts", hf.num_experts, "roll builds Qwen3-Next's MoE layers only (num_experts > 0)"
+        )
+    if not getattr(hf, "shared_expert_intermediate_size", 0):
+        raise _refuse(
+            "shared_expert_intermediate_size",
+            getattr(hf, "shared_expert_intermediate_size", None),
+            "Qwen3-Next's MoE layers have a gated shared expert",
+        )
+
+
+def moe_kwargs(hf: Any, router_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """MoE TransformerConfig kwargs: ``router_kwargs`` (the softmax top-k router) plus Qwen3-MoE's
+    layer pattern and the gated shared expert."""
+    unsupported(hf)
+    step, dense_layers = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+    pattern = [int(i not in dense_layers and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
+    return {
+        **router_kwargs,
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_layer_freq": pattern,
+        "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
+        "moe_shared_expert_gate": True,
+    }
+
+
+def arch_kwargs(hf: Any) -> dict[str, Any]:
+    """The TransformerConfig kwargs of the hybrid attention and the zero-centred norms."""
+    unsupported(hf)
+    return {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [int(x) for x in linear_layers(hf)],
+        "linear_conv_kernel_dim": hf.linear_conv_kernel_dim,
+        "linear_key_head_dim": hf.linear_key_head_dim,
+        "linear_value_head_dim": hf.linear_value_head_dim,
+        "linear_num_key_heads": hf.linear_num_key_heads,
+        "linear_num_value_heads": hf.linear_num_value_heads,
+        "attention_output_gate": True,
+        "layernorm_zero_centered_gamma": True,
+    }
+
+
+def check_layout(hf: Any, cfg: MegatronConfig, path: str) -> None:
+    """What the Gated DeltaNet layers need of the parallel layout (ConfigError naming the key)."""
+    if cfg.context_parallel_size > 1:
+        raise ConfigError(
+            f"{path}.context_parallel_size",
+            f"{cfg.context_parallel_size}: Qwen3-Next's Gated DeltaNet layers have no context "
+            "parallelism in megatron-core 0.16.1 or roll; use 1",
+        )
+    tp = cfg.tensor_model_parallel_size
+    if hf.linear_num_key_heads % tp:
+        raise ConfigError(
+            f"{path}.tensor_model_parallel_size",
+            f"{tp} does not divide the model's linear_num_key_heads ({hf.linear_num_key_heads})",
+        )
