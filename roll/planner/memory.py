@@ -7,13 +7,15 @@ Every function returns bytes by component (``params``, ``grads``, ``optimizer``,
   two moments 12 B per parameter; the distributed optimizer / FSDP divide the 12 B (FSDP: all
   16 B) by the data-parallel size (under HSDP by `fsdp_size`); fp32 training keeps 4 + 4 + 8 B;
 - activations: per token and layer, the tensors autograd keeps (norms, q/k/v, attention output,
-  MLP or top-k expert widths), divided by TP where Megatron splits them (all of them with sequence
-  parallelism); full recompute keeps only each layer's bf16 input plus one layer's tensors;
+  MLP or top-k expert widths; Gated DeltaNet layers: in_proj, conv, the delta rule's inputs and
+  per-chunk matrix, gated norm), divided by TP where Megatron splits them (all of them with
+  sequence parallelism); full recompute keeps only each layer's bf16 input plus one layer's tensors;
 - log-prob temporaries: bf16 logits [tokens, vocab / TP] (and their gradient when training) plus
   two fp32 row chunks of 256 MiB (roll.models.logprobs bounds the fp32 copies that way);
-- KV cache: K and V of every layer for every row and position (megatron_infer allocates it for
-  the whole sequence up front; transformers' cache grows by concatenation, which leaves about as
-  much again in the allocator's cache).
+- KV cache: K and V of every full-attention layer for every row and position (megatron_infer
+  allocates it for the whole sequence up front; transformers' cache grows by concatenation, which
+  leaves about as much again in the allocator's cache), plus each Gated DeltaNet layer's fp32
+  recurrent state and conv history per row.
 """
 
 from __future__ import annotations
@@ -65,12 +67,32 @@ def training_state(params: int, dtype_bytes: int, optimizer_shards: int = 1) -> 
     return {"params": 2 * params, "grads": 4 * params, "optimizer": 12 * params // optimizer_shards}
 
 
+def _linear_attention_bytes(shape: ModelShape) -> int:
+    """Per token, what one Gated DeltaNet layer keeps: in_proj's output, the conv's input and
+    output, q/k repeated to the value heads, fp32 decay and beta, the per-chunk (64) triangular
+    matrix of fla's kernel, and the core output, its norm and gate."""
+    heads, conv, v = shape.linear_v_heads, shape.linear_conv_dim, shape.linear_v_heads * shape.linear_v_dim
+    in_proj = 2 * (conv + v + 2 * heads)
+    return in_proj + 4 * conv + 4 * heads * shape.linear_k_dim + 4 * 64 * heads + 8 * heads + 6 * v
+
+
+def _attention_bytes(shape: ModelShape) -> int:
+    """Per token of an average layer: q/k/v before and after RoPE, the attention output (and the
+    output gate and gated output), Gated DeltaNet layers averaged in."""
+    q, kv = shape.q_dim, shape.kv_dim
+    full = 4 * (q + 2 * kv) + 2 * q + (4 * q if shape.attn_gate else 0)
+    if not shape.linear_layers:
+        return full
+    linear = _linear_attention_bytes(shape)
+    return (full * shape.attention_layers + linear * shape.linear_layers) // shape.layers
+
+
 def layer_activation_bytes(shape: ModelShape, tokens: int, split: Split = Split()) -> int:
     """Bytes autograd keeps for one average layer over ``tokens`` tokens (bf16, no recompute)."""
-    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    h = shape.hidden
     # Norm inputs/outputs and the residual in bf16, and the fp32 copies of both RMSNorms.
     per_hidden = 2 * 4 * h + 16 * h
-    attention = 4 * (q + 2 * kv) + 2 * q  # q/k/v before and after RoPE, attention output
+    attention = _attention_bytes(shape)
     if shape.moe_layers:
         # Tokens are copied top_k times into the experts; router logits and probs in fp32.
         moe = shape.top_k * (2 * h + 8 * shape.moe_ffn // split.etp) + 8 * shape.experts
@@ -88,7 +110,11 @@ def forward_bytes(shape: ModelShape, tokens: int, split: Split = Split()) -> int
     """What is live at once inside one layer of a forward pass without autograd: the layer input
     and residual, plus the larger of attention's q/k/v/output and the MLP's gate/up/product."""
     h = shape.hidden
-    attention = 2 * (2 * shape.q_dim + 2 * shape.kv_dim) // split.tp
+    attention = 2 * (2 * shape.q_out + 2 * shape.kv_dim)
+    if shape.linear_layers:  # in_proj's output, the conv's output and the core output
+        width = shape.linear_conv_dim + 2 * shape.linear_v_heads * shape.linear_v_dim
+        attention = max(attention, 2 * (width + shape.linear_conv_dim))
+    attention //= split.tp
     if shape.moe_layers:
         mlp = shape.top_k * (2 * h + 6 * shape.moe_ffn // split.etp)
     else:
@@ -119,9 +145,15 @@ def logit_bytes(shape: ModelShape, tokens: int, split: Split = Split(), train: b
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, seq_len: int, tp: int = 1, dtype_bytes: int = 2) -> int:
-    """K and V of every layer for ``rows`` sequences of ``seq_len`` positions, kv heads split by TP."""
+    """K and V of every full-attention layer for ``rows`` sequences of ``seq_len`` positions, kv heads
+    split by TP; plus each Gated DeltaNet layer's fp32 state and conv history per row."""
     heads = max(shape.kv_heads // tp, 1)
-    return 2 * shape.layers * heads * shape.head_dim * dtype_bytes * rows * seq_len
+    kv = 2 * shape.attention_layers * heads * shape.head_dim * dtype_bytes * rows * seq_len
+    if not shape.linear_layers:
+        return kv
+    state = shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim * 4
+    history = shape.linear_conv_dim * (shape.conv_kernel - 1) * dtype_bytes
+    return kv + rows * shape.linear_layers * (state + history) // tp
 
 
 def generation_bytes(
