@@ -44,8 +44,6 @@ DATA = {
 
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED = {
-    "qwen3-next-80BA3B-rlvr_megatron__rlvr_config.yaml": "model_type 'qwen3_next'",
-    "qwen3-next-80BA3B-rlvr_megatron__rlvr_config_amd.yaml": "model_type 'qwen3_next'",
     "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml": "DetectionRewardWorker (ROLL scores object-detection",
 }
 
