@@ -384,3 +384,25 @@ def test_planner_counts_qwen3_next_parameters_exactly(overrides) -> None:
     shape = shape_from_config(preset_config("qwen3-next-80b-a3b").to_dict())
     active = shape.total_params() - shape.expert_params() * (1 - shape.top_k / shape.experts)
     assert round(shape.total_params() / 1e9) == 80 and 3.0e9 < active - shape.embedding_params() < 3.5e9
+
+
+def test_random_weights_start_zero_centred_norms_at_one() -> None:
+    """The benchmarks' random weights: a zero-centred norm's stored weight is 0 (it scales by 1 + w),
+    a plain norm's is 1."""
+    from roll.models.megatron.layer_spec import TorchNorm
+    from roll.models.megatron.runtime import init_random_weights
+
+    config = SimpleNamespace(
+        normalization="RMSNorm",
+        layernorm_zero_centered_gamma=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+    )
+    chunk = torch.nn.ModuleDict(
+        {"centred": TorchNorm(config, 4, zero_centered_gamma=True), "plain": TorchNorm(config, 4)}
+    )
+    x = torch.randn(3, 4)
+    init_random_weights([chunk])
+    assert chunk["centred"].weight.eq(0).all() and chunk["plain"].weight.eq(1).all()
+    torch.testing.assert_close(chunk["centred"](x), chunk["plain"](x))

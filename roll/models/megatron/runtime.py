@@ -83,13 +83,17 @@ def _to_device(chunks: list[torch.nn.Module], ctx: WorkerContext) -> None:
 
 @torch.no_grad()
 def init_random_weights(chunks: list[torch.nn.Module], std: float = 0.02) -> None:
-    """Norm weights 1, biases 0, everything else N(0, std) (the builder leaves params uninitialised)."""
+    """Norm weights 1 (0 for a norm that stores its offset from 1, Qwen3-Next's), biases 0,
+    everything else N(0, std) (the builder leaves params uninitialised)."""
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if param.dim() == 1:
                 param.fill_(0.0 if name.endswith("bias") else 1.0)
             else:
                 param.normal_(0.0, std)
+        for module in chunk.modules():
+            if getattr(module, "zero_centered_gamma", False):
+                module.weight.zero_()
 
 
 def _device() -> torch.device:
