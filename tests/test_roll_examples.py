@@ -92,3 +92,17 @@ def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monk
         assert "actor_infer" in out.out and not errors
     if name == "qwen3-30BA3B-rlvr_fsdp2__rlvr_config_ep.yaml":  # ROLL's fsdp2 expert parallelism
         assert "EP=8 DP=8 SP=4 (Ulysses)" in out.out and "EP=8 DP=16 SP=2 (Ulysses)" in out.out, out.out
+
+
+def test_megatron_infer_rollouts_of_qwen3_next_are_refused_before_launch(roll_workdir, monkeypatch, capsys):
+    """kv_generate's cache has no place for Gated DeltaNet's recurrent state: the dry run says so."""
+    monkeypatch.chdir(roll_workdir)
+    name = "qwen3-next-80BA3B-rlvr_megatron__rlvr_config.yaml"
+    infer = "actor_infer.strategy_args"
+    overrides = [f"{infer}.strategy_name=megatron_infer", f"{infer}.strategy_config={{}}"]
+    code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run", *overrides])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and err[-1].startswith(
+        "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with "
+        "model_type 'qwen3_next'"
+    ), err[-5:]

@@ -20,9 +20,10 @@ from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_options
 from roll.configs.run_config import resume_requested
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangConfig, VLLMConfig
+from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.expert_parallel import check_experts, config_experts
-from roll.models.megatron.families import check_model_fits
+from roll.models.megatron.families import check_model_fits, get_family
 from roll.models.model_dir import check_model_dir
 from roll.models.ulysses import check_heads
 from roll.pipeline.common.checkpoint import resolve_resume
@@ -90,6 +91,12 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
         if exc.path.startswith(name):
             raise
         raise ConfigError(f"{name}.{exc.path}", exc.message) from None
+    if Role.parse(name).kind is RoleKind.INFER and not get_family(hf_config).generates:
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_name",
+            f"megatron_infer cannot generate with model_type {hf_config.model_type!r} (its linear-attention "
+            "layers keep a recurrent state the KV cache has no place for); generate with vllm or sglang",
+        )
 
 
 def check_ulysses_layout(name: str, role: RoleConfig) -> None:

@@ -51,6 +51,9 @@ class Family:
     check_layout: Callable[[Any, MegatronConfig, str], None] | None = None
     # Checkpoint tensors (by name prefix) of modules roll does not build: skipped on load.
     skipped_prefixes: tuple[str, ...] = ()
+    # megatron_infer can generate with it (kv_generate's cache holds attention K/V only; Gated
+    # DeltaNet layers keep a recurrent state it has no place for).
+    generates: bool = True
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -151,6 +154,7 @@ FAMILIES: dict[str, Family] = {
             arch_kwargs=qwen3_next.arch_kwargs,
             check_layout=qwen3_next.check_layout,
             skipped_prefixes=qwen3_next.SKIPPED_PREFIXES,
+            generates=False,
         ),
         Family(
             "deepseek_v3",
