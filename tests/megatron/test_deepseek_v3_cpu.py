@@ -40,7 +40,15 @@ import test_conversion as conv  # noqa: E402
 from cuda_on_cpu import cuda_hidden  # noqa: E402
 from gloo_ranks import spawn_ranks  # noqa: E402
 from tiny_models import build_tiny_tokenizer, safetensors_dir, tensor_differences  # noqa: E402
-from two_rank_training import megatron_rank, pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import (  # noqa: E402
+    full_hf_weights,
+    hf_log_probs_and_grad_norm,
+    megatron_rank,
+    pg_batch,
+    pg_loss,
+    run_two_ranks,
+    train_strategy,
+)
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -231,48 +239,10 @@ def _converter_checks(scratch: str) -> list[str]:
     return bad
 
 
-def _hf_log_probs(path: str, batch) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    width = batch["responses"].shape[1]
-    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
-    return logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-
-
-def _hf_grad_norm(path: str, batch) -> float:
-    """transformers' gradient norm of ``pg_loss`` averaged over one-row micro-batches."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    width = batch["responses"].shape[1]
-    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
-    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-    rmask = batch["response_mask"].float()
-    loss = (-(logps * batch["advantages"] * rmask).sum(1) / rmask.sum(1)).mean()
-    loss.backward()
-    return float(
-        torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    )
-
-
-def _full_weights(strategy) -> dict[str, torch.Tensor]:
-    """Every HF tensor of the strategy's model, on every rank."""
-    from roll.models.megatron.hf_io import export_hf_weights
-
-    mine = {n: t.detach().clone() for n, t in export_hf_weights(strategy.model)}
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    return {n: t for part in parts for n, t in part.items()}
-
-
 def _training_checks(scratch: str) -> list[str]:
     bad, path = [], str(Path(scratch, "hf"))
     batch = pg_batch(0)
-    reference = _hf_log_probs(path, batch)
+    reference, hf_norm = hf_log_probs_and_grad_norm(path, batch)
     mask = batch["response_mask"].bool()
     after, stepped, metrics = {}, {}, {}
     for name, layout in (
@@ -284,15 +254,14 @@ def _training_checks(scratch: str) -> list[str]:
         diff = float((log_probs - reference).abs()[mask].max())
         if diff > 1e-4:
             bad.append(f"{name}: log-probs differ from transformers' by {diff:.2e}")
-        before = _full_weights(strategy)
+        before = full_hf_weights(strategy)
         dp_rank, dp_size, _ = strategy.dp_layout()
         metrics[name] = strategy.train_step(batch.chunk(dp_size)[dp_rank].split(1), pg_loss)
-        after[name] = _full_weights(strategy)
+        after[name] = full_hf_weights(strategy)
         stepped[name] = strategy.compute_log_probs(batch)["log_probs"]
         moved = {n for n in before if not torch.equal(before[n], after[name][n])}
         if not any("e_score_correction_bias" in n for n in moved) or not any("self_attn" in n for n in moved):
             bad.append(f"{name}: the step left attention or the expert bias unchanged: {sorted(moved)[:4]}")
-    hf_norm = _hf_grad_norm(path, batch)
     for name, values in metrics.items():
         if abs(values["grad_norm"] - hf_norm) > 1e-5 * hf_norm:
             bad.append(f"{name}: grad norm {values['grad_norm']:.7f}, transformers' {hf_norm:.7f}")
@@ -306,10 +275,10 @@ def _training_checks(scratch: str) -> list[str]:
     if gap > 1e-4:
         bad.append(f"log-probs after the step differ by {gap:.2e} between EP2 and TP2+SP")
     frozen = train_strategy(path, {"expert_model_parallel_size": 2, "freeze_moe_router": True})
-    before = _full_weights(frozen)
+    before = full_hf_weights(frozen)
     dp_rank, dp_size, _ = frozen.dp_layout()
     frozen.train_step(batch.chunk(dp_size)[dp_rank].split(1), pg_loss)
-    now = _full_weights(frozen)
+    now = full_hf_weights(frozen)
     router = [n for n in before if ".mlp.gate." in n]
     bad += [f"freeze_moe_router: {n} moved" for n in router if not torch.equal(before[n], now[n])]
     return bad

@@ -47,7 +47,15 @@ pytest.importorskip("megatron.core")
 import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
 from tiny_models import build_tiny_tokenizer, safetensors_dir, tensor_differences  # noqa: E402
-from two_rank_training import megatron_rank, pg_batch, pg_loss, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import (  # noqa: E402
+    full_hf_weights,
+    hf_log_probs_and_grad_norm,
+    megatron_rank,
+    pg_batch,
+    pg_loss,
+    run_two_ranks,
+    train_strategy,
+)
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -178,33 +186,6 @@ def _converter_checks(with_mtp: Path, scratch: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- training
-def _hf_log_probs_and_grad_norm(path: str, batch) -> tuple[torch.Tensor, float]:
-    """transformers' response log-probs and the gradient norm of ``pg_loss`` averaged over one-row
-    micro-batches (what megatron_train's step computes)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    width = batch["responses"].shape[1]
-    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
-    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-    rmask = batch["response_mask"].float()
-    loss = (-(logps * batch["advantages"] * rmask).sum(1) / rmask.sum(1)).mean()
-    loss.backward()
-    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    return logps.detach(), float(norm)
-
-
-def _full_weights(strategy) -> dict[str, torch.Tensor]:
-    """Every HF tensor of the strategy's model, on every rank."""
-    from roll.models.megatron.hf_io import export_hf_weights
-
-    mine = {n: t.detach().clone() for n, t in export_hf_weights(strategy.model)}
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    return {n: t for part in parts for n, t in part.items()}
-
-
 LAYOUTS = {
     "TP2+SP": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "EP2 packed": {"expert_model_parallel_size": 2, "sequence_packing": True},
@@ -214,7 +195,7 @@ LAYOUTS = {
 def _training_checks(path: str) -> list[str]:
     bad, after = [], {}
     batch = pg_batch(0)
-    reference, hf_norm = _hf_log_probs_and_grad_norm(path, batch)
+    reference, hf_norm = hf_log_probs_and_grad_norm(path, batch)
     mask = batch["response_mask"].bool()
     for name, layout in LAYOUTS.items():
         strategy = train_strategy(path, layout)
@@ -227,7 +208,7 @@ def _training_checks(path: str) -> list[str]:
             bad.append(f"{name}: loss {metrics['loss']}")
         if abs(metrics["grad_norm"] - hf_norm) > 1e-5 * hf_norm:
             bad.append(f"{name}: grad norm {metrics['grad_norm']:.7f}, transformers' {hf_norm:.7f}")
-        after[name] = _full_weights(strategy)
+        after[name] = full_hf_weights(strategy)
     first, second = after.values()
     # lr 1e-2: Adam's first step moves every weight by ~1e-2 x sign(grad); rounding in a near-zero
     # gradient shows as up to ~1e-3, a wrong gradient as 2e-2.

@@ -34,7 +34,7 @@ from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs 
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.worker_context import WorkerContext  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
-from roll.models.megatron.hf_io import unwrap  # noqa: E402
+from roll.models.megatron.hf_io import export_hf_weights, unwrap  # noqa: E402
 
 
 def save_tiny_qwen2(path: Path, layers: int) -> str:
@@ -75,6 +75,31 @@ def pg_batch(seed: int, rows: int = 4) -> Batch:
 def pg_loss(outputs: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     mask = batch["response_mask"].float()
     return -(outputs["log_probs"] * batch["advantages"] * mask).sum() / mask.sum(), {}
+
+
+def hf_log_probs_and_grad_norm(path: str, batch: Batch) -> tuple[torch.Tensor, float]:
+    """transformers' response log-probs of ``batch`` and its gradient norm of ``pg_loss`` averaged
+    over one-row micro-batches (what megatron_train's step computes from ``batch.split(1)``)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    width = batch["responses"].shape[1]
+    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
+    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    rmask = batch["response_mask"].float()
+    loss = (-(logps * batch["advantages"] * rmask).sum(1) / rmask.sum(1)).mean()
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return logps.detach(), float(norm)
+
+
+def full_hf_weights(strategy) -> dict[str, torch.Tensor]:
+    """Every HF tensor of a megatron strategy's model, gathered on every rank."""
+    mine = {n: t.detach().clone() for n, t in export_hf_weights(strategy.model)}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {n: t for part in parts for n, t in part.items()}
 
 
 def train_strategy(path: str, layout: dict, weight_decay: float = 0.0):
