@@ -14,7 +14,7 @@ import torch.distributed as dist
 import transformers
 from gloo_ranks import process_group, spawn_ranks
 from test_fsdp2_strategy import full_params, global_batch, make_strategy, policy_loss, value_loss
-from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_random_model
+from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, safetensors_dir, save_random_model
 
 torch.set_num_threads(1)
 STEPS = 2
@@ -195,13 +195,19 @@ def test_expert_parallel_composes_with_ulysses(two_ranks, one_rank):
         assert torch.allclose(tensor, one_rank["params"][name], atol=1e-5), name
 
 
-def test_the_weight_export_has_every_expert_under_the_hf_names(two_ranks, model_dir):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+def test_the_weight_export_has_every_expert_under_the_checkpoint_names(two_ranks, model_dir):
+    """What a model update sends and an export writes: each expert under the names
+    ``save_pretrained`` gives it (``mlp.experts.3.gate_proj.weight``; vLLM and SGLang load those),
+    not transformers' stacked module parameters (``mlp.experts.gate_up_proj``)."""
+    checkpoint = safetensors_dir(model_dir)
     exported = two_ranks[0]["params"]
-    assert {n: tuple(t.shape) for n, t in exported.items()} == {n: tuple(t.shape) for n, t in hf.items()}
+    assert {n: tuple(t.shape) for n, t in exported.items()} == {
+        n: tuple(t.shape) for n, t in checkpoint.items()
+    }
+    assert any(".experts.1.up_proj.weight" in name for name in exported)
     assert two_ranks[1]["params"] == {}  # only rank 0 yields
-    for name, tensor in two_ranks[0]["loaded_hf"].items():
-        assert torch.equal(tensor, hf[name]), name
+    for name, tensor in checkpoint.items():  # the checkpoint loaded by module names comes back whole
+        assert torch.equal(two_ranks[0]["loaded_hf"][name], tensor), name
 
 
 def test_resume_in_the_same_layout_is_bit_identical(two_ranks):

@@ -10,18 +10,28 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from roll.models.checkpoint_names import CheckpointNames
 
-def copy_into(targets: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+
+def copy_into(
+    targets: dict[str, torch.Tensor],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    names: CheckpointNames | None = None,
+) -> int:
     """``target.copy_(tensor)`` for each (name, tensor) of a name -> tensor table (a model's
     ``state_dict(keep_vars=True)``, which a caller loading many buckets builds once; tied weights may
-    come under either name), cast to the target's dtype and device. A KeyError names an unknown
-    tensor and a ValueError a shape mismatch before anything is copied. Returns how many were
-    copied. The copies go out as one multi-tensor launch per call (``torch._foreach_copy_``), not
-    one kernel per tensor: a MoE model's update has thousands of small expert tensors."""
+    come under either name), cast to the target's dtype and device. With ``names`` (the model's
+    ``CheckpointNames``) a checkpoint's name loads too: an expert's tensor into its slice of the
+    model's stacked experts. A KeyError names an unknown tensor and a ValueError a shape mismatch
+    before anything is copied. Returns how many were copied. The copies go out as one multi-tensor
+    launch per call (``torch._foreach_copy_``), not one kernel per tensor: a MoE model's update has
+    thousands of small expert tensors."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     for name, tensor in named_tensors:
         target = targets.get(name)
+        if target is None and names is not None:
+            target = names.module_view(targets, name)
         if target is None:
             sample = ", ".join(list(targets)[:5])
             raise KeyError(

@@ -79,6 +79,7 @@ from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.fsdp2_experts import ExpertLayout
 from roll.distributed.strategy.fsdp2_gather import gather_dim0_shards
+from roll.models.checkpoint_names import CheckpointNames
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
 from roll.models.logprobs import batch_temperature, response_log_probs, transformers_detects_packing
@@ -120,6 +121,8 @@ class FSDP2TrainStrategy:
         self.dp_group: dist.ProcessGroup | None = None
         # Expert parallelism (ep_size > 1): the expert slices' layout; None otherwise.
         self.experts: ExpertLayout | None = None
+        # The model's module <-> checkpoint names (stacked experts): iter_hf_weights gives the latter.
+        self._names = CheckpointNames()
 
     # -------------------------------------------------------------------------------- set up
     def initialize(self) -> None:
@@ -136,6 +139,7 @@ class FSDP2TrainStrategy:
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
+        self._names = CheckpointNames.of(model)
         if model_args.uses_lora:
             self._apply_lora(model)
         if self.ulysses_size > 1:
@@ -383,7 +387,8 @@ class FSDP2TrainStrategy:
     # ---------------------------------------------------------------------------- weights
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every ``state_dict`` entry of the HF model (tied names included),
-        cast to ``model_args.dtype``. The shards are all-gathered a group at a time (one collective
+        cast to ``model_args.dtype``, named as the checkpoint names it (a MoE layer's stacked experts
+        as one view per expert: what vLLM, SGLang and ``save_pretrained`` expect). The shards are all-gathered a group at a time (one collective
         per ``GATHER_GROUP_BYTES`` of one dtype, not one per tensor: ~40 gloo round trips fewer for
         a small model on CPU), so EVERY rank must exhaust the iterator; only rank 0 yields (on its
         device), the other ranks yield nothing. With LoRA the names are the original model's and
@@ -393,8 +398,7 @@ class FSDP2TrainStrategy:
         fulls = self._iter_full_state()
         if self.lora_scales:
             fulls = merged_stream(fulls, self.lora_scales)
-        for name, full in fulls:
-            yield name, full.to(dtype)
+        yield from self._names.to_checkpoint((name, full.to(dtype)) for name, full in fulls)
 
     def _iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(state_dict name, full tensor in its master dtype), gathered by groups; rank 0 only."""

@@ -40,6 +40,7 @@ from roll.distributed.strategy.generation import (
     response_width,
     stop_token_ids,
 )
+from roll.models.checkpoint_names import CheckpointNames
 from roll.models.loading import load_model
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.tokenizer import load_tokenizer
@@ -59,6 +60,7 @@ class HFInferStrategy:
         self.tokenizer = None
         self._rng_state: dict[str, torch.Tensor] | None = None
         self._targets: dict[str, torch.Tensor] | None = None  # load_weights' name table
+        self._names = CheckpointNames()  # the model's module <-> checkpoint names (set on load)
 
     def initialize(self) -> None:
         """Load the model (``model_args.dtype``) in eval mode on ``ctx.device``; seed sampling with
@@ -66,6 +68,7 @@ class HFInferStrategy:
         model_args = self.role_config.model_args
         self.model = load_model(model_args, training=False, seed=self.ctx.seed).to(self.ctx.device).eval()
         self.model.requires_grad_(False)
+        self._names = CheckpointNames.of(self.model)
         self.tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code)
         self._rng_state = _seeded_rng_state(self.ctx.seed + self.ctx.rank, self.ctx.device)
 
@@ -196,16 +199,17 @@ class HFInferStrategy:
         self.model.to(self.ctx.device)
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's tensors by HF name (a model update's verify pass compares them)."""
-        yield from self.model.state_dict().items()
+        """The model's tensors by the checkpoint's names (a model update's verify pass compares them)."""
+        yield from self._names.to_checkpoint(self.model.state_dict().items())
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors into the parameters in place (any subset, any dtype/device).
-        A model update calls this once per bucket; the name table is built on the first bucket after
-        the model last moved (offload / reload rebuild it)."""
+        """Copy full tensors named as the checkpoint names them (or as the modules do) into the
+        parameters in place (any subset, any dtype/device). A model update calls this once per
+        bucket; the name table is built on the first bucket after the model last moved (offload /
+        reload rebuild it)."""
         if self._targets is None:
             self._targets = self.model.state_dict(keep_vars=True)
-        copy_into(self._targets, named_tensors)
+        copy_into(self._targets, named_tensors, self._names)
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
