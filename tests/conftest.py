@@ -98,3 +98,21 @@ def shrunk_example(
 def write_config(raw: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def check_two_steps(run_dir: Path) -> list[dict]:
+    """A shrunk example's 2 logged steps: finite actor metrics (policy, grad norm, KL), engines that
+    score like the trainer after each model update (fp32: far below 1e-4) and hold its version."""
+    import math
+
+    from roll.utils.tracking import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        actor = {k: v for k, v in row.items() if k.startswith("actor/")}
+        assert {"actor/pg_loss", "actor/grad_norm", "actor/kl_loss"} <= actor.keys()
+        assert all(math.isfinite(v) for v in actor.values()), actor
+        assert row["model_update/probe_logprob_diff"] < 1e-4, row
+        assert row["model_update/version_infer"] == row["step"], row
+    return rows

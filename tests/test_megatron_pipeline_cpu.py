@@ -16,18 +16,16 @@ made it, else makes a quick one (5 warm-start steps: the test checks plumbing, n
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import shrunk_example, write_config
+from conftest import check_two_steps, shrunk_example, write_config
 from gloo_ranks import process_group, spawn_ranks
 
 from roll.configs.loader import load_config
 from roll.pipeline.rlvr.pipeline import run_pipeline
-from roll.utils.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,17 +52,9 @@ def test_megatron_pipeline_two_steps(tmp_path, shimmed_ray, example):
     config = load_config(small_config(tmp_path, example))
     run_dir = run_pipeline(config)
 
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2]
-    for row in rows:
-        actor = {k: v for k, v in row.items() if k.startswith("actor/")}
-        assert {"actor/pg_loss", "actor/grad_norm", "actor/kl_loss"} <= actor.keys()
-        assert all(math.isfinite(v) for v in actor.values()), actor
-        # Trainer and engines agree after the update (fp32, same kernels): far below 1e-4.
-        assert row["model_update/probe_logprob_diff"] < 1e-4
+    for row in check_two_steps(run_dir):
         # The 2 MB model crosses a 1 MB bucket boundary, plus TP rank 1's empty bucket.
         assert row["model_update/buckets"] >= 3
-        assert row["model_update/version_infer"] == row["step"]
     assert (run_dir / "hf_model" / "model.safetensors").is_file()
 
 

@@ -12,17 +12,16 @@ loop trains it (finite losses, both steps logged, the final export).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import shrunk_example, write_config
+from conftest import check_two_steps, shrunk_example, write_config
+from tiny_models import tiny_qwen3_next_config
 
 from roll.configs.loader import load_config
 from roll.pipeline.rlvr.pipeline import run_pipeline
-from roll.utils.tracking import read_metrics
 
 pytest.importorskip("megatron.core")
 
@@ -31,25 +30,8 @@ def tiny_qwen3_next(path: Path, tokenizer_dir: Path) -> Path:
     """A random tiny Qwen3-Next with the default example's tokenizer (layers: linear, full,
     linear with a dense MLP, full)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = transformers.Qwen3NextConfig(
+    config = tiny_qwen3_next_config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mlp_only_layers=[2],
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
@@ -69,14 +51,6 @@ def test_qwen3_next_rlvr_two_steps(tmp_path, shimmed_ray, example):
     raw["actor_infer"]["strategy_args"] = {"strategy_name": "hf_infer"}
     run_dir = run_pipeline(load_config(write_config(raw, tmp_path / "qwen3_next_cpu.yaml")))
 
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2]
-    for row in rows:
-        actor = {k: v for k, v in row.items() if k.startswith("actor/")}
-        assert {"actor/pg_loss", "actor/grad_norm", "actor/kl_loss"} <= actor.keys()
-        assert all(math.isfinite(v) for v in actor.values()), actor
-        # The engine, loaded with the trainer's exported weights, scores like the trainer (fp32).
-        assert row["model_update/probe_logprob_diff"] < 1e-4, row
-        assert row["model_update/version_infer"] == row["step"]
+    check_two_steps(run_dir)
     exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf_model", dtype=torch.float32)
     assert type(exported).__name__ == "Qwen3NextForCausalLM"

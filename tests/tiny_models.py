@@ -12,6 +12,7 @@ touches a model hub.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import pre_tokenizers
@@ -52,6 +53,38 @@ def tiny_qwen2_config(tie_word_embeddings: bool = True, num_hidden_layers: int =
         eos_token_id=EOS_ID,
         bos_token_id=BOS_ID,
     )
+
+
+def tiny_qwen3_next_config(**overrides) -> Any:
+    """A tiny Qwen3-Next (layers: Gated DeltaNet, full attention, Gated DeltaNet with a dense MLP,
+    full attention; 2 key / 4 value linear heads; 4 experts top-2 plus a gated shared expert)."""
+    from transformers import Qwen3NextConfig
+
+    shape = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[2],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return Qwen3NextConfig(**{**shape, **overrides})
 
 
 def build_tiny_model(

@@ -46,7 +46,12 @@ pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
 import test_conversion as conv  # noqa: E402
-from tiny_models import build_tiny_tokenizer, safetensors_dir, tensor_differences  # noqa: E402
+from tiny_models import (  # noqa: E402
+    build_tiny_tokenizer,
+    safetensors_dir,
+    tensor_differences,
+    tiny_qwen3_next_config,
+)
 from two_rank_training import (  # noqa: E402
     full_hf_weights,
     hf_log_probs_and_grad_norm,
@@ -61,36 +66,6 @@ from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
 from roll.models.megatron import convert, families  # noqa: E402
 
-SHAPE = dict(
-    vocab_size=272,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-    linear_conv_kernel_dim=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=[2],
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    max_position_embeddings=256,
-    pad_token_id=0,
-    eos_token_id=1,
-)
-
-
-def qwen3_next_config(**overrides) -> transformers.Qwen3NextConfig:
-    return transformers.Qwen3NextConfig(**{**SHAPE, **overrides})
-
-
 MTP = {
     "mtp.fc.weight": (64, 128),
     "mtp.norm.weight": (64,),
@@ -103,7 +78,7 @@ def save_qwen3_next(path: Path, seed: int = 0, mtp: bool = False) -> Path:
     dt_bias around 1, the rest around 0; a tokenizer; with ``mtp`` also ``mtp.*`` tensors (as the
     published checkpoints carry a multi-token-prediction module)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(qwen3_next_config(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_next_config(), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             around_one = name.endswith(("linear_attn.norm.weight", "A_log", "dt_bias"))
@@ -288,11 +263,11 @@ def test_mtp_tensors_are_skipped_with_a_log_line(tmp_path: Path, caplog) -> None
 )
 def test_bad_layouts_name_the_key(layout, key, words) -> None:
     with pytest.raises(ConfigError, match=rf"^strategy_args.strategy_config.{key}: .*{words}"):
-        families.check_model_fits(qwen3_next_config(), MegatronConfig(**layout))
+        families.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(**layout))
 
 
 def test_tp_must_divide_the_linear_key_heads() -> None:
-    config = qwen3_next_config(linear_num_key_heads=1, linear_num_value_heads=4)
+    config = tiny_qwen3_next_config(linear_num_key_heads=1, linear_num_value_heads=4)
     with pytest.raises(
         ConfigError, match=r"tensor_model_parallel_size: 2 does not divide .* linear_num_key_heads"
     ):
@@ -311,7 +286,7 @@ def test_tp_must_divide_the_linear_key_heads() -> None:
     ],
 )
 def test_unsupported_options_name_the_key(overrides, key) -> None:
-    config = qwen3_next_config()
+    config = tiny_qwen3_next_config()
     for name, value in overrides.items():
         setattr(config, name, value)
     with pytest.raises(ConfigError, match=rf"^model_args.model_name_or_path: config.json {key}=.*qwen3_next"):
