@@ -91,12 +91,17 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
         if exc.path.startswith(name):
             raise
         raise ConfigError(f"{name}.{exc.path}", exc.message) from None
-    if Role.parse(name).kind is RoleKind.INFER and not get_family(hf_config).generates:
+    if _generates(name, role) and not get_family(hf_config).generates:
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
             f"megatron_infer cannot generate with model_type {hf_config.model_type!r} (its linear-attention "
             "layers keep a recurrent state the KV cache has no place for); generate with vllm or sglang",
         )
+
+
+def _generates(name: str, role: RoleConfig) -> bool:
+    """The role samples text with its strategy: the rollouts' engine, or a generative judge."""
+    return Role.parse(name).kind is RoleKind.INFER or (isinstance(role, RewardConfig) and loads_model(role))
 
 
 def check_ulysses_layout(name: str, role: RoleConfig) -> None:

@@ -302,6 +302,31 @@ def test_megatron_generation_is_refused() -> None:
         generate_tokens([SimpleNamespace(config=config)], [[3, 4]], SamplingParams(), [1], 272, 0)
 
 
+@pytest.mark.parametrize("name", ["actor_infer", "rewards.judge", "reference"])
+def test_megatron_infer_is_refused_at_launch_where_it_would_generate(name, tmp_path) -> None:
+    """actor_infer and a judge (a model reward) generate with megatron_infer; the reference only
+    scores, which Qwen3-Next supports."""
+    from roll.configs.role import ModelArgs, RewardConfig, RoleConfig, StrategyArgs
+    from roll.launch.files import check_megatron_layout
+
+    tiny_qwen3_next_config().save_pretrained(tmp_path)
+    kind = RewardConfig if name.startswith("rewards.") else RoleConfig
+    extra = {"reward_fn": "llm_judge"} if kind is RewardConfig else {}
+    role = kind(
+        model_args=ModelArgs(model_name_or_path=str(tmp_path)),
+        strategy_args=StrategyArgs("megatron_infer", strategy_config={}),
+        device_mapping=[0],
+        **extra,
+    )
+    if name == "reference":
+        check_megatron_layout(name, role)
+        return
+    with pytest.raises(
+        ConfigError, match=rf"^{name}.strategy_args.strategy_name: megatron_infer cannot generate"
+    ):
+        check_megatron_layout(name, role)
+
+
 def test_lora_adapts_the_full_attention_layers_only() -> None:
     from roll.models.megatron import lora
 
