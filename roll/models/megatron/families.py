@@ -124,8 +124,9 @@ def _deepseek_v3_kwargs(hf: Any) -> dict[str, Any]:
 
 
 def _qwen3_next_moe(hf: Any) -> dict[str, Any]:
-    router = _router_kwargs(hf.num_experts, hf.num_experts_per_tok, bool(hf.norm_topk_prob))
-    return qwen3_next.moe_kwargs(hf, router)
+    """Qwen3-MoE's routed experts and layer pattern, plus the gated shared expert."""
+    qwen3_next.unsupported(hf)  # num_experts 0 or no shared expert: one line, not a KeyError
+    return _qwen3_moe_kwargs(hf) | qwen3_next.shared_expert_kwargs(hf)
 
 
 def _deepseek_v3_mla(hf: Any) -> dict[str, Any]:

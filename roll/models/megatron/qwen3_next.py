@@ -41,13 +41,18 @@ def _refuse(key: str, value: Any, why: str) -> ConfigError:
 
 
 def layer_types(hf: Any) -> list[str]:
-    """``linear_attention`` / ``full_attention`` per layer (transformers fills ``layer_types`` from
-    ``full_attention_interval`` when config.json has none)."""
-    types = getattr(hf, "layer_types", None)
-    if not types:
-        interval = int(getattr(hf, "full_attention_interval", 4))
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf.num_hidden_layers)]
-    return list(types)
+    """``linear_attention`` / ``full_attention`` per layer of an HF config object."""
+    return hybrid_layer_types(
+        getattr(hf, "layer_types", None), int(getattr(hf, "full_attention_interval", 4)), hf.num_hidden_layers
+    )
+
+
+def hybrid_layer_types(types: list[str] | None, interval: int, layers: int) -> list[str]:
+    """config.json's ``layer_types``, or (when it has none, as transformers fills it) every
+    ``full_attention_interval``-th layer full attention and the others linear."""
+    if types:
+        return list(types)
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
 
 
 def linear_layers(hf: Any) -> tuple[bool, ...]:
@@ -77,16 +82,9 @@ def unsupported(hf: Any) -> None:
         )
 
 
-def moe_kwargs(hf: Any, router_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """MoE TransformerConfig kwargs: ``router_kwargs`` (the softmax top-k router) plus Qwen3-MoE's
-    layer pattern and the gated shared expert."""
-    unsupported(hf)
-    step, dense_layers = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
-    pattern = [int(i not in dense_layers and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
+def shared_expert_kwargs(hf: Any) -> dict[str, Any]:
+    """The gated shared expert's TransformerConfig kwargs (the routed experts are Qwen3-MoE's)."""
     return {
-        **router_kwargs,
-        "moe_ffn_hidden_size": hf.moe_intermediate_size,
-        "moe_layer_freq": pattern,
         "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
         "moe_shared_expert_gate": True,
     }
