@@ -20,6 +20,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import LORA_ALL_LINEAR
+from roll.models.megatron.qwen3_next import LINEAR, hybrid_layer_types
 
 # model_type -> (q/k/v bias, RMSNorm per query/key head, MoE field names or None).
 FAMILY_TRAITS: dict[str, tuple[bool, bool, str | None]] = {
@@ -228,10 +229,8 @@ def shape_from_config(cfg: dict[str, Any], key: str = "config.json") -> ModelSha
         # Published Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts.
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         if moe == "qwen3_moe" and experts:
-            step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
-            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
             shape |= dict(experts=experts, moe_ffn=cfg["moe_intermediate_size"])
-            shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=moe_layers)
+            shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=_qwen3_moe_layers(cfg, layers))
         elif moe == "mixtral":
             shape |= dict(experts=cfg["num_local_experts"], moe_ffn=cfg["intermediate_size"])
             shape |= dict(top_k=cfg["num_experts_per_tok"], moe_layers=layers)
@@ -268,15 +267,11 @@ def _qwen3_next(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     """Qwen3-Next's hybrid attention (``layer_types``, else every ``full_attention_interval``-th
     layer full) and its MoE layers (Qwen3-MoE's pattern) with a gated shared expert."""
     get = {**_QWEN3_NEXT_DEFAULTS, **cfg}.get
-    interval = get("full_attention_interval")
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
-    ]
-    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    types = hybrid_layer_types(cfg.get("layer_types"), get("full_attention_interval"), layers)
     return dict(
         attn_gate=True,
         shared_gate=True,
-        linear_layers=sum(t == "linear_attention" for t in types),
+        linear_layers=types.count(LINEAR),
         linear_k_heads=get("linear_num_key_heads"),
         linear_v_heads=get("linear_num_value_heads"),
         linear_k_dim=get("linear_key_head_dim"),
@@ -286,8 +281,15 @@ def _qwen3_next(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
         top_k=cfg["num_experts_per_tok"],
         moe_ffn=cfg["moe_intermediate_size"],
         shared_ffn=cfg["shared_expert_intermediate_size"],
-        moe_layers=sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        moe_layers=_qwen3_moe_layers(cfg, layers),
     )
+
+
+def _qwen3_moe_layers(cfg: dict[str, Any], layers: int) -> int:
+    """Qwen3-MoE's (and Qwen3-Next's) MoE layers: every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers``."""
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 def load_model_shape(model_dir: str, key: str = "model_args.model_name_or_path") -> ModelShape:
