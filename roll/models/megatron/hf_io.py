@@ -159,32 +159,30 @@ def _read_pieces(
             ranges = wm.read_ranges(weight.layout, shape[dim], size, rank, info.padded_vocab_size, info.heads)
         except ValueError as err:
             raise CheckpointError(f"{ckpt.where(name)} (shape {shape}): {err}") from err
-        pieces += [
-            _read_piece(ckpt, name, weight, info, shape, (start, stop), read) for start, stop in ranges
-        ]
+        padded_rows = info.padded_vocab_size // size
+        pieces += [_read_piece(ckpt, name, weight.layout, shape, rows, padded_rows, read) for rows in ranges]
     return pieces
 
 
 def _read_piece(
     ckpt: _Checkpoint,
     name: str,
-    weight: wm.BoundWeight,
-    info: wm.ConversionInfo,
+    layout: str,
     shape: list[int],
     rows: tuple[int, int],
+    padded_rows: int,
     read: bool,
 ) -> torch.Tensor:
     """Rows (or columns) [start, stop) of HF tensor ``name`` along the layout's TP dim (vocab rows
-    zero-padded to the rank's padded length); a ``meta`` tensor of that shape when not ``read``."""
-    dim, (start, stop) = wm.TP_DIM[weight.layout], rows
-    padded_rows = info.padded_vocab_size // _group_rank_size(weight.expert)[2]
+    zero-padded to the rank's ``padded_rows``); a ``meta`` tensor of that shape when not ``read``."""
+    dim, (start, stop) = wm.TP_DIM[layout], rows
     if not read:
         shape = [*shape[:dim], stop - start, *shape[dim + 1 :]]
-        if weight.layout == wm.VOCAB:
+        if layout == wm.VOCAB:
             shape[0] = padded_rows
         return ckpt.meta(name, shape)
     piece = ckpt.read(name, dim, start, stop)
-    if weight.layout == wm.VOCAB and stop - start < padded_rows:
+    if layout == wm.VOCAB and stop - start < padded_rows:
         padded = torch.zeros(padded_rows, *shape[1:], dtype=piece.dtype)
         padded[: stop - start] = piece
         piece = padded
