@@ -91,11 +91,11 @@ class TorchNorm(torch.nn.Module):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         shape = (self.hidden_size,)
         if self.kind == "RMSNorm" and self.zero_centered_gamma:
             # Qwen3-Next's order: (1 + weight) applied in fp32, then one cast.
             return (F.rms_norm(x.float(), shape, eps=self.eps) * (1 + self.weight.float())).to(x.dtype)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if self.kind == "RMSNorm":
             return weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
         return F.layer_norm(x.float(), shape, eps=self.eps).to(x.dtype) * weight + self.bias
