@@ -68,10 +68,6 @@ class GatedRMSNorm(torch.nn.Module):
         return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
-def _default_device() -> torch.device:
-    return torch.get_default_device()
-
-
 def _module_class() -> type:
     from megatron.core.ssm import gated_delta_net as mgdn
 
@@ -83,7 +79,9 @@ def _module_class() -> type:
                 if not mgdn.HAVE_FLA:  # megatron refuses to build without fla; roll's forward needs none
                     stack.enter_context(mock.patch.object(mgdn, "HAVE_FLA", True))
                 if not torch.cuda.is_available():
-                    stack.enter_context(mock.patch.object(torch.cuda, "current_device", _default_device))
+                    stack.enter_context(
+                        mock.patch.object(torch.cuda, "current_device", torch.get_default_device)
+                    )
                 super().__init__(*args, **kwargs)
             for param in (self.conv1d.weight, self.dt_bias, self.A_log):
                 param.partition_dim, param.partition_stride = 0, 1
