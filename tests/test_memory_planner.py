@@ -270,3 +270,28 @@ def test_vllm_with_its_kv_cache_in_bytes_is_weights_cache_and_extra(tmp_path, ca
     # 7B bf16 weights 14.2 GiB (TP=1) + the 8 GiB cache + 2 GiB of graphs, profile run and sampler,
     # not gpu_memory_utilization's share of the device
     assert row.split()[-2:] == ["24.2", "-"]  # peak; asleep (sleep_level 1) it holds nothing
+
+
+def test_token_budgets_size_the_micro_batches(tmp_path, capsys) -> None:
+    """With ``max_tokens_per_microbatch`` / ``infer_max_tokens_per_microbatch`` a micro-batch holds up
+    to the budget's tokens, not ``per_device_train_batch_size`` rows: the prediction follows them."""
+    path = _shipped_with_model("rlvr_megatron_2gpus", tmp_path, "qwen2.5-1.5b")
+    argv = ["--config_name", "rlvr_megatron_2gpus", "--config_path", path, "--dry_run", "gpu=H200"]
+    key = "actor_train.strategy_args.strategy_config."
+
+    def train_row(*overrides: str) -> list[float]:
+        assert main(argv + list(overrides)) in (0, 1)
+        plan = capsys.readouterr().out.split("Memory plan", 1)[1]
+        cells = next(row.split() for row in plan.splitlines() if " actor_train " in f" {row} ")
+        return [float(cell) for cell in cells[6:8]]  # devices role strategy params grads optim activ logits
+
+    rows = 16 * (64 + 32)  # per_device_train_batch_size x (prompt + response)
+    base = train_row(f"{key}recompute_granularity=null", f"{key}recompute_method=null")
+    budget = train_row(
+        f"{key}recompute_granularity=null",
+        f"{key}recompute_method=null",
+        f"{key}max_tokens_per_microbatch={8 * rows}",
+        f"{key}infer_max_tokens_per_microbatch={8 * rows}",
+    )
+    # 8x the train tokens; the logits were sized by the 6,144-token log-prob forward before, 2x now.
+    assert budget[0] > 6 * base[0] and budget[1] > 2 * base[1], (base, budget)

@@ -60,20 +60,24 @@ class Workload:
     seq: int  # prompt + response positions
     prompt: int
     train_tokens: int  # per micro-batch
-    forward_rows: int  # per log-prob forward call
+    forward_tokens: int  # per log-prob forward call
     gen_rows: int  # sequences generating at once
 
 
-def workload(config: RLVRConfig, role: RoleConfig, dp: int) -> Workload:
+def workload(config: RLVRConfig, role: RoleConfig, dp: int, options: Any = None) -> Workload:
+    """Sizes from the run's batch settings; a strategy's token budgets (``max_tokens_per_microbatch``,
+    ``infer_max_tokens_per_microbatch`` of packing strategies) bound a micro-batch's tokens instead."""
     seq = config.prompt_length + config.response_length
     n = max(role.generating_args.num_return_sequences, 1)
     prompts = -(-config.rollout_batch_size // max(dp, 1))
     samples = -(-config.rollout_batch_size * config.num_return_sequences_in_group // max(dp, 1))
+    train_budget = getattr(options, "max_tokens_per_microbatch", None)
+    forward_budget = getattr(options, "infer_max_tokens_per_microbatch", None)
     return Workload(
         seq=seq,
         prompt=config.prompt_length,
-        train_tokens=role.training_args.per_device_train_batch_size * seq,
-        forward_rows=min(role.infer_batch_size, samples),
+        train_tokens=train_budget or role.training_args.per_device_train_batch_size * seq,
+        forward_tokens=forward_budget or min(role.infer_batch_size, samples) * seq,
         gen_rows=min(role.infer_batch_size, prompts) * n,
     )
 
@@ -110,7 +114,7 @@ def role_memory(
     args = role.strategy_args
     strategy = args.strategy_name if args else "hf_infer"
     cfg = strategy_options(role)
-    work = workload(config, role, plan.parallel.dp)
+    work = workload(config, role, plan.parallel.dp, cfg)
     dtype = DTYPE_BYTES.get(role.model_args.dtype, 2)
     inputs = RoleInputs(name, role, cfg, config, plan, shape, work, dtype, capacity)
     model = MEMORY_MODELS[get_strategy_spec(strategy).memory_model]
@@ -133,6 +137,13 @@ def _megatron_split(cfg: Any, tp_only: bool = False) -> mem.Split:
     )
 
 
+def _train_batch_knob(cfg: Any) -> str:
+    """The key that sizes a train micro-batch: the token budget where one is set."""
+    if cfg.max_tokens_per_microbatch is not None:
+        return f"{STRATEGY}.max_tokens_per_microbatch"
+    return "training_args.per_device_train_batch_size"
+
+
 def _megatron_train(x: RoleInputs) -> Prediction:
     cfg, shape, split = x.cfg, x.shape, _megatron_split(x.cfg)
     recompute = cfg.recompute_granularity == "full"
@@ -152,7 +163,7 @@ def _megatron_train(x: RoleInputs) -> Prediction:
     if value_head:
         parts["logits"] = 0
     # The old-log-prob (or value) pass holds the same state and one forward's temporaries.
-    tokens = x.work.forward_rows * x.work.seq
+    tokens = x.work.forward_tokens
     forward = {
         "activations": mem.forward_bytes(shape, tokens, split),
         "logits": 0 if value_head else mem.logit_bytes(shape, tokens, split),
@@ -166,7 +177,7 @@ def _megatron_train(x: RoleInputs) -> Prediction:
     )
     idle = sum(parts[part] for part, offloaded in kept if not offloaded)
     grow = f"{STRATEGY}.tensor_model_parallel_size (more devices in device_mapping)"
-    batch = "training_args.per_device_train_batch_size"
+    batch = _train_batch_knob(cfg)
     knobs = {
         "params": grow,
         "grads": grow,
@@ -202,7 +213,7 @@ def _fsdp2_train(x: RoleInputs) -> Prediction:
     if cfg.cpu_offload:  # shards live in host memory; two gathered layers on the device
         parts |= {"grads": 0, "optimizer": 0}
         parts["params"] = 2 * shape.layer_dense_params() // max(shape.layers, 1) * x.dtype
-    batch = "training_args.per_device_train_batch_size"
+    batch = _train_batch_knob(cfg)
     knobs = {
         "optimizer": f"{STRATEGY}.cpu_offload",
         "activations": batch if recompute else "model_args.disable_gradient_checkpointing",
@@ -224,7 +235,7 @@ def _inference(x: RoleInputs, split: mem.Split, kv_copies: int) -> dict[str, int
         # Model update: two buckets in flight and one converted (fused) copy.
         parts["buffers"] = 3 * x.config.model_update_buffer_size_mb << 20
     else:
-        tokens = work.forward_rows * work.seq
+        tokens = work.forward_tokens
         parts["activations"] = mem.forward_bytes(x.shape, tokens, split)
         parts["logits"] = mem.logit_bytes(x.shape, tokens, split)
     return parts
