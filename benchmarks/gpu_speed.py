@@ -102,6 +102,7 @@ RUNS = (
     SpeedRun("rlvr_megatron_vllm_2gpus", 2),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", 2, preset="qwen2.5-1.5b"),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus_async", 2, preset="qwen2.5-1.5b"),
+    SpeedRun("qwen2.5-1.5B-rlvr_megatron_sglang_2gpus", 2, preset="qwen2.5-1.5b", pending=True),
     SpeedRun(
         "qwen3-30B-A3B-rlvr_megatron_4gpus",
         4,
