@@ -1,0 +1,121 @@
+"""A model update's names reach vLLM's loaders for MoE and hybrid models (CUDA, vLLM).
+
+roll's wire carries checkpoint names (``roll.models.checkpoint_names``: per-expert for MoE, what
+Megatron's weight tables export and what fsdp2_train / hf_infer send). vLLM's ``load_weights``
+skips a name it does not know without a word, so the check is on scores: vLLM starts on tiny model
+A, loads tiny model B's weights as roll sends them, and must then score B's tokens as transformers
+does (and, before the load, must not: the check can fail).
+
+- Qwen3-MoE: stacked experts in transformers, per-expert names on the wire;
+- Qwen3-Next: Gated DeltaNet (fused ``in_proj_qkvz`` / ``in_proj_ba``, ``conv1d``, ``A_log``,
+  ``dt_bias``), output-gated attention, zero-centred norms, MoE with a gated shared expert.
+
+bf16 tolerance: tests/engine_gpu.py. Run: ``pytest -m gpu tests/test_vllm_model_names_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from engine_gpu import PROMPTS, assert_close, hf_logprobs, make_strategy, prompt_batch  # noqa: E402
+
+from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.models.checkpoint_names import CheckpointNames  # noqa: E402
+
+SHAPES = {
+    "qwen3_moe": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    "qwen3_next": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
+}
+
+
+def _save(model_type: str, path: Path, seed: int, tokenizer) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **SHAPES[model_type],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger matrices than the default init, so log-probs spread out
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from roll.models.tiny import build_tokenizer
+
+    return build_tokenizer(PROMPTS * 20 + [str(i) for i in range(1000)])
+
+
+@pytest.mark.parametrize("model_type", sorted(SHAPES))
+def test_checkpoint_names_load_into_vllm(model_type, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    a = _save(model_type, tmp_path / "a", 0, tokenizer)
+    b = _save(model_type, tmp_path / "b", 1, tokenizer)
+    engine = make_strategy("vllm", a, gpu_memory_utilization=0.25, enforce_eager=True, sleep_level=0)
+    try:
+        out = engine.generate(prompt_batch(a), SamplingParams(n=2, max_new_tokens=16, seed=4))
+        new = AutoModelForCausalLM.from_pretrained(b, dtype=torch.bfloat16).cuda().eval()
+        want = hf_logprobs(new, out)
+        mask = out["response_mask"]
+        with pytest.raises(AssertionError):  # model A's weights do not score like B
+            assert_close(engine.compute_log_probs(out)["log_probs"], want, mask, f"{model_type} before")
+        names = CheckpointNames.of(new)
+        sent = list(names.to_checkpoint(new.state_dict().items()))
+        assert any(".mlp.experts.0.gate_proj.weight" in name for name, _ in sent)  # one name per expert
+        engine.load_weights(iter(sent))
+        assert_close(engine.compute_log_probs(out)["log_probs"], want, mask, f"{model_type} after the load")
+    finally:
+        del engine.llm
+        torch.cuda.empty_cache()
