@@ -38,6 +38,7 @@ from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.registry import load_strategy_class
+from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension
 from roll.distributed.transport.bucket import pack_bucket
 from roll.distributed.transport.checksum import bucket_checksums
 
@@ -469,7 +470,7 @@ def test_vllm_calls_into_tp_workers_one_at_a_time(fake_engines, tokenizer_dir, t
     strategy, llm = vllm_strategy(tokenizer_dir, tensor_parallel_size=tp)
     llm.rpc_delay_s = 0.02
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: strategy.workers.weight_version(), range(8)))
+        list(pool.map(lambda _: strategy.workers.call(RollWorkerExtension.roll_weight_version), range(8)))
     assert (llm.overlaps == 0) is serialized
 
 
@@ -579,7 +580,8 @@ def test_vllm_sleep_levels(fake_engines, tokenizer_dir):
         ("reset_prefix_cache",),
         ("wake_up", ["kv_cache"]),
     ]
-    assert strategy.weight_version == 3 and strategy.workers.weight_version() == [3]
+    assert strategy.weight_version == 3
+    assert strategy.workers.call(RollWorkerExtension.roll_weight_version) == [3]
     strategy.generate(prompt_batch([[5]]), SamplingParams(max_new_tokens=2))
 
     strategy, llm = vllm_strategy(tokenizer_dir, sleep_level=0)

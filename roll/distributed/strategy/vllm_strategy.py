@@ -20,8 +20,8 @@ serves batch ``generate``, per-request ``generate_one`` and ``abort`` from anoth
     strategy.offload_states()                               # llm.sleep(level=sleep_level)
     strategy.reload_states()                                # llm.wake_up(...)
 
-Model update (the receiver on this worker calls these; each is one ``collective_rpc`` into
-``RollWorkerExtension`` in every TP worker, made by ``VLLMWorkerCalls``)::
+Model update (the receiver on this worker calls these; each is one ``self.workers.call`` of a
+``RollWorkerExtension`` method, i.e. one ``collective_rpc`` into every TP worker)::
 
     strategy.join_model_update_group(host, port, prefix, rank_offset, world_size)
     strategy.receive_bucket(prefix, meta)         # broadcast link: every TP worker receives + loads
@@ -66,7 +66,7 @@ from roll.distributed.strategy.generation import (
     prompt_token_lists,
     response_width,
 )
-from roll.distributed.strategy.vllm_worker_extension import VLLMWorkerCalls
+from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension, VLLMWorkerCalls
 from roll.distributed.transport.engine_receive import shareable_bucket
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
@@ -120,7 +120,7 @@ class VLLMStrategy:
         params = capped(params, width)
         if params.seed is not None and self.config.seed_mode == "step":
             self._ensure_ready()
-            self.workers.manual_seed(params.seed)
+            self.workers.call(RollWorkerExtension.roll_manual_seed, params.seed)
             params = dataclasses.replace(params, seed=None)
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=False)
@@ -274,21 +274,23 @@ class VLLMStrategy:
         self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str = "nccl"
     ) -> list[int]:
         """Every TP worker joins the sender's group (store at host:port) as ``rank_offset + tp rank``."""
-        return self.workers.init_update_group(host, port, prefix, rank_offset, world_size, backend)
+        return self.workers.call(
+            RollWorkerExtension.roll_init_update_group, host, port, prefix, rank_offset, world_size, backend
+        )
 
     def leave_model_update_group(self) -> None:
-        self.workers.destroy_update_group()
+        self.workers.call(RollWorkerExtension.roll_destroy_update_group)
 
     def receive_bucket(self, group: str, meta: Any, verify: bool = False) -> None:
         """Every TP worker receives the next bucket broadcast on ``group`` (a data group it joined)
         into that group's buffer and loads it, queued on its device without waiting; the checksums
         come from ``take_checksums(group)``."""
         self._wake_weights()
-        self.workers.receive_bucket(group, meta, verify)
+        self.workers.call(RollWorkerExtension.roll_receive_bucket, group, meta, verify)
 
     def take_checksums(self, group: str) -> list[tuple[int, int]]:
         """Wait for the buckets received on ``group`` to load; their per-tensor checksums, in order."""
-        return _agreed(self.workers.take_checksums(group))
+        return _agreed(self.workers.call(RollWorkerExtension.roll_take_checksums, group))
 
     def load_shared_bucket(
         self, meta: Any, handle: Any, verify: bool = False
@@ -296,12 +298,14 @@ class VLLMStrategy:
         """Colocated: every TP worker maps the sender's buffer (on this worker's device) and loads it."""
         self._wake_weights()
         device_index = self.ctx.device.index if self.ctx.is_cuda else None
-        return _agreed(self.workers.load_shared_bucket(meta, handle, device_index, verify))
+        return _agreed(
+            self.workers.call(RollWorkerExtension.roll_load_shared_bucket, meta, handle, device_index, verify)
+        )
 
     def finish_model_update(self, version: int) -> None:
         """After the last bucket: forget cached prefixes (their KV came from the old weights), wake
         the KV cache if it still sleeps, and record the version in every TP worker."""
-        self.workers.finish_update(version)
+        self.workers.call(RollWorkerExtension.roll_finish_update, version)
         self.llm.reset_prefix_cache()
         self._weights_stale = False
         self.weight_version = version
@@ -316,12 +320,16 @@ class VLLMStrategy:
         self._wake_weights()
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if self.config.tensor_parallel_size == 1:  # the model lives in this process: no copy, no IPC
-            self.workers.load_tensors(named)
+            self.workers.call(RollWorkerExtension.roll_load_tensors, named)
         elif named and named[0][1].is_cuda:
             meta, flat, handle = shareable_bucket(named)
-            self.workers.load_shared_bucket(meta, handle, flat.device.index, False)
+            self.workers.call(
+                RollWorkerExtension.roll_load_shared_bucket, meta, handle, flat.device.index, False
+            )
         else:
-            self.workers.load_tensors([(name, tensor.cpu()) for name, tensor in named])
+            self.workers.call(
+                RollWorkerExtension.roll_load_tensors, [(name, tensor.cpu()) for name, tensor in named]
+            )
         self.llm.reset_prefix_cache()
         self._weights_stale = False
 

@@ -2,20 +2,20 @@
 
 vLLM builds its worker class with this class as an extra base, so the methods run inside every
 tensor-parallel worker process with the worker's ``self.device``, ``self.rank`` and
-``self.model_runner`` at hand. ``VLLMStrategy`` reaches them through ``VLLMWorkerCalls`` (below),
-one ``llm.collective_rpc`` each; every worker runs the call and the strategy gets one result per
-worker. vLLM finds a worker method only by name, so each ``VLLMWorkerCalls`` method names its target
-by reference to the ``RollWorkerExtension`` method it runs (a reader and a type checker follow the
-call into the worker), and ``_rpc`` takes the name vLLM needs from that reference::
+``self.model_runner`` at hand. ``VLLMStrategy`` reaches them through ``VLLMWorkerCalls.call``
+(below), one ``llm.collective_rpc`` each; every worker runs the call and the strategy gets one
+result per worker. vLLM finds a worker method only by name, so the caller names its target by
+reference to the ``RollWorkerExtension`` method (a reader and a type checker follow the call into
+the worker, arguments included) and ``call`` takes the name vLLM needs from that reference::
 
-    calls = VLLMWorkerCalls(llm)
-    calls.load_shared_bucket(meta, handle, device_index=0, verify=True)   # one result per TP worker
+    workers = VLLMWorkerCalls(llm)
+    workers.call(RollWorkerExtension.roll_load_shared_bucket, meta, handle, 0, True)  # one result per TP worker
 
 Receiving is ``roll.distributed.transport.engine_receive.EngineReceiver``'s, the same as SGLang's:
 a broadcast bucket lands in its double buffer (bucket k+1 arrives while k loads, nothing waits on
 the host until ``roll_take_checksums``), a colocated one is mapped from the sender's buffer. Either
-way the tensors are views into the flat buffer, loaded with the model's own ``load_weights``
-(which shards them for tensor parallelism), and optionally checksummed.
+way the tensors are views into the flat buffer, handed on this worker's device to the model's own
+``load_weights`` (which shards them for tensor parallelism), and optionally checksummed.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from roll.distributed.transport.engine_receive import EngineReceiver
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class RollWorkerExtension:
@@ -66,9 +69,7 @@ class RollWorkerExtension:
 
     def roll_load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load full HF-named tensors given by value (the slow, general path); returns the count."""
-        receiver = self._roll_receiver()
-        receiver.load(named_tensors)
-        receiver.synchronize()
+        self._roll_receiver().load_tensors(named_tensors)
         return len(named_tensors)
 
     def roll_finish_update(self, version: int) -> int:
@@ -86,18 +87,18 @@ class RollWorkerExtension:
 
     # ------------------------------------------------------------------------------ helpers
     def _roll_receiver(self) -> EngineReceiver:
-        """This worker's receiver (made on first use), loading into the model on its device."""
+        """This worker's receiver (made on first use): it hands the tensors, on this worker's
+        device, to the model's ``load_weights`` (a worker keeps its model object for good: vLLM's
+        sleep, wake-up and weight reloads all work in place)."""
         receiver = getattr(self, "_roll_engine_receiver", None)
         if receiver is None:
-            receiver = self._roll_engine_receiver = EngineReceiver(torch.device(self.device), self._roll_load)
+            load = self.model_runner.model.load_weights
+            receiver = self._roll_engine_receiver = EngineReceiver(torch.device(self.device), load)
         return receiver
-
-    def _roll_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.model.load_weights(weights=[(name, t.to(self.device)) for name, t in named])
 
 
 class VLLMWorkerCalls:
-    """Every TP worker of ``llm`` runs the call; each method returns their results in rank order.
+    """Runs a ``RollWorkerExtension`` method in every TP worker of ``llm``; results in rank order.
 
     ``serialize``: one call at a time. vLLM's multiprocess executor (TP > 1) writes every call into
     one shared-memory queue and reads the replies back without a lock, so two threads calling at
@@ -109,40 +110,8 @@ class VLLMWorkerCalls:
         self.llm = llm
         self._one_at_a_time = threading.Lock() if serialize else contextlib.nullcontext()
 
-    def init_update_group(
-        self, host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str
-    ) -> list[int]:
-        return self._rpc(
-            RollWorkerExtension.roll_init_update_group, host, port, prefix, rank_offset, world_size, backend
-        )
-
-    def destroy_update_group(self) -> list[None]:
-        return self._rpc(RollWorkerExtension.roll_destroy_update_group)
-
-    def receive_bucket(self, group: str, meta: Any, verify: bool) -> list[None]:
-        return self._rpc(RollWorkerExtension.roll_receive_bucket, group, meta, verify)
-
-    def take_checksums(self, group: str) -> list[list[tuple[int, int]]]:
-        return self._rpc(RollWorkerExtension.roll_take_checksums, group)
-
-    def load_shared_bucket(
-        self, meta: Any, handle: Any, device_index: int | None, verify: bool
-    ) -> list[list[tuple[int, int]] | None]:
-        return self._rpc(RollWorkerExtension.roll_load_shared_bucket, meta, handle, device_index, verify)
-
-    def load_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
-        return self._rpc(RollWorkerExtension.roll_load_tensors, named_tensors)
-
-    def finish_update(self, version: int) -> list[int]:
-        return self._rpc(RollWorkerExtension.roll_finish_update, version)
-
-    def weight_version(self) -> list[int | None]:
-        return self._rpc(RollWorkerExtension.roll_weight_version)
-
-    def manual_seed(self, seed: int) -> list[int]:
-        return self._rpc(RollWorkerExtension.roll_manual_seed, seed)
-
-    def _rpc(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        """The one place a worker method becomes the name vLLM looks it up by."""
+    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """``method`` (a ``RollWorkerExtension`` method, named by reference) on every TP worker:
+        the one place it becomes the name vLLM looks it up by."""
         with self._one_at_a_time:
-            return self.llm.collective_rpc(method.__name__, args=args)
+            return self.llm.collective_rpc(method.__name__, args=args, kwargs=kwargs or None)

@@ -13,9 +13,10 @@ two ways:
   several ranks), each named by its ``prefix``;
 * colocated: ``load_shared(meta, handle)`` maps the sender's buffer (``ipc``) and loads from it.
 
-Either way ``load`` gets views into the flat buffer, so no bucket is unpacked twice::
+Either way ``load`` gets views into the flat buffer (moved to the receiver's device when the buffer
+lies on another one), so no bucket is unpacked twice::
 
-    receiver = EngineReceiver(device, load=lambda named: model.load_weights(weights=named))
+    receiver = EngineReceiver(device, load=model.load_weights)
     receiver.join(host, port, "link0/data", rank=1, world_size=3, backend="nccl")
     for meta in metas:
         receiver.receive("link0/data", meta, verify=True)
@@ -150,7 +151,7 @@ class EngineReceiver:
         with incoming.buffers.reading(meta.index, work):
             if verify:
                 incoming.sums.append(bucket_checksums(meta, flat))
-            self.load(unpack_bucket(meta, flat))
+            self.load(self._on_device(unpack_bucket(meta, flat)))
 
     def take_checksums(self, group: str) -> list[tuple[int, int]]:
         """Wait for every bucket queued on ``group``; their checksums in order (then forgotten)."""
@@ -173,9 +174,19 @@ class EngineReceiver:
         if self.reshare and flat.is_cuda:
             flat = flat.clone()  # a mapped buffer cannot be shared again; our own copy can
             torch.cuda.current_stream(flat.device).synchronize()
-        self.load(unpack_bucket(meta, flat))
+        self.load(self._on_device(unpack_bucket(meta, flat)))
         self.synchronize()
         return sums
+
+    # ------------------------------------------------------------------------------ by value
+    def load_tensors(self, named: Named) -> None:
+        """Load full tensors given by value (on any device) and wait for the load."""
+        self.load(self._on_device(named))
+        self.synchronize()
+
+    def _on_device(self, named: Named) -> Named:
+        """The tensors on this receiver's device (as they are when they already lie there)."""
+        return [(name, tensor.to(self.device)) for name, tensor in named]
 
     def synchronize(self) -> None:
         """Wait for every stream of this device (the receive buffers' included)."""
