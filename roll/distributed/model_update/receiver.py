@@ -76,33 +76,45 @@ class BucketReceiver:
         if self.cuda:
             torch.cuda.set_device(self.device)  # receive() may run on a helper thread
         lock = lock or threading.Lock()
+        engine = self.engine if use_engine else None
         result = ReceiveResult(version=version)
         sums: list[torch.Tensor | list] = []
         start = time.perf_counter()
         while True:
-            t0 = time.perf_counter()
-            meta, handle = self.link.control.recv()
-            result.wait_s += time.perf_counter() - t0
-            self._check(meta, version)
-            if meta.nbytes and self.engine is not None and use_engine:
-                sums.append(self._engine_take(meta, handle, lock, result))
-            elif meta.nbytes:
+            meta, handle = self._next_bucket(version, result)
+            if meta.nbytes and engine is None:
                 sums.append(self._take(meta, handle, load, lock, result))
+            elif meta.nbytes:  # the engine takes the bucket in its own processes
+                t0 = time.perf_counter()
+                with lock:
+                    if self.link.is_local:
+                        rows = engine.load_shared_bucket(meta, handle, verify=True)
+                        sums.append([tuple(row) for row in rows])
+                    else:  # queued; its checksums come from take_checksums() after the last bucket
+                        engine.receive_bucket(self.link.spec.data_prefix, meta, verify=True)
+                result.load_s += time.perf_counter() - t0
+                if self.link.is_local:
+                    self.link.control.ack()
             result.names.extend(meta.names)
             result.nbytes += meta.nbytes
             result.buckets += 1
             if meta.last:
                 break
-        self.buffers.synchronize()
-        if self.link.is_local:
-            self.link.control.finish_acks()
-        if self.engine is not None and use_engine and not self.link.is_local:
-            t0 = time.perf_counter()
-            sums = [self.engine.take_checksums(self.link.spec.data_prefix)]
-            result.load_s += time.perf_counter() - t0
-        result.checksums = _rows(sums)
+        result.checksums = _rows(self._finish(engine, sums, result))
         result.total_s = time.perf_counter() - start
         return result
+
+    def _next_bucket(self, version: int, result: ReceiveResult) -> tuple[BucketMeta, Any]:
+        """The next bucket's ``(meta, handle)`` from the control channel, checked against ``version``."""
+        t0 = time.perf_counter()
+        meta, handle = self.link.control.recv()
+        result.wait_s += time.perf_counter() - t0
+        if meta.version != version:
+            raise ModelUpdateError(
+                f"link {self.link.spec.name}: bucket {meta.index} carries weight version {meta.version}, "
+                f"but this update installs version {version} (sender and receivers were called for different updates)"
+            )
+        return meta, handle
 
     def _take(self, meta: BucketMeta, handle, load: LoadFn, lock, result: ReceiveResult) -> torch.Tensor:
         if self.link.is_local:
@@ -121,25 +133,17 @@ class BucketReceiver:
             self.link.control.ack()
         return bucket_sums
 
-    def _engine_take(self, meta: BucketMeta, handle, lock, result: ReceiveResult) -> list:
-        t0 = time.perf_counter()
-        with lock:
-            if self.link.is_local:
-                sums = self.engine.load_shared_bucket(meta, handle, verify=True)
-            else:
-                self.engine.receive_bucket(self.link.spec.data_prefix, meta, verify=True)
-                sums = []  # all of them from take_checksums() after the last bucket
-        result.load_s += time.perf_counter() - t0
+    def _finish(self, engine: Any, sums: list, result: ReceiveResult) -> list:
+        """After the last bucket: wait for the loads and the acks; an engine that received the
+        broadcast buckets itself gives their checksums now."""
+        self.buffers.synchronize()
         if self.link.is_local:
-            self.link.control.ack()
-        return [tuple(row) for row in sums]
-
-    def _check(self, meta: BucketMeta, version: int) -> None:
-        if meta.version != version:
-            raise ModelUpdateError(
-                f"link {self.link.spec.name}: bucket {meta.index} carries weight version {meta.version}, "
-                f"but this update installs version {version} (sender and receivers were called for different updates)"
-            )
+            self.link.control.finish_acks()
+        if engine is not None and not self.link.is_local:
+            t0 = time.perf_counter()
+            sums = [engine.take_checksums(self.link.spec.data_prefix)]
+            result.load_s += time.perf_counter() - t0
+        return sums
 
 
 def _rows(parts: list[torch.Tensor | list]) -> list[tuple[int, int]]:
