@@ -88,12 +88,13 @@ class RollWorkerExtension:
     # ------------------------------------------------------------------------------ helpers
     def _roll_receiver(self) -> EngineReceiver:
         """This worker's receiver (made on first use): it hands the tensors, on this worker's
-        device, to the model's ``load_weights`` (a worker keeps its model object for good: vLLM's
-        sleep, wake-up and weight reloads all work in place)."""
+        device, to the model's ``load_weights``, looked up at each load (the model object is
+        vLLM's to keep or replace)."""
         receiver = getattr(self, "_roll_engine_receiver", None)
         if receiver is None:
-            load = self.model_runner.model.load_weights
-            receiver = self._roll_engine_receiver = EngineReceiver(torch.device(self.device), load)
+            receiver = self._roll_engine_receiver = EngineReceiver(
+                torch.device(self.device), lambda named: self.model_runner.model.load_weights(named)
+            )
         return receiver
 
 
