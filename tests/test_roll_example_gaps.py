@@ -204,8 +204,9 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
         ),
         ("rewards: {j: {judge_model_type: cluster}}", "judge_model_type='cluster' (ROLL: api asks"),
         (
-            "rewards: {d: {worker_cls: x.DetectionRewardWorker}}",
-            "DetectionRewardWorker (ROLL scores object-detection boxes on images; roll trains text-only",
+            "rewards: {d: {worker_cls: x.VideoR1RewardWorker}}",
+            "VideoR1RewardWorker (ROLL scores Video-R1 answers on videos; roll's vision-language runs take "
+            "images only",
         ),
     ],
 )

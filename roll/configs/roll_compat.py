@@ -100,12 +100,12 @@ REWARD_WORKERS = {
     "CodeSandboxRewardWorker": "code_sandbox",
     "GeneralRuleRewardWorker": "ifeval",
     "CrossThinkQARuleRewardWorker": "multiple_choice",
+    "DetectionRewardWorker": "detection",
 }
-# ROLL's reward workers of its vision-language pipeline (images, video): refused with what they score.
-_VL = "roll trains text-only models (no vision-language pipeline)"
+# ROLL's reward workers roll has no counterpart of: refused with what they score.
 VISION_REWARD_WORKERS = {
-    "DetectionRewardWorker": f"ROLL scores object-detection boxes on images; {_VL}",
-    "VideoR1RewardWorker": f"ROLL scores Video-R1 answers on videos; {_VL}",
+    "VideoR1RewardWorker": "ROLL scores Video-R1 answers on videos; roll's vision-language runs take "
+    "images only (docs/vision_language.md)",
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}

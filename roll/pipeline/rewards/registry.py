@@ -1,7 +1,8 @@
 """Reward functions by name: ``rewards.<role>.reward_fn`` in the YAML picks one.
 
 Rule rewards are plain functions ``fn(response: str, ground_truth: str, **reward_kwargs) -> float``
-that run on CPU workers. Model rewards (``kind="model"``) score with the role's own inference
+that run on CPU workers; one with a ``context`` keyword also gets the row's ``reward_context`` (a
+dict from the data row, e.g. a detection row's options and image size; None where the row has none). Model rewards (``kind="model"``) score with the role's own inference
 strategy (an LLM judge on hf_infer/vLLM/SGLang) and need ``strategy_args`` and ``device_mapping``.
 
 To add one: write the function in a module of your own and add an entry here, e.g.
@@ -45,6 +46,7 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
         ),
         RewardSpec("ifeval", f"{_R}.ifeval:ifeval_reward"),
         RewardSpec("multiple_choice", f"{_R}.multiple_choice:multiple_choice_reward"),
+        RewardSpec("detection", f"{_R}.detection:detection_reward"),
     )
 }
 

@@ -92,6 +92,10 @@ class ScoreResult:
     failed: int = 0
 
 
+# The keyword a rule reward receives a row's ``reward_context`` as; not one of its reward_kwargs.
+ROW_CONTEXT = "context"
+
+
 def resolve_target(reward_fn: str, path: str = "reward_fn") -> str:
     """The ``module:function`` of a rule reward (a registry name or a path given as is)."""
     if reward_fn not in REWARD_FUNCTIONS and ":" in reward_fn:
@@ -126,7 +130,7 @@ def reward_options(reward_fn: str, path: str = "reward_fn") -> list[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params[2:] if p.kind in named]
+    return [p.name for p in params[2:] if p.kind in named and p.name != ROW_CONTEXT]
 
 
 def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str = "reward_kwargs") -> None:
@@ -146,14 +150,18 @@ def check_reward_kwargs(reward_fn: str, reward_kwargs: dict[str, Any], path: str
 
 
 def _worker_main(fd: int, target: str, kwargs: dict[str, Any], max_abs: float) -> None:
-    """Worker process: load the function, say ready, then score (index, response, truth) messages."""
+    """Worker process: load the function, say ready, then score (index, response, truth, context)
+    messages; a row's ``context`` goes to a function that takes the keyword ``context`` (others
+    never see it: a math row of a vision-language file may carry one its reward does not read)."""
     conn = Connection(fd)
     fn = load_target(target)
+    takes_context = ROW_CONTEXT in inspect.signature(fn).parameters
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        index, response, truth = msg
+        index, response, truth, context = msg
+        extra = {ROW_CONTEXT: context} if takes_context and context is not None else {}
         try:
-            conn.send((index, checked_score(fn(response, truth, **kwargs), max_abs), None))
+            conn.send((index, checked_score(fn(response, truth, **kwargs, **extra), max_abs), None))
         except Exception as exc:  # a failing sample scores 0.0 and is counted, the run goes on
             conn.send((index, 0.0, _short(f"{type(exc).__name__}: {exc}")))
 
@@ -221,13 +229,20 @@ class RewardScorer:
         return self.score_detailed(responses, ground_truths).scores
 
     def score_detailed(
-        self, responses: Sequence[str], ground_truths: Sequence[str], max_failures: int | None = None
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        max_failures: int | None = None,
+        contexts: Sequence[dict[str, Any] | None] | None = None,
     ) -> ScoreResult:
         """Scores with each sample's error message and timeout flag (see ``ScoreResult``). Once
         more than ``max_failures`` samples have failed (errors and timeouts), the rest are skipped:
-        the run is ending, and a hanging function would otherwise cost ``timeout_s`` per sample."""
+        the run is ending, and a hanging function would otherwise cost ``timeout_s`` per sample.
+        ``contexts``: per sample, a dict the function gets as its keyword ``context`` (the row's
+        ``reward_context``, e.g. a detection row's options and image size), or None."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        contexts = list(contexts) if contexts is not None else [None] * len(responses)
         n = len(responses)
         result = ScoreResult([0.0] * n, [""] * n, [False] * n, [False] * n)
         pending = deque(range(n))
@@ -239,7 +254,9 @@ class RewardScorer:
             for slot in range(len(self.workers)):
                 if slot not in busy and pending:
                     index = pending.popleft()
-                    self._worker(slot).conn.send((index, responses[index], ground_truths[index]))
+                    self._worker(slot).conn.send(
+                        (index, responses[index], ground_truths[index], contexts[index])
+                    )
                     busy[slot] = (index, time.monotonic())
             self._collect(busy, result)
         self.stats["scored"] += n - sum(result.skipped)

@@ -67,6 +67,7 @@ class RewardWorker(Worker):
                 [str(r) for r in batch["response_text"]],
                 [str(g) for g in batch["ground_truth"]],
                 max_failures=allowed_failures(cfg.max_error_fraction, total),
+                contexts=list(batch["reward_context"]) if "reward_context" in batch else None,
             )
         timed_out = f"TimeoutError: no score within timeout_s={cfg.timeout_s:g} s"
         messages = [
