@@ -44,8 +44,16 @@ class ModelArgs:
     lora_rank: int | None = bounded(None, ge=1)
     lora_alpha: float | None = bounded(None, gt=0)
     lora_dropout: float = bounded(0.0, ge=0, lt=1)
+    # Parameters whose module names start with one of these prefixes are frozen on a trainer role
+    # ("model.visual": a vision-language model's vision tower, as in alibaba/ROLL); a comma string
+    # or a list.
+    freeze_module_prefix: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.freeze_module_prefix is not None:
+            self.freeze_module_prefix = [
+                p.strip() for item in self.freeze_module_prefix for p in item.split(",") if p.strip()
+            ]
         if self.lora_target is not None:  # ROLL writes one comma-separated string
             self.lora_target = [t.strip() for item in self.lora_target for t in item.split(",") if t.strip()]
         if self.lora_rank is None:
@@ -145,6 +153,9 @@ class DataArgs:
     prompt: str = "prompt"
     ground_truth: str = "ground_truth"
     tag: str = "tag"
+    # A vision-language row's images (alibaba/ROLL's layout: a list of image bytes, paths, or
+    # {"bytes", "path"} records; roll.pipeline.rlvr.data.vision).
+    images: str = "images"
     domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
     max_samples: int | None = bounded(None, ge=1)
 

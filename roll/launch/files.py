@@ -180,10 +180,10 @@ def prompt_tags(data_args: DataArgs, prefix: str, first: dict[str, str] | None =
     tags: Counter[str] = Counter()
     bad: list[BadRow] = []
     for path in resolve_files(data_args, prefix):
-        for _, _, tag, line in read_rows(path, data_args, bad):
-            tags[tag] += 1
+        for row in read_rows(path, data_args, bad):
+            tags[row.tag] += 1
             if first is not None:
-                first.setdefault(tag, f"{path}:{line}")
+                first.setdefault(row.tag, f"{path}:{row.line}")
     if not tags:
         raise ConfigError(
             f"{prefix}.file_name",

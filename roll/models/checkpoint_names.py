@@ -112,6 +112,13 @@ class CheckpointNames:
 
 
 def _renames(transform: Any) -> list[tuple[str, str]]:
+    """Plain substring renames; [] for renames of a name's start (``^visual`` -> ``model.visual``:
+    a vision-language checkpoint's old layout), which transformers applies when it loads and
+    reverses when it saves: roll's wire keeps the module names there, which vLLM's loader of such a
+    model maps itself (Qwen2.5-VL's ``hf_to_vllm_mapper`` takes ``model.language_model.``,
+    ``model.visual.`` and ``lm_head.``)."""
+    if transform.source_patterns and all(p.startswith("^") for p in transform.source_patterns):
+        return []
     pairs = list(zip(transform.source_patterns, transform.target_patterns))
     if len(transform.source_patterns) != len(transform.target_patterns) or not all(
         _PLAIN.match(a) and _PLAIN.match(b) for a, b in pairs

@@ -19,6 +19,7 @@ from roll.configs.role import ModelArgs
 from roll.models.model_dir import check_model_dir
 from roll.models.model_options import ATTN_IMPLEMENTATIONS, DTYPES
 from roll.models.value_model import ValueModel
+from roll.models.vision import is_vision_model_dir
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -50,7 +51,8 @@ def model_path(model_args: ModelArgs) -> str:
 def load_model(
     model_args: ModelArgs, dtype: torch.dtype | None = None, training: bool = False, seed: int = 42
 ) -> nn.Module:
-    """A causal LM (``AutoModelForCausalLM``) or, for ``model_type`` "value"/"trl", a ``ValueModel``.
+    """A causal LM (``AutoModelForCausalLM``; a vision-language model's directory:
+    ``AutoModelForImageTextToText``) or, for ``model_type`` "value"/"trl", a ``ValueModel``.
 
     ``dtype`` overrides ``model_args.dtype`` (FSDP2 keeps fp32 master weights under mixed
     precision). With ``training`` the model gets activation checkpointing unless
@@ -65,6 +67,10 @@ def load_model(
     try:
         if model_args.is_value_model:
             model: nn.Module = ValueModel.from_pretrained(path, seed=seed, **kwargs)
+        elif is_vision_model_dir(path):  # Qwen2.5-VL: roll.models.vision
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:

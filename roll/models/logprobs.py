@@ -20,6 +20,7 @@ from torch import nn
 
 from roll.core.batch import Batch
 from roll.models.packing import pack_rows
+from roll.models.vision import forward_kwargs, has_vision_inputs
 
 TEMPERATURE_KEY = "temperature"
 # Rows of [N, V] logits turned into fp32 at once: bounds the fp32 copy to ~256 MiB for any vocabulary.
@@ -75,15 +76,19 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Logits [B, R, V] predicting ``responses[:, t]`` (columns P - 1 .. P + R - 2).
 
-    Only the last R + 1 positions go through the LM head (``logits_to_keep``).
+    Only the last R + 1 positions go through the LM head (``logits_to_keep``). Rows with images
+    (``roll.models.vision``) pass their pixel values and image grids instead of position ids: the
+    model computes its multimodal rope positions from them and the attention mask.
     """
     width = batch["responses"].shape[1]
+    vision = forward_kwargs(batch, batch["input_ids"].device)
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        position_ids=None if vision else batch["position_ids"],
         use_cache=False,
         logits_to_keep=width + 1,
+        **vision,
     )
     return out.logits[:, -width - 1 : -1]
 
@@ -103,6 +108,8 @@ def packed_response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     restart per sequence and no attention mask is given, so transformers confines attention to
     each sequence (its packed-sequence detection; flash-attention kernels read the position ids).
     Only the window's columns go through the LM head."""
+    if has_vision_inputs(batch):
+        raise ValueError("rows with images cannot be packed (roll.models.vision); turn sequence_packing off")
     row = pack_rows(batch).to(batch["input_ids"].device)
     out = model(
         input_ids=row.input_ids,

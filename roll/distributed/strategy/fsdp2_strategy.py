@@ -88,6 +88,7 @@ from roll.models.microbatch import invert, loss_agg_mode_of, loss_weights, rebud
 from roll.models.ulysses import check_heads, use_ulysses_attention
 from roll.models.ulysses_forward import ulysses_log_probs, ulysses_values
 from roll.models.value_model import HEAD_PREFIX, ValueModel, check_output_kind, response_values
+from roll.models.vision import check_vision_options, freeze_prefixes, is_vision_config
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
@@ -121,6 +122,8 @@ class FSDP2TrainStrategy:
         self.dp_group: dist.ProcessGroup | None = None
         # Expert parallelism (ep_size > 1): the expert slices' layout; None otherwise.
         self.experts: ExpertLayout | None = None
+        # A vision-language model (roll.models.vision): no packing, no Ulysses.
+        self.vision = False
         # The model's module <-> checkpoint names (stacked experts): iter_hf_weights gives the latter.
         self._names = CheckpointNames()
 
@@ -139,6 +142,12 @@ class FSDP2TrainStrategy:
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
         model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
+        self.vision = is_vision_config(model.config)
+        if self.vision:  # roll.models.vision: padded rows, one rank per sequence
+            check_vision_options(self.ctx.role, self.config.sequence_packing is True, self.ulysses_size)
+        freeze_prefixes(
+            model, model_args.freeze_module_prefix, f"{self.ctx.role}.model_args.freeze_module_prefix"
+        )
         self._names = CheckpointNames.of(model)
         if model_args.uses_lora:
             self._apply_lora(model)
@@ -268,7 +277,7 @@ class FSDP2TrainStrategy:
         sequence (its packed-sequence detection from restarting position ids, or flash-attention
         varlen kernels)."""
         if self.config.sequence_packing is None:
-            return transformers_detects_packing()
+            return not self.vision and transformers_detects_packing()
         return self.config.sequence_packing
 
     def _group(self) -> dist.ProcessGroup | None:

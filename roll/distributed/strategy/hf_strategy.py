@@ -45,6 +45,7 @@ from roll.models.loading import load_model
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.tokenizer import load_tokenizer
 from roll.models.value_model import ValueModel, check_output_kind, response_values
+from roll.models.vision import MULTI_MODAL_INPUTS, forward_kwargs, repeat_rows
 from roll.models.weights import copy_into
 from roll.utils.rng import device_rng_state, set_device_rng_state
 
@@ -148,9 +149,14 @@ class HFInferStrategy:
         eos_ids = self._eos_ids(params)
         recorder = _SampledLogProbs()
         stops = _StopStrings(params.stop or [], self.tokenizer, input_ids.shape[1], params.min_new_tokens)
+        vision = {}  # rows with images: their pixel values and grids, each row's n times
+        if MULTI_MODAL_INPUTS in micro:
+            rows = {MULTI_MODAL_INPUTS: repeat_rows(micro[MULTI_MODAL_INPUTS], params.n)}
+            vision = forward_kwargs(rows, self.ctx.device)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=mask,
+            **vision,
             generation_config=self._generation_config(params, eos_ids),
             logits_processor=LogitsProcessorList(
                 [*_warpers(params), *([recorder] if params.logprobs else [])]

@@ -28,7 +28,9 @@ from roll.pipeline.rlvr.run import RLVRRun
 
 
 def sample_prompts(run: RLVRRun, step: int, round_: int = 0) -> Batch:
-    prompts = to_batch(run.sampler.next_batch(), run.tokenizer.pad_token_id, run.config.prompt_length)
+    prompts = to_batch(
+        run.sampler.next_batch(), run.tokenizer.pad_token_id, run.config.prompt_length, run.processor
+    )
     prefix = f"{step}" if round_ == 0 else f"{step}.{round_}"
     prompts.non_tensors["group_id"] = np.array([f"{prefix}-{i}" for i in range(len(prompts))], dtype=object)
     return prompts

@@ -36,6 +36,8 @@ class RLVRRun:
     tokenizer: Any
     sampler: Any
     clusters: dict[str, Cluster] = field(default_factory=dict)
+    # A vision-language model's tokenizer and image processor (roll.models.vision); None for text.
+    processor: Any = None
     resources: Any = None
     # Host processes on CPU slots (``prestart.start_hosts``); their members are the clusters' workers.
     hosts: list = field(default_factory=list)

@@ -16,6 +16,7 @@ from roll.configs.strategies import get_strategy_spec
 from roll.core.batch import Batch
 from roll.core.roles import Role
 from roll.core.sampling import SamplingParams
+from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS
 from roll.pipeline.rewards.health import check_reward_result, reward_error_metrics
 from roll.pipeline.rlvr.algorithms.advantages import compute_advantages, token_level_rewards_from_config
 from roll.pipeline.rlvr.algorithms.kl import kl_penalty
@@ -91,6 +92,7 @@ def generate_rollouts(run: RLVRRun, prompts: Batch, params: SamplingParams) -> B
     infer = run.model("actor_infer")
     with engine_awake(run):
         batch = dp_call(infer.dp_size, lambda b: infer.generate(b, params), prompts, rows_per_input=params.n)
+    batch.non_tensors.pop(MULTI_MODAL_DATA, None)  # the images, for the engine only
     texts = run.tokenizer.batch_decode(
         [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])],
         skip_special_tokens=True,
@@ -107,7 +109,8 @@ def compute_rewards(run: RLVRRun, batch: Batch) -> Batch:
     flags = {key: torch.zeros(len(batch)) for key in ("reward_error", "reward_timeout")}
     tags = [str(t) for t in batch["tag"]]
     for name, rows in run.reward_routes(tags).items():
-        part = batch.index(rows).select(["response_text", "ground_truth", "prompt_text", "tag"])
+        fields = ["response_text", "ground_truth", "prompt_text", "tag"]
+        part = batch.index(rows).select(fields + [k for k in ROW_CONTEXT_FIELDS if k in batch])
         part.meta["reward_samples"] = len(part)  # the whole call's, for each worker's early stop
         scorer = run.reward(name)
         result = dp_call(scorer.dp_size, scorer.compute_rewards, part)
@@ -238,7 +241,7 @@ def train_models(run: RLVRRun, batch: Batch, step: int) -> tuple[Batch, dict[str
     and the metrics."""
     config = run.config
     metrics: dict[str, float] = {}
-    train_fields = [k for k in _TRAIN_FIELDS if k in batch]
+    train_fields = [k for k in _TRAIN_FIELDS + VISION_FIELDS if k in batch]
     if config.off_policy_correction.mode != "none" and "old_log_probs" not in batch:
         train_fields.append("infer_logprobs")  # the loss computes the weights
     if config.pg_variant in READS_SCORES:
@@ -298,6 +301,11 @@ def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
     return out
 
 
+# Per-row fields that go with the rows where present: a reward's ``reward_context`` (detection:
+# options and image size), a vision-language model's inputs (``roll.models.vision``).
+ROW_CONTEXT_FIELDS = ("reward_context",)
+VISION_FIELDS = (MULTI_MODAL_INPUTS,)
+
 _TRAIN_FIELDS = (
     "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "prompts", "prompt_mask",
     "old_log_probs", "ref_log_probs", "advantages", "returns", "values", "is_weights",
@@ -305,17 +313,16 @@ _TRAIN_FIELDS = (
 
 
 def _model_inputs(batch: Batch) -> Batch:
-    return batch.select(
-        [
-            "input_ids",
-            "attention_mask",
-            "position_ids",
-            "responses",
-            "response_mask",
-            "prompts",
-            "prompt_mask",
-        ]
-    )
+    fields = [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "responses",
+        "response_mask",
+        "prompts",
+        "prompt_mask",
+    ]
+    return batch.select(fields + [k for k in VISION_FIELDS if k in batch])
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]], prefix: str) -> dict[str, float]:

@@ -47,16 +47,22 @@ def build_run(config: RLVRConfig, timer: StageTimer | None = None) -> RLVRRun:
     """Plan, data, workers (``start_clusters``) and the model-update group; ``timer`` records the
     start-up phases (``startup/*`` metrics). A failure on the way stops what had started."""
     from roll.models.tokenizer import load_tokenizer
+    from roll.models.vision import VisionProcessor, is_vision_model_dir
 
     timer = timer or StageTimer()
     run_dir = Path(config.output_dir)
     setup_logging(run_dir)
     plan = plan_placement(config)
     with timer("data"):
-        tokenizer = load_tokenizer(config.actor_train.model_args.model_name_or_path)
-        sampler, val = load_data(config, tokenizer)
+        model_args = config.actor_train.model_args
+        processor = None
+        if is_vision_model_dir(model_args.model_name_or_path):  # docs/vision_language.md
+            processor = VisionProcessor.load(model_args.model_name_or_path, model_args.trust_remote_code)
+        tokenizer = processor.tokenizer if processor else load_tokenizer(model_args.model_name_or_path)
+        sampler, val = load_data(config, tokenizer, processor)
     routes, default = build_tag_routes(config)
     run = RLVRRun(config, plan, run_dir, tokenizer, sampler, tag_routes=routes, default_reward=default)
+    run.processor = processor
     run.val_prompts = val
     if config.validation is not None:
         run.val_generating_args = config.validation.generating_args

@@ -1,4 +1,4 @@
-"""Prompt files: JSONL rows read into tokenized prompts, bad rows reported and skipped.
+"""Prompt files: JSONL (or parquet) rows read into tokenized prompts, bad rows reported and skipped.
 
 Each JSONL row holds either a ``messages`` field (a list of ``{"role", "content"}``, or that list as
 a JSON string, as in alibaba/ROLL's files) or a ``prompt``
@@ -20,6 +20,12 @@ not JSON (invalid UTF-8, bad syntax, nested too deeply), has an empty or whitesp
 message content, a missing / null / NaN / infinite ground truth, or a string holding a lone UTF-16
 surrogate (``"\ud800"``: valid JSON, but no tokenizer can encode it). Prompts longer than
 ``prompt_length`` tokens are dropped and counted, the first ``MAX_LOGGED_BAD_ROWS`` by ``file:line``.
+
+alibaba/ROLL's vision-language rows (``roll.pipeline.rlvr.data.vision``): ``.parquet`` files are read
+too (rows numbered from 1 where JSONL has lines); a row without ``tag`` takes its ``data_source``, one
+without a ground truth its ``reward_model.ground_truth``; a row's ``images`` (``data_args.images``) are
+tokenized with the model's image processor (``processor``, a vision-language model's), and a
+message's content may be a list of ``{"type": "image"}`` / ``{"type": "text"}`` parts.
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import DataArgs
+from roll.pipeline.rlvr.data.vision import (
+    REWARD_MODEL,
+    content_text,
+    decode_images,
+    iter_parquet,
+    place_images,
+    row_context,
+    row_images,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +65,20 @@ class PromptRow:
     tag: str
     domain: str
     source: str  # "file:line"
+    images: list[Any] | None = None  # image bytes or paths (vision-language rows), decoded per batch
+    reward_context: dict[str, Any] | None = None  # the row's reward options (``data.vision``)
+
+
+@dataclass
+class RawRow:
+    """One good row of a prompt file, before rendering."""
+
+    messages: list[dict[str, str]]
+    ground_truth: str
+    tag: str
+    line: int
+    images: list[Any] | None = None
+    reward_context: dict[str, Any] | None = None
 
 
 @dataclass
@@ -98,7 +127,7 @@ def parse_row(row: Any, args: DataArgs, default_tag: str) -> tuple[list[dict[str
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     messages = _messages(row, args)
     truth = _ground_truth(row, args)
-    tag = row.get(args.tag, default_tag)
+    tag = row.get(args.tag, row.get("data_source", default_tag))
     if not isinstance(tag, str) or not tag:
         raise ValueError(f"wrong type: field {args.tag!r} must be a non-empty string")
     texts = [(args.tag, tag), (args.ground_truth, truth)]
@@ -125,6 +154,9 @@ def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
                 ) from None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"wrong type: field {args.messages!r} must be a non-empty list of messages")
+        messages = [
+            {**m, "content": content_text(m.get("content"))} if isinstance(m, dict) else m for m in messages
+        ]
         for i, m in enumerate(messages):
             if not (
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -143,6 +175,9 @@ def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
 
 
 def _ground_truth(row: dict[str, Any], args: DataArgs) -> str:
+    reward_model = row.get(REWARD_MODEL)
+    if args.ground_truth not in row and isinstance(reward_model, dict) and args.ground_truth in reward_model:
+        row = reward_model  # alibaba/ROLL's vision-language rows keep it there
     if args.ground_truth not in row:
         raise ValueError(f"missing field: {args.ground_truth!r}")
     truth = row[args.ground_truth]
@@ -165,16 +200,17 @@ def _check_encodable(name: str, text: str) -> None:
         ) from None
 
 
-def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[tuple[list[dict], str, str, int]]:
-    """Good rows of one JSONL file as (messages, ground_truth, tag, line); bad ones go to ``bad_rows``."""
+def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
+    """Good rows of one JSONL or parquet file; bad ones go to ``bad_rows``."""
+    if path.suffix == ".parquet":
+        return _read_parquet(path, args, bad_rows)
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw.decode("utf-8"))
-                rows.append((*parse_row(row, args, path.stem), line_no))
+                rows.append(_raw_row(json.loads(raw.decode("utf-8")), args, path.stem, line_no))
             except UnicodeDecodeError:
                 bad_rows.append(BadRow(str(path), line_no, "invalid UTF-8"))
             except RecursionError:
@@ -184,6 +220,24 @@ def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[tuple[
             except ValueError as exc:
                 bad_rows.append(BadRow(str(path), line_no, str(exc)))
     return rows
+
+
+def _read_parquet(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
+    rows = []
+    for number, row in iter_parquet(path):
+        try:
+            rows.append(_raw_row(row, args, path.stem, number))
+        except ValueError as exc:
+            bad_rows.append(BadRow(str(path), number, str(exc)))
+    return rows
+
+
+def _raw_row(row: Any, args: DataArgs, default_tag: str, line: int) -> RawRow:
+    messages, truth, tag = parse_row(row, args, default_tag)
+    images = row_images(row, args.images)
+    if images:
+        messages = place_images(messages, len(images))
+    return RawRow(messages, truth, tag, line, images, row_context(row))
 
 
 def resolve_files(data_args: DataArgs, path_prefix: str) -> list[Path]:
@@ -213,19 +267,34 @@ def prompt_file_path(dataset_dir: str | None, name: str) -> Path:
 
 
 def load_prompt_files(
-    data_args: DataArgs, tokenizer: Any, prompt_length: int, path_prefix: str
+    data_args: DataArgs, tokenizer: Any, prompt_length: int, path_prefix: str, processor: Any = None
 ) -> PromptDataset:
-    """Read, render and tokenize every file of ``data_args.file_name`` (see the module docstring)."""
+    """Read, render and tokenize every file of ``data_args.file_name`` (see the module docstring);
+    ``processor``: a vision-language model's ``VisionProcessor``, which rows with images need."""
     dataset = PromptDataset(rows=[])
     for path in resolve_files(data_args, path_prefix):
         rows = read_rows(path, data_args, dataset.bad_rows)
-        texts = [render_prompt(messages, tokenizer, data_args.template) for messages, *_ in rows]
+        texts = [render_prompt(row.messages, tokenizer, data_args.template) for row in rows]
         ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        for (_, truth, tag, line_no), text, ids in zip(rows, texts, ids_list, strict=True):
+        for row, text, ids in zip(rows, texts, ids_list, strict=True):
+            source = f"{path}:{row.line}"
+            if row.images:
+                text, ids = _vision_prompt(text, row.images, processor, source, f"{path_prefix}.file_name")
             if len(ids) > prompt_length:
-                dataset.too_long.append(f"{path}:{line_no} ({len(ids)} tokens)")
+                dataset.too_long.append(f"{source} ({len(ids)} tokens)")
                 continue
-            dataset.rows.append(PromptRow(list(ids), text, truth, tag, tag, f"{path}:{line_no}"))
+            dataset.rows.append(
+                PromptRow(
+                    list(ids),
+                    text,
+                    row.ground_truth,
+                    row.tag,
+                    row.tag,
+                    source,
+                    row.images,
+                    row.reward_context,
+                )
+            )
     if data_args.max_samples is not None:
         dataset.rows = dataset.rows[: data_args.max_samples]
     dataset.num_too_long = len(dataset.too_long)
@@ -234,6 +303,24 @@ def load_prompt_files(
         key = f"{path_prefix}.file_name" if path_prefix else "file_name"
         raise ConfigError(key, f"no usable prompt rows in {data_args.file_name} (see the warnings above)")
     return dataset
+
+
+def _vision_prompt(
+    text: str, images: list[Any], processor: Any, source: str, key: str
+) -> tuple[str, list[int]]:
+    """(text with image tokens, ids with each image's tokens expanded) of a row with images."""
+    from roll.models.vision import with_image_tokens
+
+    if processor is None:
+        raise ConfigError(key, f"{source}: the row has images but the model is not a vision-language model")
+    text = with_image_tokens(text)
+    try:
+        ids, _ = processor.encode(text, decode_images(images, source))
+    except ConfigError as exc:
+        raise ConfigError(key, exc.message) from None
+    except ValueError as exc:
+        raise ConfigError(key, f"{source}: {exc}") from None
+    return text, ids
 
 
 def _log_summary(dataset: PromptDataset, prompt_length: int) -> None:

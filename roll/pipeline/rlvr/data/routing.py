@@ -50,12 +50,14 @@ def reward_role_tags(config: RLVRConfig, tags: Iterable[str]) -> dict[str, list[
     return out
 
 
-def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
+def load_data(config: RLVRConfig, tokenizer, processor: Any = None) -> tuple[Any, Batch | None]:
+    """The training sampler and the validation batch; ``processor``: a vision-language model's
+    (``roll.models.vision.VisionProcessor``), for rows with images."""
     from roll.pipeline.rlvr.data.dataset import load_prompt_files
     from roll.pipeline.rlvr.data.sampler import PromptSampler, to_batch
 
     train = load_prompt_files(
-        config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args"
+        config.actor_train.data_args, tokenizer, config.prompt_length, "actor_train.data_args", processor
     )
     check_rows_routed(config, train.rows)  # before any worker starts
     sampler = PromptSampler(
@@ -69,10 +71,12 @@ def load_data(config: RLVRConfig, tokenizer) -> tuple[Any, Batch | None]:
     val = None
     if config.validation is not None and config.validation.data_args.file_name:
         rows = load_prompt_files(
-            config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args"
+            config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args", processor
         )
         check_rows_routed(config, rows.rows)
-        val = to_batch([rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length)
+        val = to_batch(
+            [rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length, processor
+        )
         val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
     return sampler, val
 

@@ -25,6 +25,7 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.core.batch import Batch
 from roll.pipeline.rlvr.data.dataset import PromptDataset, PromptRow
+from roll.pipeline.rlvr.data.vision import vision_fields
 
 ALL = "*"  # the one stream of the unmixed sampler
 
@@ -169,8 +170,12 @@ def _what_to_write(missing: list[str], role_tags: dict[str, list[str]] | None) -
     return f"they are routed by {named}: add {keys} (0 leaves its rows out, as ROLL does) or a probability"
 
 
-def to_batch(rows: Sequence[PromptRow], pad_token_id: int, prompt_length: int) -> Batch:
-    """``prompts``/``prompt_mask`` [B, prompt_length], LEFT-padded, plus the rows' text fields."""
+def to_batch(
+    rows: Sequence[PromptRow], pad_token_id: int, prompt_length: int, processor: Any = None
+) -> Batch:
+    """``prompts``/``prompt_mask`` [B, prompt_length], LEFT-padded, plus the rows' text fields;
+    with a vision-language model's ``processor``, each row's images and model inputs too
+    (``data.vision.vision_fields``)."""
     prompts = torch.full((len(rows), prompt_length), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), prompt_length), dtype=torch.long)
     for i, row in enumerate(rows):
@@ -180,12 +185,16 @@ def to_batch(rows: Sequence[PromptRow], pad_token_id: int, prompt_length: int) -
         if n:
             prompts[i, prompt_length - n :] = torch.tensor(row.prompt_ids, dtype=torch.long)
             mask[i, prompt_length - n :] = 1
-    return Batch.from_dict(
-        {"prompts": prompts, "prompt_mask": mask},
-        {
-            "prompt_text": [r.prompt_text for r in rows],
-            "ground_truth": [r.ground_truth for r in rows],
-            "tag": [r.tag for r in rows],
-            "domain": [r.domain for r in rows],
-        },
-    )
+    fields = {
+        "prompt_text": [r.prompt_text for r in rows],
+        "ground_truth": [r.ground_truth for r in rows],
+        "tag": [r.tag for r in rows],
+        "domain": [r.domain for r in rows],
+    }
+    if processor is not None:
+        fields |= vision_fields(rows, processor)
+    elif any(r.images for r in rows):
+        raise ValueError(
+            f"prompt {next(r.source for r in rows if r.images)} has images but no processor was given"
+        )
+    return Batch.from_dict({"prompts": prompts, "prompt_mask": mask}, fields)

@@ -1,0 +1,188 @@
+"""Vision-language models (Qwen2.5-VL): the prompt's images turned into model inputs, and those
+inputs carried by a Batch.
+
+    processor = VisionProcessor.load("models/qwen2.5-vl-3b")       # tokenizer + image processor
+    text = with_image_tokens(chat_text)                            # <image> -> one image token each
+    ids, inputs = processor.encode(text, images)                   # image tokens expanded
+    inputs["pixel_values"].shape, inputs["image_grid_thw"]          # [patches, C*14*14*2], [images, 3]
+
+A prompt row's vision inputs ride in the Batch as the per-row non-tensor ``multi_modal_inputs``:
+a dict ``{"pixel_values": [patches_i, D], "image_grid_thw": [images_i, 3]}`` per row, None for a
+text row, so rows of any image count and size stay separate through ``index``/``concat``/Ray and
+are concatenated only for a forward (``forward_kwargs``). The engines get the images themselves
+(``multi_modal_data``: ``{"image": [PIL images]}`` per row) with the prompt's image tokens not
+expanded (``collapse_image_tokens``): vLLM expands them itself.
+
+What the model computes itself: given ``image_grid_thw`` and the attention mask, transformers'
+Qwen2.5-VL computes its 3-D multimodal rope positions, so a vision forward passes no position ids
+and runs on padded rows (no sequence packing, no Ulysses; ``check_vision_options``).
+
+roll calls the model directory's image processor (``AutoImageProcessor``) and expands the image
+tokens itself, as ``Qwen2_5_VLProcessor`` does (one ``<|image_pad|>`` becomes
+``grid_t * grid_h * grid_w / merge_size**2`` of them): ``AutoProcessor`` would also build the video
+processor, which needs torchvision.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roll.configs.errors import ConfigError
+
+# alibaba/ROLL's (and Orsta-Data-47k's) image placeholder in prompt text.
+IMAGE_PLACEHOLDER = "<image>"
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
+MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a model config (a dict from config.json, or a transformers config) has a vision tower."""
+    if isinstance(config, dict):
+        return isinstance(config.get("vision_config"), dict)
+    return getattr(config, "vision_config", None) is not None
+
+
+def is_vision_model_dir(path: str | None) -> bool:
+    """Whether the model directory's config.json describes a vision-language model."""
+    if not path or not (Path(path) / "config.json").is_file():
+        return False
+    try:
+        return is_vision_config(json.loads((Path(path) / "config.json").read_text() or "{}"))
+    except ValueError:
+        return False
+
+
+@dataclass
+class VisionProcessor:
+    """The model's tokenizer and image processor, and how one image becomes image tokens."""
+
+    tokenizer: Any
+    image_processor: Any
+    image_token_id: int
+    merge_size: int
+    patch_size: int
+
+    @classmethod
+    def load(cls, path: str, trust_remote_code: bool = False) -> VisionProcessor:
+        from transformers import AutoImageProcessor
+
+        from roll.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(path, trust_remote_code)
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                "model_args.model_name_or_path", f"cannot load the image processor of {path!r}: {exc}"
+            ) from exc
+        token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ConfigError(
+                "model_args.model_name_or_path", f"the tokenizer of {path!r} has no {IMAGE_PAD} token"
+            )
+        return cls(
+            tokenizer,
+            image_processor,
+            token_id,
+            int(image_processor.merge_size),
+            int(image_processor.patch_size),
+        )
+
+    def image_inputs(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def encode(self, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """Token ids of ``text`` with each image's token expanded, and the images' model inputs."""
+        inputs = self.image_inputs(images)
+        counts = [int(g.prod()) // self.merge_size**2 for g in inputs["image_grid_thw"]]
+        parts = text.split(IMAGE_PAD)
+        if len(parts) - 1 != len(counts):
+            raise ValueError(f"{len(parts) - 1} image tokens in the prompt for {len(counts)} images")
+        expanded = parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
+        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"]), inputs
+
+    def image_sizes(self, grid_thw: torch.Tensor) -> list[list[int]]:
+        """[width, height] in pixels of each image as the model saw it (after the resize)."""
+        return [[int(w) * self.patch_size, int(h) * self.patch_size] for _, h, w in grid_thw.tolist()]
+
+
+def with_image_tokens(text: str) -> str:
+    """Prompt text with each ``<image>`` as ``<|vision_start|><|image_pad|><|vision_end|>``."""
+    return text.replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
+
+
+def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """``ids`` with each run of image tokens as one token: the prompt as vLLM takes it with images."""
+    out: list[int] = []
+    for token in ids:
+        if token == image_token_id and out and out[-1] == image_token_id:
+            continue
+        out.append(int(token))
+    return out
+
+
+def has_vision_inputs(batch: Any) -> bool:
+    """Whether any row of the batch has images."""
+    return MULTI_MODAL_INPUTS in batch and any(r for r in batch[MULTI_MODAL_INPUTS])
+
+
+def forward_kwargs(batch: Any, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """``pixel_values`` and ``image_grid_thw`` of the batch's rows, concatenated in row order, on
+    ``device``; {} for a batch without vision inputs (a text model, or text rows only)."""
+    if MULTI_MODAL_INPUTS not in batch:
+        return {}
+    rows = [r for r in batch[MULTI_MODAL_INPUTS] if r]
+    if not rows:
+        return {}
+    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}
+
+
+def repeat_rows(rows: Sequence[Any], n: int) -> list[Any]:
+    """Each row's entry ``n`` times in a row (the order of ``repeat_interleave``)."""
+    return [r for r in rows for _ in range(n)]
+
+
+def check_vision_options(role: str, packing: bool, ulysses_size: int) -> None:
+    """A vision forward runs on padded rows on one rank per sequence: refuse what would split it."""
+    path = f"{role}.strategy_args.strategy_config"
+    if packing:
+        raise ConfigError(
+            f"{path}.sequence_packing",
+            "true does not run with a vision-language model (its rope positions come from the padded "
+            "rows' attention mask and image grid); set sequence_packing: false or leave it null",
+        )
+    if ulysses_size > 1:
+        raise ConfigError(
+            f"{path}.ulysses_size", f"{ulysses_size} does not run with a vision-language model; set it to 1"
+        )
+
+
+def freeze_prefixes(model: torch.nn.Module, prefixes: Sequence[str] | None, path: str) -> int:
+    """Freeze the parameters whose names start with one of ``prefixes`` (``model_args.
+    freeze_module_prefix``); returns how many tensors were frozen. A prefix matching nothing is a
+    ConfigError listing the model's top-level modules."""
+    if not prefixes:
+        return 0
+    names = [name for name, _ in model.named_parameters()]
+    frozen = 0
+    for prefix in prefixes:
+        pattern = re.compile(re.escape(prefix) + r"(\.|$)")
+        matched = [p for name, p in model.named_parameters() if pattern.match(name)]
+        if not matched:
+            tops = sorted({".".join(n.split(".")[:2]) for n in names})
+            raise ConfigError(
+                path, f"{prefix!r} matches no parameter; the model's modules: {', '.join(tops)}"
+            )
+        for param in matched:
+            param.requires_grad_(False)
+        frozen += len(matched)
+    return frozen

@@ -1,0 +1,175 @@
+"""A tiny Qwen2.5-VL saved as a model directory, and generated images with boxes in alibaba/ROLL's
+vision-language row layout (Orsta-Data-47k's fields), for the CPU tests and the vLLM GPU test.
+
+    model_dir = build_tiny_vl_dir(tmp / "model")          # config, random weights, tokenizer, image processor
+    rows = detection_rows(tmp / "images", 4)              # {"data_source", "images", "prompt", "reward_model"}
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+from roll.models.tiny import build_tokenizer
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+COLORS = {"red box": (220, 30, 30), "blue box": (30, 30, 220)}
+# 28 x 28 pixels per merged patch: images of 56 x 56 to 112 x 112 pixels give 4 to 16 image tokens.
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16
+
+
+def build_tiny_vl_tokenizer():
+    texts = [
+        "Find every box. <answer>[{'bbox_2d': [100, 200, 300, 400], 'label': 'red box'}]</answer>",
+        "How many boxes are there? The answer is \\boxed{2}.",
+        "<image>What color is the box? blue red 0123456789",
+    ] * 4
+    tok = build_tokenizer(texts, vocab_size=400)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    return tok
+
+
+def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_vl_dir(path: Path, seed: int = 0, full_processor: bool = False) -> Path:
+    """Random weights (``seed``), the tokenizer and a Qwen2-VL image processor in ``path``;
+    ``full_processor`` also saves ``Qwen2_5_VLProcessor`` (needs torchvision; vLLM loads it)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_tiny_vl_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(tiny_vl_config(tok))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    images.save_pretrained(path)
+    if full_processor:
+        from transformers import Qwen2_5_VLProcessor
+
+        Qwen2_5_VLProcessor(
+            image_processor=images, tokenizer=tok, chat_template=tok.chat_template
+        ).save_pretrained(path)
+    return path
+
+
+def box_image(width: int, height: int, box: list[int], color: tuple[int, int, int]) -> bytes:
+    image = Image.new("RGB", (width, height), (240, 240, 240))
+    ImageDraw.Draw(image).rectangle(box, fill=color)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def detection_rows(image_dir: Path | None, n: int, as_paths: bool = True) -> list[dict]:
+    """Detection rows: one box on a 56..112-pixel image, the ground truth in [0, 1000] coordinates
+    (``det_verifier_normalized``), images as files under ``image_dir`` or as bytes."""
+    rows = []
+    for i in range(n):
+        width, height = 56 + 28 * (i % 3), 56 + 14 * (i % 2)
+        label = list(COLORS)[i % 2]
+        box = [4 + i, 6, width // 2 + i, height // 2]
+        data = box_image(width, height, box, COLORS[label])
+        if as_paths:
+            image_dir.mkdir(parents=True, exist_ok=True)
+            (image_dir / f"det{i}.png").write_bytes(data)
+            image = {"bytes": None, "path": f"{image_dir.name}/det{i}.png"}
+        else:
+            image = {"bytes": data, "path": f"det{i}.png"}
+        gt = [
+            {"bbox_2d": [b * 1000 // s for b, s in zip(box, (width, height, width, height))], "label": label}
+        ]
+        rows.append(
+            {
+                "data_source": "v3det_train",
+                "images": [image],
+                "prompt": [{"role": "user", "content": "<image>Find every box."}],
+                "ability": "cv_detection",
+                "reward_model": {
+                    "ground_truth": f"<answer>{json.dumps(gt)}</answer>",
+                    "accuracy_ratio": 1.0,
+                    "format_ratio": 0.1,
+                    "verifier": "detection",
+                    "verifier_parm": {
+                        "det_verifier_normalized": True,
+                        "det_reward_ratio": {
+                            "iou_max_label_first": 1.0,
+                            "iou_max_iou_first": 0.0,
+                            "iou_completeness": 0.3,
+                            "map": 0.0,
+                            "map50": 1.0,
+                            "map75": 0.0,
+                        },  # fmt: skip
+                    },
+                },
+            }
+        )
+    return rows
+
+
+def math_rows(image_dir: Path, n: int, tag: str = "mm_math") -> list[dict]:
+    """Counting rows: ``k`` boxes on an image, ground truth ``\\boxed{k}``, as ROLL's math rows."""
+    rows = []
+    image_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        k = 1 + i % 2
+        image = Image.new("RGB", (56, 56), (250, 250, 250))
+        for j in range(k):
+            ImageDraw.Draw(image).rectangle([4 + 20 * j, 4, 16 + 20 * j, 16], fill=(30, 30, 220))
+        image.save(image_dir / f"{tag}{i}.png")
+        rows.append(
+            {
+                "data_source": tag,
+                "images": [f"{image_dir.name}/{tag}{i}.png"],
+                "prompt": [{"role": "user", "content": "<image>How many boxes are there?"}],
+                "reward_model": {
+                    "ground_truth": f"\\boxed{{{k}}}",
+                    "accuracy_ratio": 1.0,
+                    "format_ratio": 0.0,
+                },
+            }
+        )
+    return rows
