@@ -38,13 +38,13 @@ def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = {
         "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 1024,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},  # head_dim 32 / 2
         "tie_word_embeddings": True,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
@@ -52,10 +52,10 @@ def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
     }
     vision = {
         "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
         "num_heads": 2,
-        "out_hidden_size": 64,
+        "out_hidden_size": 128,
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
@@ -73,14 +73,23 @@ def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
     )
 
 
-def build_tiny_vl_dir(path: Path, seed: int = 0, full_processor: bool = False) -> Path:
-    """Random weights (``seed``), the tokenizer and a Qwen2-VL image processor in ``path``;
-    ``full_processor`` also saves ``Qwen2_5_VLProcessor`` (needs torchvision; vLLM loads it)."""
+def build_tiny_vl_dir(
+    path: Path, seed: int = 0, full_processor: bool = False, std: float | None = None
+) -> Path:
+    """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
+    out), the tokenizer and a Qwen2-VL image processor in ``path``; ``full_processor`` also saves
+    ``Qwen2_5_VLProcessor`` (needs torchvision; vLLM loads it). Head size 32 (text and vision), as
+    GPU attention kernels take."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(tiny_vl_config(tok))
+    if std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, std)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)

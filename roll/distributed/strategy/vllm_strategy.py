@@ -61,6 +61,7 @@ from roll.distributed.strategy.engine_requests import (
     vllm_prompt_logprobs,
 )
 from roll.distributed.strategy.engine_startup import ENGINES, start_engine
+from roll.distributed.strategy.engine_vision import image_token_id, vllm_prompts
 from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
@@ -68,6 +69,7 @@ from roll.distributed.strategy.generation import (
 )
 from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension, VLLMWorkerCalls
 from roll.distributed.transport.engine_receive import shareable_bucket
+from roll.models.vision import has_vision_inputs
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
 _ABORTED = object()
@@ -83,6 +85,7 @@ class VLLMStrategy:
         self.llm: Any = None
         self.workers = VLLMWorkerCalls(None)  # calls into the TP workers (their engine: initialize)
         self.pad_token_id: int | None = None
+        self.image_token_id: int | None = None  # a vision-language model's (engine_vision)
         self.weight_version: int | None = None
         self.registry = RequestRegistry()
         self._vllm: Any = None
@@ -104,6 +107,7 @@ class VLLMStrategy:
 
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
+        self.image_token_id = image_token_id(self.role_config.model_args.model_name_or_path)
         self.workers = VLLMWorkerCalls(self.llm, serialize=self.config.tensor_parallel_size > 1)
         self._weights_stale = self.config.load_format == "dummy"
 
@@ -128,6 +132,9 @@ class VLLMStrategy:
             (r.request_id, r.prompt_ids, self._sampling(r.sampling))
             for r in vllm_generate_requests(plan, prompts, params)
         ]
+        with_images = vllm_prompts(batch, prompts, self.image_token_id)  # None: text rows only
+        if with_images is not None:  # one request per row, in row order
+            requests = [(rid, prompt, sampling) for (rid, _, sampling), prompt in zip(requests, with_images)]
         collector = CompletionCollector(plan)
         for rid, output in self._run(requests).items():
             collector.add(rid, self._completions(output, params.n, params.logprobs))
@@ -166,6 +173,10 @@ class VLLMStrategy:
         another temperature are refused rather than scored inconsistently with the trainer.
         """
         require_unit_temperature(batch, self.ctx.role, "vllm")
+        if has_vision_inputs(batch):
+            raise ValueError(
+                f"{self.ctx.role}: vllm scores text rows only; score rows with images on hf_infer or fsdp2_train"
+            )
         reqs = scoring_requests(batch)
         sampling = self._sampling(
             {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
@@ -199,8 +210,9 @@ class VLLMStrategy:
         try:
             with self._lock:
                 # vLLM keeps our id as the request's external id: outputs and aborts use it.
-                for rid, prompt, sampling in requests:
-                    engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
+                for rid, prompt, sampling in requests:  # a dict: a prompt with images (engine_vision)
+                    prompt = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+                    engine.add_request(rid, prompt, sampling)
             pending = set(ids)
             while pending:
                 busy = self._step(engine)

@@ -1,0 +1,61 @@
+"""The images of a vision-language prompt as an engine takes them (no engine needed; tested on CPU).
+
+vLLM (0.24) takes a token prompt with images as ``{"prompt_token_ids": ids, "multi_modal_data":
+{"image": [PIL images]}}`` where each image is ONE image token: its multimodal processor resizes the
+images with the model directory's image processor (as roll's data loader did) and expands each token
+to the image's patch count itself. roll's prompt rows hold the expanded ids (what the trainer sees),
+so the engine's prompt collapses each run of image tokens back to one::
+
+    image_token = image_token_id(model_dir)               # config.json's image_token_id (None: text)
+    prompts = vllm_prompts(batch, prompt_token_lists(batch), image_token)   # one dict per row
+
+The engine's outputs are the responses only; the Batch keeps roll's expanded prompt ids, so the
+trainer and the reference score the same tokens the engine conditioned on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from roll.core.batch import Batch
+from roll.models.vision import MULTI_MODAL_DATA, collapse_image_tokens
+
+
+def image_token_id(model_dir: str | None) -> int | None:
+    """The image token of a vision-language model directory (config.json ``image_token_id``);
+    None for a text model."""
+    path = Path(model_dir or "") / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text() or "{}")
+    except ValueError:
+        return None
+    return config.get("image_token_id") if isinstance(config.get("vision_config"), dict) else None
+
+
+def vllm_prompts(batch: Batch, prompts: Sequence[Sequence[int]], image_token: int | None) -> list[Any] | None:
+    """Per row, vLLM's prompt with the row's images (text rows: their ids as they are); None when
+    the batch carries no images, so the caller keeps its text path unchanged."""
+    if MULTI_MODAL_DATA not in batch or not any(batch[MULTI_MODAL_DATA]):
+        return None
+    if image_token is None:
+        raise ValueError(
+            "the prompts carry images but the engine's model has no image token (not a VL model)"
+        )
+    out: list[Any] = []
+    for ids, data in zip(prompts, batch[MULTI_MODAL_DATA], strict=True):
+        if not data:
+            out.append(list(ids))
+            continue
+        collapsed = collapse_image_tokens(ids, image_token)
+        images = list(data.get("image") or [])
+        if collapsed.count(image_token) != len(images):
+            raise ValueError(
+                f"a prompt has {collapsed.count(image_token)} image token runs for {len(images)} images"
+            )
+        out.append({"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}})
+    return out

@@ -1,0 +1,111 @@
+"""The ``vllm`` strategy with images: a tiny Qwen2.5-VL on a real vLLM engine on CUDA (skipped
+without vLLM, torchvision or a GPU).
+
+- generate: prompts with images (roll's data path: ROLL-layout rows -> the image processor -> the
+  Batch's ``multi_modal_data``) go to vLLM as one image token per image plus the PIL images
+  (``engine_vision.vllm_prompts``); the Batch layout holds and the engine's sampled-token log-probs
+  equal transformers' forward with the pixel values on the same weights (bf16 tolerance,
+  tests/engine_gpu.py), which they would not if an image were dropped or misplaced;
+- load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``,
+  what fsdp2_train and hf_infer send in a model update): the engine then samples like the new
+  weights, and not before.
+
+    pytest tests/test_vllm_vl_gpu.py -m gpu     # vLLM 0.24 and torchvision on PYTHONPATH, 1 GPU
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("torchvision")  # Qwen2_5_VLProcessor's video processor, which vLLM loads
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_gpu import assert_close, make_strategy  # noqa: E402
+from tiny_vl import build_tiny_vl_dir, detection_rows, math_rows  # noqa: E402
+
+from roll.configs.role import DataArgs  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.models.logprobs import response_log_probs  # noqa: E402
+from roll.models.vision import VisionProcessor  # noqa: E402
+from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
+from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
+
+PROMPT_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_vl_gpu")
+    a = build_tiny_vl_dir(root / "a", seed=0, full_processor=True, std=0.1)
+    b = build_tiny_vl_dir(root / "b", seed=1, full_processor=True, std=0.1)
+    rows = detection_rows(root / "images", 4) + math_rows(root / "images", 2)
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, a, b
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    strategy = make_strategy("vllm", models[1], gpu_memory_utilization=0.25, enforce_eager=True)
+    yield strategy
+    del strategy.llm
+    torch.cuda.empty_cache()
+
+
+def vl_prompts(root: Path, model_dir: Path):
+    processor = VisionProcessor.load(str(model_dir))
+    args = DataArgs(file_name=[str(root / "prompts.jsonl")], messages="prompt")
+    rows = load_prompt_files(args, processor.tokenizer, PROMPT_LENGTH, "data_args", processor)
+    assert len(rows) == 6 and not rows.bad_rows
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+
+
+def hf_vl(path: Path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+
+
+@torch.no_grad()
+def hf_sampled_logprobs(model, out) -> torch.Tensor:
+    return response_log_probs(model, out.to("cuda"), temperature=1.0)["log_probs"].cpu()
+
+
+def test_generate_with_images_matches_transformers(engine, models):
+    root, a, _ = models
+    prompts = vl_prompts(root, a)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    assert out["responses"].shape[0] == 2 * len(prompts)
+    assert torch.equal(out["prompts"][::2], prompts["prompts"])  # roll's expanded ids stay in the batch
+    assert out["response_mask"].sum() > 0
+    want = hf_sampled_logprobs(hf_vl(a), out)
+    assert_close(out["infer_logprobs"], want, out["response_mask"], "generate with images")
+
+
+def test_load_weights_with_module_names_makes_the_engine_sample_like_the_new_model(engine, models):
+    root, a, b = models
+    prompts = vl_prompts(root, a)
+    new = hf_vl(b)
+    params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=5)
+    before = engine.generate(prompts, params)
+    with pytest.raises(AssertionError):  # the old weights do not pass the tolerance
+        assert_close(
+            before["infer_logprobs"], hf_sampled_logprobs(new, before), before["response_mask"], "old"
+        )
+    names = [name for name, _ in new.state_dict().items()]
+    assert any(n.startswith("model.visual.") for n in names)
+    assert any(n.startswith("model.language_model.") for n in names)
+    engine.load_weights((name, t) for name, t in new.state_dict().items())
+    after = engine.generate(prompts, params)
+    assert_close(
+        after["infer_logprobs"], hf_sampled_logprobs(new, after), after["response_mask"], "new weights"
+    )
