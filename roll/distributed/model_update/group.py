@@ -323,4 +323,9 @@ def default_probe_batch(config: RLVRConfig) -> Batch:
         model_path(model_args), trust_remote_code=model_args.trust_remote_code
     )
     vocab = getattr(hf_config, "vocab_size", None) or hf_config.get_text_config().vocab_size
+    # A vision-language model's forward looks for an image behind each image token: draw below them.
+    vision = [
+        getattr(hf_config, k, None) for k in ("vision_start_token_id", "image_token_id", "video_token_id")
+    ]
+    vocab = min([vocab] + [i for i in vision if isinstance(i, int)])
     return build_probe_batch(vocab, config.model_update_probe_size, config.seed)
