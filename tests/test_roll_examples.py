@@ -29,6 +29,7 @@ MODELS = {
     "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -40,12 +41,13 @@ DATA = {
     "general_CrossThink-QA_deal.jsonl": ["crossthinkqa"],
     "math_benchmarks.jsonl": ["MATH-500", "aime2024", "aime2025"],
     "aime24_25_deal.jsonl": ["aime2025"],
+    # The vision-language file's (Orsta-Data-47k's layout, roll.pipeline.rlvr.data.vision).
+    "train_detection_v3det_4000.parquet": ["v3det_train"],
+    "train_math_mmmath_3539.parquet": ["mm_math"],
 }
 
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
-REFUSED = {
-    "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml": "DetectionRewardWorker (ROLL scores object-detection",
-}
+REFUSED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,9 @@ def roll_workdir(tmp_path_factory) -> Path:
         (model / "tokenizer.json").write_text("{}")
     (root / "data").mkdir()
     for file_name, tags in DATA.items():
+        if file_name.endswith(".parquet"):
+            write_vision_rows(root / "data" / file_name, tags)
+            continue
         rows = [
             {
                 "id": str(i),
@@ -73,6 +78,35 @@ def roll_workdir(tmp_path_factory) -> Path:
     return root
 
 
+def write_vision_rows(path: Path, tags: list[str]) -> None:
+    """ROLL's vision-language rows (data_source, images as bytes, prompt messages with <image>,
+    reward_model) as parquet; without pyarrow, a file that is not parquet (its test then skips)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_text("pyarrow is not installed")
+        return
+    png = bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c49444154789c63f8cfc0"
+        "00000301010018dd8db00000000049454e44ae426082"
+    )  # a 1 x 1 PNG
+    rows = [
+        {
+            "data_source": tag,
+            "images": [{"bytes": png, "path": f"{i}.png"}],
+            "prompt": [{"role": "user", "content": f"<image>What is {i} + 1?"}],
+            "reward_model": {
+                "ground_truth": f"\\boxed{{{i + 1}}}",
+                "accuracy_ratio": 1.0,
+                "format_ratio": 0.1,
+            },
+        }
+        for i, tag in enumerate(tags * 2)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
     assert len(names) == 34 and set(REFUSED) <= names
@@ -80,6 +114,8 @@ def test_every_copied_file_is_listed():
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
+    if name.startswith("qwen2_5-vl"):
+        pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])
     out = capsys.readouterr()
@@ -106,3 +142,62 @@ def test_megatron_infer_rollouts_of_qwen3_next_are_refused_before_launch(roll_wo
         "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with "
         "model_type 'qwen3_next'"
     ), err[-5:]
+
+
+VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            [
+                "actor_train.strategy_args.strategy_name=megatron_train",
+                "actor_train.strategy_args.strategy_config={}",
+            ],
+            "ConfigError: actor_train.model_args.freeze_module_prefix: is applied by fsdp2_train trainers only "
+            "(strategy 'megatron_train' here); remove it",
+        ),
+        (
+            [
+                "actor_train.strategy_args.strategy_name=megatron_train",
+                "actor_train.strategy_args.strategy_config={}",
+                "actor_train.model_args.freeze_module_prefix=null",
+            ],
+            "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run vision-language "
+            "models in roll (no image inputs); use one of hf_infer, fsdp2_train, vllm",
+        ),
+        (
+            [
+                "actor_infer.strategy_args.strategy_name=sglang",
+                "actor_infer.strategy_args.strategy_config={}",
+            ],
+            "ConfigError: actor_infer.strategy_args.strategy_name: sglang does not run vision-language models",
+        ),
+        (
+            ["actor_train.strategy_args.strategy_config.sequence_packing=true"],
+            "ConfigError: actor_train.strategy_args.strategy_config.sequence_packing: true does not run with a "
+            "vision-language model",
+        ),
+        (
+            ["pretrain=Qwen/Qwen3-VL-4B"],
+            "ConfigError: actor_train.model_args.model_name_or_path: vision-language model_type 'qwen3_vl': "
+            "roll's vision-language RLVR runs qwen2_5_vl",
+        ),
+    ],
+)
+def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
+    overrides, line, roll_workdir, monkeypatch, capsys
+):
+    """ROLL's other vision-language files (Megatron, Qwen3-VL) stop on one line naming the key."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.chdir(roll_workdir)
+    qwen3_vl = roll_workdir / "Qwen/Qwen3-VL-4B"
+    if not qwen3_vl.exists():
+        qwen3_vl.mkdir(parents=True)
+        config = json.loads((roll_workdir / "Qwen/Qwen2.5-VL-3B-Instruct/config.json").read_text())
+        (qwen3_vl / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl"}))
+        (qwen3_vl / "tokenizer.json").write_text("{}")
+    code = main(["--config_path", str(EXAMPLES), "--config_name", VL_FILE, "--dry_run", *overrides])
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(line), errors

@@ -173,3 +173,20 @@ def test_parquet_rows_with_image_bytes(setup, tmp_path):
     )
     batch = to_batch(dataset.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
     assert [r["image_grid_thw"].tolist() for r in batch[MULTI_MODAL_INPUTS]] == [[[1, 4, 4]], [[1, 4, 8]]]
+
+
+def test_freeze_module_prefix_freezes_the_vision_tower_or_names_the_modules(setup):
+    from transformers import AutoModelForImageTextToText
+
+    from roll.models.vision import freeze_prefixes
+
+    model = AutoModelForImageTextToText.from_pretrained(setup[1])
+    frozen = freeze_prefixes(model, ["model.visual"], "actor_train.model_args.freeze_module_prefix")
+    names = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == len(names) and names == {
+        n for n, _ in model.named_parameters() if n.startswith("model.visual.")
+    }
+    with pytest.raises(
+        ConfigError, match="'visual' matches no parameter; the model's modules: .*model.visual"
+    ):
+        freeze_prefixes(model, ["visual"], "actor_train.model_args.freeze_module_prefix")

@@ -86,6 +86,10 @@ class StrategySpec:
     # Whether the strategy trains LoRA adapters when ``model_args.lora_rank`` is set (roll.models.lora)
     # and exports merged weights; any other strategy refuses the lora_* keys before launch.
     trains_lora: bool = False
+    # Whether the strategy runs a vision-language model on prompts with images (roll.models.vision:
+    # pixel inputs in the forward, or images sent to the engine); roll.launch.files refuses the
+    # others before launch for such a model.
+    runs_vision: bool = False
     # Environment every GPU worker of a run that has a role of this strategy gets (under the run's
     # and the role's ``system_envs``, which win). SGLang's ``Engine`` sets NCCL_CUMEM_ENABLE=0 in
     # its worker's process unless it is set, and NCCL's peer-to-peer transport between a process
@@ -122,6 +126,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             protocols=("ValueModelStrategy", "HFWeightSource"),
             shares_process_on_cpu=True,
             uses_default_group=False,
+            runs_vision=True,
         ),
         StrategySpec(
             "fsdp2_train",
@@ -134,6 +139,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             records_train_log_probs=True,
             shares_process_on_cpu=True,
             trains_lora=True,
+            runs_vision=True,
         ),
         StrategySpec(
             "megatron_train",
@@ -175,6 +181,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             protocols=("FinishesModelUpdate", "SharedBucketEngine", "BroadcastBucketEngine"),
             sizes_from_free_memory=True,
             preload=("vllm.entrypoints.llm",),
+            runs_vision=True,  # generation only; it scores text rows (engine_vision)
         ),
         StrategySpec(
             "sglang",

@@ -19,6 +19,7 @@ from roll.configs.errors import ConfigError
 from roll.configs.pipeline_config import RLVRConfig
 from roll.configs.role import DataArgs, RewardConfig, RoleConfig, strategy_options
 from roll.configs.run_config import resume_requested
+from roll.configs.strategies import STRATEGIES, get_strategy_spec
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangConfig, VLLMConfig
 from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
@@ -26,6 +27,7 @@ from roll.models.expert_parallel import check_experts, config_experts
 from roll.models.megatron.families import check_model_fits, get_family
 from roll.models.model_dir import check_model_dir
 from roll.models.ulysses import check_heads
+from roll.models.vision import VISION_MODEL_TYPES, check_vision_options, is_vision_model_dir
 from roll.pipeline.common.checkpoint import resolve_resume
 from roll.pipeline.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rewards.scoring import check_reward_kwargs
@@ -49,6 +51,7 @@ def check_files(config: RLVRConfig) -> None:
         check_model_dir(role.model_args.model_name_or_path, key)
         if name not in NO_TOKENIZER_ROLES:
             check_tokenizer_dir(role.model_args.model_name_or_path, key)
+        check_vision_layout(name, role)
         check_megatron_layout(name, role)
         check_engine_role_layout(name, role)
         check_ulysses_layout(name, role)
@@ -74,6 +77,37 @@ def loads_model(role: RoleConfig) -> bool:
     if not isinstance(role, RewardConfig):
         return True
     return get_reward_spec(role.reward_fn).kind == "model"
+
+
+def check_vision_layout(name: str, role: RoleConfig) -> None:
+    """``freeze_module_prefix`` only where fsdp2_train applies it, and a vision-language model
+    (config.json with a ``vision_config``) only of a type roll has run, on strategies that pass it
+    images (``StrategySpec.runs_vision``), with what its forward needs (no packing, no Ulysses)."""
+    strategy = role.strategy_args.strategy_name if role.strategy_args is not None else None
+    if role.model_args.freeze_module_prefix and strategy != "fsdp2_train":
+        raise ConfigError(
+            f"{name}.model_args.freeze_module_prefix",
+            f"is applied by fsdp2_train trainers only (strategy {strategy!r} here); remove it",
+        )
+    path = role.model_args.model_name_or_path
+    if not is_vision_model_dir(path):
+        return
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    if model_type not in VISION_MODEL_TYPES:
+        raise ConfigError(
+            f"{name}.model_args.model_name_or_path",
+            f"vision-language model_type {model_type!r}: roll's vision-language RLVR runs "
+            f"{', '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL; docs/vision_language.md)",
+        )
+    if strategy is not None and not get_strategy_spec(strategy).runs_vision:
+        runs = [s.name for s in STRATEGIES.values() if s.runs_vision]
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_name",
+            f"{strategy} does not run vision-language models in roll (no image inputs); use one of {', '.join(runs)}",
+        )
+    cfg = strategy_options(role)
+    if isinstance(cfg, FSDP2Config):
+        check_vision_options(name, cfg.sequence_packing is True, cfg.ulysses_size)
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:

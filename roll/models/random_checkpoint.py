@@ -134,6 +134,47 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Vision-language (roll.models.vision): Qwen/Qwen2.5-VL-3B-Instruct's config.json; the text
+    # sizes (and num_hidden_layers, token ids) live in text_config.
+    "qwen2.5-vl-3b": (
+        "Qwen2_5_VLConfig",
+        dict(
+            text_config=dict(
+                hidden_size=2048,
+                intermediate_size=11008,
+                num_hidden_layers=36,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                vocab_size=151936,
+                max_position_embeddings=128000,
+                rope_theta=1_000_000.0,
+                rms_norm_eps=1e-6,
+                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                tie_word_embeddings=True,
+                bos_token_id=151643,
+                eos_token_id=151645,
+            ),
+            vision_config=dict(
+                depth=32,
+                hidden_size=1280,
+                intermediate_size=3420,
+                num_heads=16,
+                in_chans=3,
+                out_hidden_size=2048,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31],
+                tokens_per_second=2,
+            ),
+            image_token_id=151655,
+            video_token_id=151656,
+            vision_start_token_id=151652,
+            vision_end_token_id=151653,
+            tie_word_embeddings=True,
+        ),
+    ),
     # The Qwen3-MoE architecture at test size (CPU tests of the scale run's code paths).
     "tiny-qwen3-moe": (
         "Qwen3MoeConfig",
@@ -162,11 +203,17 @@ def preset_config(preset: str, num_hidden_layers: int | None = None, **overrides
     if preset not in PRESETS:
         raise ConfigError("preset", f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
     class_name, values = PRESETS[preset]
-    values = dict(values, **overrides)
+    values = dict(values)
+    # A vision-language preset's language sizes are in text_config: overrides of those go there.
+    text = dict(values["text_config"]) if "text_config" in values else values
+    for key, value in overrides.items():
+        (text if key in text or key.endswith("token_id") else values)[key] = value
     if num_hidden_layers is not None:
         if num_hidden_layers < 1:
             raise ConfigError("num_hidden_layers", f"must be >= 1, got {num_hidden_layers}")
-        values["num_hidden_layers"] = num_hidden_layers
+        text["num_hidden_layers"] = num_hidden_layers
+    if text is not values:
+        values["text_config"] = text
     return getattr(transformers, class_name)(**values)
 
 
@@ -182,7 +229,9 @@ def write_random_checkpoint(
 ) -> Path:
     """Build the preset's model with random weights on ``device`` and save it (and the tokenizer of
     ``tokenizer_dir``, whose special tokens then become the config's) under ``out``;
-    ``config_overrides`` replace preset fields (e.g. a smaller ``hidden_size``)."""
+    ``config_overrides`` replace preset fields (e.g. a smaller ``hidden_size``). A vision-language
+    preset needs a tokenizer with the model's vision tokens (``<|image_pad|>``, ...) and, to run,
+    the model's ``preprocessor_config.json`` copied beside it (the image processor)."""
     out = Path(out)
     overrides: dict[str, Any] = dict(config_overrides)
     tokenizer = None
@@ -197,12 +246,13 @@ def write_random_checkpoint(
         )
     config = preset_config(preset, num_hidden_layers, **overrides)
     torch.manual_seed(seed)
+    vision = getattr(config, "vision_config", None) is not None
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
-    logger.info(
-        "%s with %d layers: %.2f B parameters -> %s", preset, config.num_hidden_layers, params / 1e9, out
-    )
+    layers = config.get_text_config().num_hidden_layers
+    logger.info("%s with %d layers: %.2f B parameters -> %s", preset, layers, params / 1e9, out)
     model.save_pretrained(out, max_shard_size="4GB")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

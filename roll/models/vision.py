@@ -41,6 +41,8 @@ IMAGE_PLACEHOLDER = "<image>"
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
+# The vision-language model types roll has run (CPU tests; docs/vision_language.md).
+VISION_MODEL_TYPES = ("qwen2_5_vl",)
 
 
 def is_vision_config(config: Any) -> bool:

@@ -131,10 +131,9 @@ def parse_row(row: Any, args: DataArgs, default_tag: str) -> tuple[list[dict[str
     if not isinstance(tag, str) or not tag:
         raise ValueError(f"wrong type: field {args.tag!r} must be a non-empty string")
     texts = [(args.tag, tag), (args.ground_truth, truth)]
-    if args.messages in row:
-        texts += [
-            (f"{args.messages}[{i}].{k}", m[k]) for i, m in enumerate(messages) for k in ("role", "content")
-        ]
+    field = _messages_field(row, args)
+    if field is not None:
+        texts += [(f"{field}[{i}].{k}", m[k]) for i, m in enumerate(messages) for k in ("role", "content")]
     else:
         texts.append((args.prompt, messages[0]["content"]))
     for name, text in texts:
@@ -142,18 +141,25 @@ def parse_row(row: Any, args: DataArgs, default_tag: str) -> tuple[list[dict[str
     return messages, truth, tag
 
 
-def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
+def _messages_field(row: dict[str, Any], args: DataArgs) -> str | None:
+    """The field holding the message list: ``messages``, or ``prompt`` when it holds a list
+    (alibaba/ROLL's vision-language rows, whatever ``data_args.messages`` says)."""
     if args.messages in row:
-        messages = row[args.messages]
+        return args.messages
+    return args.prompt if isinstance(row.get(args.prompt), list) else None
+
+
+def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
+    field = _messages_field(row, args)
+    if field is not None:
+        messages = row[field]
         if isinstance(messages, str):  # alibaba/ROLL's files hold the list as a JSON string
             try:
                 messages = json.loads(messages)
             except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"invalid JSON in field {args.messages!r}: {exc.msg} (column {exc.colno})"
-                ) from None
+                raise ValueError(f"invalid JSON in field {field!r}: {exc.msg} (column {exc.colno})") from None
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"wrong type: field {args.messages!r} must be a non-empty list of messages")
+            raise ValueError(f"wrong type: field {field!r} must be a non-empty list of messages")
         messages = [
             {**m, "content": content_text(m.get("content"))} if isinstance(m, dict) else m for m in messages
         ]
@@ -161,9 +167,9 @@ def _messages(row: dict[str, Any], args: DataArgs) -> list[dict[str, str]]:
             if not (
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             ):
-                raise ValueError(f"wrong type: each {args.messages!r} item needs string 'role' and 'content'")
+                raise ValueError(f"wrong type: each {field!r} item needs string 'role' and 'content'")
             if not m["content"].strip():
-                raise ValueError(f"empty content: {args.messages}[{i}] ({m['role']}) has no text")
+                raise ValueError(f"empty content: {field}[{i}] ({m['role']}) has no text")
         return messages
     if args.prompt in row:
         if not isinstance(row[args.prompt], str):
