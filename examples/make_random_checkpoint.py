@@ -7,6 +7,11 @@
 
 Then point a config's ``pretrain`` at ``--out`` (see examples/config/qwen3-30B-A3B-rlvr_megatron_4gpus.yaml).
 Presets: roll/models/random_checkpoint.py.
+
+A vision-language preset (``qwen2.5-vl-3b``) takes the published model's tokenizer and image
+processor: ``--tokenizer`` is a directory holding them (e.g. the small files of
+Qwen/Qwen2.5-VL-3B-Instruct: ``huggingface-cli download Qwen/Qwen2.5-VL-3B-Instruct --include "*.json"
+"*.txt" --local-dir models/qwen2.5-vl-3b-files``); its ``preprocessor_config.json`` is copied along.
 """
 
 import argparse

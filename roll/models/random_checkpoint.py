@@ -13,6 +13,7 @@ loader (HF, Megatron conversion, vLLM) reads the checkpoint as it would read the
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import transformers
 from roll.configs.errors import ConfigError
 
 logger = logging.getLogger("roll")
+# Files of a vision-language model's directory besides the tokenizer's that a run reads.
+VISION_FILES = ("preprocessor_config.json", "chat_template.json", "video_preprocessor_config.json")
 
 
 def _qwen3(**sizes: Any) -> dict[str, Any]:
@@ -230,8 +233,8 @@ def write_random_checkpoint(
     """Build the preset's model with random weights on ``device`` and save it (and the tokenizer of
     ``tokenizer_dir``, whose special tokens then become the config's) under ``out``;
     ``config_overrides`` replace preset fields (e.g. a smaller ``hidden_size``). A vision-language
-    preset needs a tokenizer with the model's vision tokens (``<|image_pad|>``, ...) and, to run,
-    the model's ``preprocessor_config.json`` copied beside it (the image processor)."""
+    preset needs ``tokenizer_dir`` to be the published model's (its vision tokens, and the
+    ``VISION_FILES`` it holds are copied: the image processor's configuration)."""
     out = Path(out)
     overrides: dict[str, Any] = dict(config_overrides)
     tokenizer = None
@@ -256,4 +259,8 @@ def write_random_checkpoint(
     model.save_pretrained(out, max_shard_size="4GB")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+        if vision:  # the image processor (and the chat template) of the model it came with
+            for name in VISION_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out
