@@ -145,6 +145,7 @@ def test_vl_run_trains_the_language_model_and_keeps_the_vision_tower(setup):
         assert row["rollout/logprob_mismatch"] < 1e-4
     assert any(row["actor/grad_norm"] > 0 for row in steps)  # the format rows' groups disagreed
     assert {"val/score/mean/v3det_train", "val/score/mean/mm_math"} <= set(rows[-1])
+    assert (run_dir / "hf_model" / "preprocessor_config.json").is_file()  # the export runs as it is
     before, after = weights(model), weights(run_dir / "hf_model")
     vision = [k for k in before if k.startswith("model.visual.")]
     language = [k for k in before if k.startswith("model.language_model.layers.")]

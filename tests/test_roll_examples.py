@@ -180,6 +180,14 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
             "vision-language model",
         ),
         (
+            ["actor_train.model_args.lora_rank=8", "actor_train.model_args.lora_target=q_proj"],
+            "ConfigError: actor_train.model_args.lora_rank: 8: roll has not run LoRA adapters on a vision-language model",
+        ),
+        (
+            ["rollout_dump.mode=dump", "rollout_dump.dir=dumps"],
+            "ConfigError: rollout_dump.mode: 'dump' does not write or read vision-language rollouts",
+        ),
+        (
             ["pretrain=Qwen/Qwen3-VL-4B"],
             "ConfigError: actor_train.model_args.model_name_or_path: vision-language model_type 'qwen3_vl': "
             "roll's vision-language RLVR runs qwen2_5_vl",

@@ -69,6 +69,7 @@ def check_files(config: RLVRConfig) -> None:
     check_reward_options(config)
     if resume_requested(config.resume_from_checkpoint):
         resolve_resume(config)
+    check_vision_dump(config)
     check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 
 
@@ -105,9 +106,31 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
             f"{name}.strategy_args.strategy_name",
             f"{strategy} does not run vision-language models in roll (no image inputs); use one of {', '.join(runs)}",
         )
+    for key, value, why in (
+        ("model_type", role.model_args.model_type, "a value head on a vision-language model (critic)"),
+        ("lora_rank", role.model_args.lora_rank, "LoRA adapters on a vision-language model"),
+    ):
+        if value is not None:
+            raise ConfigError(
+                f"{name}.model_args.{key}",
+                f"{value!r}: roll has not run {why}; remove it (docs/vision_language.md)",
+            )
     cfg = strategy_options(role)
     if isinstance(cfg, FSDP2Config):
         check_vision_options(name, cfg.sequence_packing is True, cfg.ulysses_size)
+
+
+def check_vision_dump(config: RLVRConfig) -> None:
+    """``rollout_dump`` writes JSON and safetensors of text rollouts; a vision-language run's rows
+    carry pixel inputs it does not write."""
+    if config.rollout_dump.mode != "none" and is_vision_model_dir(
+        config.actor_train.model_args.model_name_or_path
+    ):
+        raise ConfigError(
+            "rollout_dump.mode",
+            f"{config.rollout_dump.mode!r} does not write or read vision-language rollouts (their "
+            "images); set it to none",
+        )
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:

@@ -168,6 +168,8 @@ def finish(run: RLVRRun) -> None:
         with stages.on_devices(run, "actor_train"):
             run.model("actor_train").save_hf_checkpoint(str(tmp))
         run.tokenizer.save_pretrained(str(tmp))
+        if run.processor is not None:  # a vision-language model's image processor goes with it
+            run.processor.image_processor.save_pretrained(str(tmp))
     plot = run.tracker.finish()
     logger.info("final policy: %s; curves: %s", out, plot)
 
