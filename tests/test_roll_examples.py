@@ -151,21 +151,17 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
     "overrides, line",
     [
         (
-            [
-                "actor_train.strategy_args.strategy_name=megatron_train",
-                "actor_train.strategy_args.strategy_config={}",
-            ],
-            "ConfigError: actor_train.model_args.freeze_module_prefix: is applied by fsdp2_train trainers only "
-            "(strategy 'megatron_train' here); remove it",
+            ["reference.model_args.freeze_module_prefix=model.visual"],
+            "ConfigError: reference.model_args.freeze_module_prefix: is applied by fsdp2_train trainers only "
+            "(strategy 'hf_infer' here); remove it",
         ),
         (
             [
                 "actor_train.strategy_args.strategy_name=megatron_train",
                 "actor_train.strategy_args.strategy_config={}",
-                "actor_train.model_args.freeze_module_prefix=null",
             ],
             "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run vision-language "
-            "models in roll (no image inputs); use one of hf_infer, fsdp2_train, vllm",
+            "models in roll (no image inputs; ROLL builds them with mcore_adapter); use one of hf_infer, fsdp2_train, vllm",
         ),
         (
             [

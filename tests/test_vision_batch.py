@@ -190,3 +190,24 @@ def test_freeze_module_prefix_freezes_the_vision_tower_or_names_the_modules(setu
         ConfigError, match="'visual' matches no parameter; the model's modules: .*model.visual"
     ):
         freeze_prefixes(model, ["visual"], "actor_train.model_args.freeze_module_prefix")
+
+
+def test_image_pixel_bounds_resize_for_the_model_and_for_vllm(setup):
+    root, model, processor = setup
+    rows = detection_rows(root / "images", 3)  # the third image: 112 x 56, 8 merged patches
+    path = write_jsonl(root / "pixels.jsonl", rows)
+    dataset = load(path, processor, image_max_pixels=28 * 28 * 4)  # ROLL's data_args key
+    batch = to_batch(dataset.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+    grid = batch[MULTI_MODAL_INPUTS][2]["image_grid_thw"]
+    assert (
+        int(grid.prod()) // 4 <= 4
+        and int((batch["prompts"][2] == processor.image_token_id).sum()) == int(grid.prod()) // 4
+    )
+    sent = vllm_prompts(batch, prompt_token_lists(batch), image_token_id(str(model)))
+    assert sent[2]["mm_processor_kwargs"] == {"max_pixels": 28 * 28 * 4}  # vLLM resizes alike
+    plain = to_batch(load(path, processor).rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+    assert int(plain[MULTI_MODAL_INPUTS][2]["image_grid_thw"].prod()) // 4 == 8
+    assert (
+        "mm_processor_kwargs"
+        not in vllm_prompts(plain, prompt_token_lists(plain), image_token_id(str(model)))[2]
+    )

@@ -156,6 +156,10 @@ class DataArgs:
     # A vision-language row's images (alibaba/ROLL's layout: a list of image bytes, paths, or
     # {"bytes", "path"} records; roll.pipeline.rlvr.data.vision).
     images: str = "images"
+    # The image processor's pixel bounds for this file's images (alibaba/ROLL's keys); None: the
+    # model's preprocessor_config.json (ROLL's defaults: 4 * 28 * 28 and 4096 * 4096).
+    image_min_pixels: int | None = bounded(None, ge=1)
+    image_max_pixels: int | None = bounded(None, ge=1)
     domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
     max_samples: int | None = bounded(None, ge=1)
 

@@ -85,14 +85,18 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
     (config.json with a ``vision_config``) only of a type roll has run, on strategies that pass it
     images (``StrategySpec.runs_vision``), with what its forward needs (no packing, no Ulysses)."""
     strategy = role.strategy_args.strategy_name if role.strategy_args is not None else None
+    path = role.model_args.model_name_or_path
+    if is_vision_model_dir(path):
+        check_vision_model(name, role, strategy)
     if role.model_args.freeze_module_prefix and strategy != "fsdp2_train":
         raise ConfigError(
             f"{name}.model_args.freeze_module_prefix",
             f"is applied by fsdp2_train trainers only (strategy {strategy!r} here); remove it",
         )
+
+
+def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> None:
     path = role.model_args.model_name_or_path
-    if not is_vision_model_dir(path):
-        return
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     if model_type not in VISION_MODEL_TYPES:
         raise ConfigError(
@@ -104,7 +108,8 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
         runs = [s.name for s in STRATEGIES.values() if s.runs_vision]
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
-            f"{strategy} does not run vision-language models in roll (no image inputs); use one of {', '.join(runs)}",
+            f"{strategy} does not run vision-language models in roll (no image inputs; ROLL builds them "
+            f"with mcore_adapter); use one of {', '.join(runs)}",
         )
     for key, value, why in (
         ("model_type", role.model_args.model_type, "a value head on a vision-language model (critic)"),

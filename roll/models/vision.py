@@ -45,6 +45,18 @@ MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 VISION_MODEL_TYPES = ("qwen2_5_vl",)
 
 
+# (min_pixels, max_pixels) of an image's resize; None (or a None bound): the image processor's.
+PixelBounds = tuple[int | None, int | None] | None
+
+
+def pixel_kwargs(pixels: PixelBounds) -> dict[str, int]:
+    """``pixels`` as the ``min_pixels``/``max_pixels`` keywords vLLM's Qwen2-VL processing reads
+    from a prompt's ``mm_processor_kwargs``; {} for the processor's own bounds."""
+    if pixels is None:
+        return {}
+    return {k: b for k, b in zip(("min_pixels", "max_pixels"), pixels) if b is not None}
+
+
 def is_vision_config(config: Any) -> bool:
     """Whether a model config (a dict from config.json, or a transformers config) has a vision tower."""
     if isinstance(config, dict):
@@ -98,13 +110,22 @@ class VisionProcessor:
             int(image_processor.patch_size),
         )
 
-    def image_inputs(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
-        out = self.image_processor(images=list(images), return_tensors="pt")
+    def image_inputs(self, images: Sequence[Any], pixels: PixelBounds = None) -> dict[str, torch.Tensor]:
+        """``pixel_values`` and ``image_grid_thw`` of ``images``, resized within ``pixels`` ((min,
+        max) pixel counts; None or a None bound: the processor's own)."""
+        kwargs = {}
+        if pixels is not None and any(b is not None for b in pixels):
+            size = dict(self.image_processor.size)
+            size.update({k: b for k, b in zip(("shortest_edge", "longest_edge"), pixels) if b is not None})
+            kwargs["size"] = size
+        out = self.image_processor(images=list(images), return_tensors="pt", **kwargs)
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
-    def encode(self, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    def encode(
+        self, text: str, images: Sequence[Any], pixels: PixelBounds = None
+    ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """Token ids of ``text`` with each image's token expanded, and the images' model inputs."""
-        inputs = self.image_inputs(images)
+        inputs = self.image_inputs(images, pixels)
         counts = [int(g.prod()) // self.merge_size**2 for g in inputs["image_grid_thw"]]
         parts = text.split(IMAGE_PAD)
         if len(parts) - 1 != len(counts):

@@ -57,5 +57,8 @@ def vllm_prompts(batch: Batch, prompts: Sequence[Sequence[int]], image_token: in
             raise ValueError(
                 f"a prompt has {collapsed.count(image_token)} image token runs for {len(images)} images"
             )
-        out.append({"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}})
+        prompt = {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}}
+        if data.get("mm_processor_kwargs"):  # the file's image_min/max_pixels: vLLM resizes alike
+            prompt["mm_processor_kwargs"] = dict(data["mm_processor_kwargs"])
+        out.append(prompt)
     return out

@@ -67,6 +67,7 @@ class PromptRow:
     source: str  # "file:line"
     images: list[Any] | None = None  # image bytes or paths (vision-language rows), decoded per batch
     reward_context: dict[str, Any] | None = None  # the row's reward options (``data.vision``)
+    pixels: tuple[int | None, int | None] | None = None  # its file's image_min/max_pixels
 
 
 @dataclass
@@ -282,10 +283,12 @@ def load_prompt_files(
         rows = read_rows(path, data_args, dataset.bad_rows)
         texts = [render_prompt(row.messages, tokenizer, data_args.template) for row in rows]
         ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        pixels = (data_args.image_min_pixels, data_args.image_max_pixels)
         for row, text, ids in zip(rows, texts, ids_list, strict=True):
             source = f"{path}:{row.line}"
             if row.images:
-                text, ids = _vision_prompt(text, row.images, processor, source, f"{path_prefix}.file_name")
+                key = f"{path_prefix}.file_name"
+                text, ids = _vision_prompt(text, row.images, processor, source, key, pixels)
             if len(ids) > prompt_length:
                 dataset.too_long.append(f"{source} ({len(ids)} tokens)")
                 continue
@@ -299,7 +302,8 @@ def load_prompt_files(
                     source,
                     row.images,
                     row.reward_context,
-                )
+                    pixels if row.images else None,
+                )  # fmt: skip
             )
     if data_args.max_samples is not None:
         dataset.rows = dataset.rows[: data_args.max_samples]
@@ -312,7 +316,7 @@ def load_prompt_files(
 
 
 def _vision_prompt(
-    text: str, images: list[Any], processor: Any, source: str, key: str
+    text: str, images: list[Any], processor: Any, source: str, key: str, pixels: tuple[int | None, int | None]
 ) -> tuple[str, list[int]]:
     """(text with image tokens, ids with each image's tokens expanded) of a row with images."""
     from roll.models.vision import with_image_tokens
@@ -321,7 +325,7 @@ def _vision_prompt(
         raise ConfigError(key, f"{source}: the row has images but the model is not a vision-language model")
     text = with_image_tokens(text)
     try:
-        ids, _ = processor.encode(text, decode_images(images, source))
+        ids, _ = processor.encode(text, decode_images(images, source), pixels)
     except ConfigError as exc:
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
-from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS, VisionProcessor
+from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS, VisionProcessor, pixel_kwargs
 
 REWARD_MODEL = "reward_model"
 CONTEXT_KEYS = ("verifier_parm", "accuracy_ratio", "format_ratio")
@@ -138,16 +138,22 @@ def decode_images(refs: Sequence[Any], source: str) -> list[Any]:
 
 def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, list[Any]]:
     """The per-row non-tensor fields of a VL batch: ``multi_modal_inputs`` (pixel values and image
-    grid), ``multi_modal_data`` (the images, for vLLM) and ``reward_context`` (the row's options
-    with ``image_sizes``); None entries for a text row."""
+    grid), ``multi_modal_data`` (the images, for vLLM, with ``mm_processor_kwargs`` holding the
+    file's ``image_min/max_pixels`` where set, so the engine resizes alike) and ``reward_context``
+    (the row's options with ``image_sizes``); None entries for a text row."""
     inputs, data, contexts = [], [], []
     for row in rows:
         context = dict(row.reward_context or {})
         if row.images:
             images = decode_images(row.images, row.source)
-            mm = processor.image_inputs(images)
+            mm = processor.image_inputs(images, row.pixels)
             inputs.append(mm)
-            data.append({"image": images})
+            data.append(
+                {
+                    "image": images,
+                    **({"mm_processor_kwargs": pixel_kwargs(row.pixels)} if pixel_kwargs(row.pixels) else {}),
+                }
+            )
             context["image_sizes"] = processor.image_sizes(mm["image_grid_thw"])
         else:
             inputs.append(None)
