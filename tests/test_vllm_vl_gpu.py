@@ -55,7 +55,13 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    strategy = make_strategy("vllm", models[1], gpu_memory_utilization=0.25, enforce_eager=True)
+    strategy = make_strategy(
+        "vllm",
+        models[1],
+        gpu_memory_utilization=0.25,
+        enforce_eager=True,
+        engine_kwargs={"limit_mm_per_prompt": {"image": 1}},  # one image per row: a small profile
+    )
     yield strategy
     del strategy.llm
     torch.cuda.empty_cache()

@@ -77,10 +77,10 @@ def build_tiny_vl_dir(
     path: Path, seed: int = 0, full_processor: bool = False, std: float | None = None
 ) -> Path:
     """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
-    out), the tokenizer and a Qwen2-VL image processor in ``path``; ``full_processor`` also saves
-    ``Qwen2_5_VLProcessor`` (needs torchvision; vLLM loads it). Head size 32 (text and vision), as
-    GPU attention kernels take."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    out), the tokenizer and a Qwen2-VL image processor in ``path``; ``full_processor`` also loads
+    and saves ``AutoProcessor`` (``Qwen2_5_VLProcessor``; its video processor needs torchvision),
+    as vLLM loads it. Head size 32 (text and vision), as GPU attention kernels take."""
+    from transformers import Qwen2VLImageProcessor  # transformers 5.24 without torchvision: its PIL backend
 
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
@@ -94,14 +94,11 @@ def build_tiny_vl_dir(
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    images = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    images.save_pretrained(path)
-    if full_processor:
-        from transformers import Qwen2_5_VLProcessor
+    Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    if full_processor:  # what vLLM loads: fails here, by name, where it would fail in the engine
+        from transformers import AutoProcessor
 
-        Qwen2_5_VLProcessor(
-            image_processor=images, tokenizer=tok, chat_template=tok.chat_template
-        ).save_pretrained(path)
+        AutoProcessor.from_pretrained(path).save_pretrained(path)
     return path
 
 
