@@ -2,7 +2,8 @@
 on prompts with generated images in alibaba/ROLL's row layout. actor_train on fsdp2_train over 2
 gloo ranks with the vision tower frozen (``freeze_module_prefix: model.visual``), hf_infer rollouts
 and reference, detection, math and format rewards routed by tag and mixed by
-``domain_interleave_probs`` keyed by reward role, a validation before and after."""
+``domain_interleave_probs`` keyed by reward role, a validation before and after, and a resume from
+the step-2 checkpoint."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def config(tmp: Path, model: Path) -> dict:
         "output_dir": str(tmp / "out"),
         "track_with": "none",
         "max_steps": 2,
-        "save_steps": 0,
+        "save_steps": 2,
         "eval_steps": 2,
         "rollout_batch_size": 4,
         "num_return_sequences_in_group": 4,
@@ -152,3 +153,7 @@ def test_vl_run_trains_the_language_model_and_keeps_the_vision_tower(setup):
     assert vision and language
     assert all(torch.equal(before[k], after[k]) for k in vision)
     assert sum(not torch.equal(before[k], after[k]) for k in language) > len(language) // 2
+    # A resume loads the sharded checkpoint of the partly frozen model and goes on (step 3).
+    resumed = config(tmp, model) | {"max_steps": 3, "eval_steps": 0, "resume_from_checkpoint": True}
+    rows = read_metrics(run_pipeline(load(tmp, "vl_resumed", resumed)) / "metrics.jsonl")
+    assert rows[-1]["step"] == 3 and math.isfinite(rows[-1]["actor/loss"])

@@ -211,3 +211,36 @@ def test_image_pixel_bounds_resize_for_the_model_and_for_vllm(setup):
         "mm_processor_kwargs"
         not in vllm_prompts(plain, prompt_token_lists(plain), image_token_id(str(model)))[2]
     )
+
+
+def test_responses_never_hold_vision_tokens_so_the_forward_reads_them_as_generated(setup):
+    """A random model samples its vision tokens too; a generated <|image_pad|> made the reference's
+    forward look for a 13th image patch group (``Image features and image tokens do not match``).
+    Every strategy gives them zero probability in responses, hf_infer's sampling and the forward's
+    log-probs alike."""
+    from roll.distributed.strategy.engine_vision import excluded_token_bias
+    from roll.distributed.strategy.hf_strategy import HFInferStrategy
+    from roll.models.vision import response_excluded_tokens
+
+    _, model, processor = setup
+    role = RoleConfig(
+        model_args=ModelArgs(model_name_or_path=str(model), dtype="fp32"),
+        strategy_args=StrategyArgs("hf_infer", {}),
+        infer_batch_size=4,
+    )
+    ctx = WorkerContext(
+        role="reference", rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), seed=1
+    )
+    strategy = HFInferStrategy(role, ctx)
+    strategy.initialize()
+    excluded = response_excluded_tokens(strategy.model.config)
+    assert processor.image_token_id in excluded and len(excluded) == 3
+    assert set(excluded_token_bias(str(model))) == set(excluded)  # vLLM's logit_bias, the same ids
+    batch = prompts(setup, n_det=2, n_math=2)
+    out = strategy.generate(
+        batch, SamplingParams(n=8, max_new_tokens=12, temperature=1.5, seed=0, logprobs=True)
+    )
+    assert not torch.isin(out["responses"][out["response_mask"].bool()], torch.tensor(excluded)).any()
+    scored = strategy.compute_log_probs(out)["log_probs"]  # no error: no image token in a response
+    mask = out["response_mask"].bool()
+    assert torch.allclose(scored[mask], out["infer_logprobs"][mask], atol=1e-4)

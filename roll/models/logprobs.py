@@ -20,7 +20,12 @@ from torch import nn
 
 from roll.core.batch import Batch
 from roll.models.packing import pack_rows
-from roll.models.vision import forward_kwargs, has_vision_inputs
+from roll.models.vision import (
+    exclude_response_tokens,
+    forward_kwargs,
+    has_vision_inputs,
+    response_excluded_tokens,
+)
 
 TEMPERATURE_KEY = "temperature"
 # Rows of [N, V] logits turned into fp32 at once: bounds the fp32 copy to ~256 MiB for any vocabulary.
@@ -136,6 +141,8 @@ def response_log_probs(
     logits = packed_response_logits(model, batch) if packed else response_logits(model, batch)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    # A vision-language model's responses never hold its vision tokens (roll.models.vision).
+    logits = exclude_response_tokens(logits, response_excluded_tokens(getattr(model, "config", None)))
     mask = batch["response_mask"].bool()
     out = {"log_probs": torch.where(mask, log_probs_from_logits(logits, batch["responses"]), 0.0)}
     if with_entropy:

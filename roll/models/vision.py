@@ -153,6 +153,32 @@ def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
     return out
 
 
+# A vision-language model's tokens that a response must not hold: the forward over prompt + response
+# would read a generated image token as a place for image features, and a generated vision start as
+# the start of an image (its rope positions), which the engine that sampled them did not. Every
+# strategy gives them zero probability in responses (``exclude_response_tokens``; vLLM a bias), so
+# the sampling and scoring distributions are the same.
+EXCLUDED_TOKEN_KEYS = ("vision_start_token_id", "image_token_id", "video_token_id")
+EXCLUDED_LOGIT = -1.0e9  # exp() of it is 0 in fp32; finite, so 0 * logit stays 0 in the entropy
+
+
+def response_excluded_tokens(config: Any) -> list[int]:
+    """The token ids a response of this model must not hold ([] for a text model); ``config`` is a
+    transformers config or config.json's dict."""
+    if not is_vision_config(config):
+        return []
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return sorted({int(get(k)) for k in EXCLUDED_TOKEN_KEYS if isinstance(get(k), int)})
+
+
+def exclude_response_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` [..., V] with ``token_ids`` set to ``EXCLUDED_LOGIT`` (a new tensor; autograd-safe)."""
+    if not token_ids:
+        return logits
+    index = torch.as_tensor(list(token_ids), device=logits.device)
+    return logits.index_fill(-1, index, EXCLUDED_LOGIT)
+
+
 def has_vision_inputs(batch: Any) -> bool:
     """Whether any row of the batch has images."""
     return MULTI_MODAL_INPUTS in batch and any(r for r in batch[MULTI_MODAL_INPUTS])

@@ -45,7 +45,13 @@ from roll.models.loading import load_model
 from roll.models.logprobs import batch_temperature, response_log_probs
 from roll.models.tokenizer import load_tokenizer
 from roll.models.value_model import ValueModel, check_output_kind, response_values
-from roll.models.vision import MULTI_MODAL_INPUTS, forward_kwargs, repeat_rows
+from roll.models.vision import (
+    MULTI_MODAL_INPUTS,
+    exclude_response_tokens,
+    forward_kwargs,
+    repeat_rows,
+    response_excluded_tokens,
+)
 from roll.models.weights import copy_into
 from roll.utils.rng import device_rng_state, set_device_rng_state
 
@@ -159,7 +165,7 @@ class HFInferStrategy:
             **vision,
             generation_config=self._generation_config(params, eos_ids),
             logits_processor=LogitsProcessorList(
-                [*_warpers(params), *([recorder] if params.logprobs else [])]
+                [*self._excluded(), *_warpers(params), *([recorder] if params.logprobs else [])]
             ),
             stopping_criteria=StoppingCriteriaList([stops]),
         )
@@ -169,6 +175,11 @@ class HFInferStrategy:
         lengths = [min(_eos_cut(row, eos_ids), stops.stop_at.get(i, len(row))) for i, row in enumerate(rows)]
         toks = [row[:n] for row, n in zip(rows, lengths)]
         return toks, [row[:n] for row, n in zip(logps.tolist(), lengths)]
+
+    def _excluded(self) -> list[LogitsProcessor]:
+        """A vision-language model's vision tokens out of its responses (``roll.models.vision``)."""
+        ids = response_excluded_tokens(self.model.config)
+        return [_ExcludeTokens(ids)] if ids else []
 
     def _eos_ids(self, params: SamplingParams) -> list[int]:
         return stop_token_ids(self.model.generation_config.eos_token_id, self.tokenizer, params)
@@ -230,6 +241,17 @@ def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=params.top_p))
     return warpers
+
+
+class _ExcludeTokens(LogitsProcessor):
+    """First processor: tokens a response must not hold get ``EXCLUDED_LOGIT``, as the forward's
+    log-probs give them (``roll.models.logprobs``)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return exclude_response_tokens(scores, self.token_ids)
 
 
 class _SampledLogProbs(LogitsProcessor):
