@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -41,6 +42,7 @@ from roll.distributed.strategy.registry import load_strategy_class
 from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension
 from roll.distributed.transport.bucket import pack_bucket
 from roll.distributed.transport.checksum import bucket_checksums
+from roll.models.vision import response_excluded_tokens
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -122,14 +124,18 @@ class FakeLLMEngine:
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], FakeSamplingParams]] = {}
         self.added: list[tuple[str, list[int], FakeSamplingParams]] = []
+        self.prompts: list[dict] = []
         self.aborted: list[str] = []
         self.stall = False  # never finish anything (to test abort)
         self.rename = False  # keep requests under internal ids, like vLLM 0.24 (``<id>-<8 random>``)
 
     def add_request(self, request_id, prompt, params):
-        """vLLM 0.24 returns an internal id, but outputs and aborts use the caller's id."""
-        assert isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}
+        """vLLM 0.24 returns an internal id, but outputs and aborts use the caller's id. A prompt
+        with images (a vision-language model's) is kept whole in ``prompts``."""
+        assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        assert set(prompt) <= {"prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
         assert params.output_kind is RequestOutputKind.FINAL_ONLY
+        self.prompts.append(prompt)
         self.requests[request_id] = (list(prompt["prompt_token_ids"]), params)
         self.added.append((request_id, list(prompt["prompt_token_ids"]), params))
         return request_id + "-1a2b3c4d" if self.rename else request_id
@@ -461,6 +467,48 @@ def test_vllm_generate_batch_layout_order_and_seeds(fake_engines, tokenizer_dir)
     assert_rows_close(out["infer_logprobs"], mask, want_lp)
     assert list(out["uid"]) == ["u0", "u0", "u1", "u1", "u2", "u2"] and out.meta["temperature"] == 0.5
     assert strategy.registry.in_flight() == [] and strategy._finished == {}
+
+
+def test_vllm_generate_sends_each_rows_images_with_one_token_per_image(fake_engines, tmp_path):
+    """A vision-language model (roll.models.vision): rows with images go to the engine as one image
+    token per image plus the images and the file's pixel bounds; a text row as its ids; every
+    request biases the vision tokens out; the Batch keeps roll's expanded prompt ids."""
+    from tiny_vl import build_tiny_vl_tokenizer, tiny_vl_config
+
+    tok = build_tiny_vl_tokenizer()
+    tok.save_pretrained(tmp_path)
+    tiny_vl_config(tok).save_pretrained(tmp_path)
+    image, start = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|vision_start|>")
+    cls = load_strategy_class("vllm")
+    strategy = cls(make_role("vllm", VLLMConfig(seed_mode="request"), str(tmp_path)), ctx())
+    strategy.initialize()
+    llm = FakeLLM.instances[-1]
+    rows = [[5, start, image, image, image, 6], [7, 8], [start, image, image, 9]]
+    batch = prompt_batch(rows, width=6)
+    pictures = ["picture-0", "picture-2"]  # stand-ins: the strategy hands them over as they are
+    batch.non_tensors["multi_modal_data"] = np.array(
+        [
+            {"image": [pictures[0]]},
+            None,
+            {"image": [pictures[1]], "mm_processor_kwargs": {"max_pixels": 3136}},
+        ],
+        dtype=object,
+    )
+    out = strategy.generate(batch, SamplingParams(n=2, max_new_tokens=3, seed=1))
+    sent = llm.llm_engine.prompts
+    assert sent[0] == {"prompt_token_ids": [5, start, image, 6], "multi_modal_data": {"image": ["picture-0"]}}
+    assert sent[1] == {"prompt_token_ids": [7, 8]}
+    assert sent[2]["prompt_token_ids"] == [start, image, 9] and sent[2]["mm_processor_kwargs"] == {
+        "max_pixels": 3136
+    }
+    excluded = {t: -1.0e4 for t in response_excluded_tokens(tiny_vl_config(tok))}
+    assert excluded and all(p.logit_bias == excluded for _, _, p in llm.llm_engine.added)
+    assert torch.equal(out["prompts"][::2], batch["prompts"])  # the expanded ids stay in the batch
+    out.non_tensors["multi_modal_inputs"] = np.array(
+        [{"pixel_values": torch.zeros(1)}, None] * 3, dtype=object
+    )
+    with pytest.raises(ValueError, match="scores text rows only"):
+        strategy.compute_log_probs(out)
 
 
 @pytest.mark.parametrize("tp, serialized", [(2, True), (1, False)])
