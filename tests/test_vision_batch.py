@@ -244,3 +244,21 @@ def test_responses_never_hold_vision_tokens_so_the_forward_reads_them_as_generat
     scored = strategy.compute_log_probs(out)["log_probs"]  # no error: no image token in a response
     mask = out["response_mask"].bool()
     assert torch.allclose(scored[mask], out["infer_logprobs"][mask], atol=1e-4)
+
+
+def test_validation_rows_decode_their_images_per_chunk(setup):
+    """Validation keeps its rows' image bytes only; each chunk's images are decoded when it runs
+    (a ROLL file validates on thousands of image rows)."""
+    from roll.pipeline.rlvr.data.vision import VISION_ROWS, with_vision_fields
+
+    root, _, processor = setup
+    rows = load(write_jsonl(root / "val.jsonl", detection_rows(root / "images", 3)), processor).rows
+    eager = to_batch(rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+    lazy = to_batch(rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor, lazy=True)
+    assert VISION_ROWS in lazy and MULTI_MODAL_INPUTS not in lazy
+    chunk = with_vision_fields(lazy.split(2)[1], processor)
+    assert VISION_ROWS not in chunk and VISION_ROWS in lazy  # the whole batch keeps its rows
+    assert torch.equal(
+        chunk[MULTI_MODAL_INPUTS][0]["pixel_values"], eager[MULTI_MODAL_INPUTS][2]["pixel_values"]
+    )
+    assert chunk["reward_context"][0] == eager["reward_context"][2]

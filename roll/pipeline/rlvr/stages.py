@@ -31,6 +31,7 @@ from roll.pipeline.rlvr.algorithms.metrics import (
 from roll.pipeline.rlvr.algorithms.off_policy import correction_weights, importance_weights
 from roll.pipeline.rlvr.algorithms.policy_losses import READS_SCORES
 from roll.pipeline.rlvr.algorithms.sample_options import apply_sample_options, normalize_scores
+from roll.pipeline.rlvr.data.vision import with_vision_fields
 from roll.pipeline.rlvr.run import RLVRRun
 
 
@@ -293,6 +294,7 @@ def run_validation(run: RLVRRun, step: int) -> dict[str, float]:
     chunks = []
     size = run.val_batch_size
     for chunk in run.progress(run.val_prompts.split(size), desc=f"validation@{step}"):
+        chunk = with_vision_fields(chunk, run.processor)  # a VL run's images, this chunk's only
         chunks.append(compute_rewards(run, generate_rollouts(run, chunk, params)))
     batch = Batch.concat(chunks)
     stats = score_stats_by_domain(batch["scores"], batch["domain"])

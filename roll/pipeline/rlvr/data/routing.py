@@ -74,8 +74,12 @@ def load_data(config: RLVRConfig, tokenizer, processor: Any = None) -> tuple[Any
             config.validation.data_args, tokenizer, config.prompt_length, "validation.data_args", processor
         )
         check_rows_routed(config, rows.rows)
-        val = to_batch(
-            [rows[i] for i in range(len(rows))], tokenizer.pad_token_id, config.prompt_length, processor
+        val = to_batch(  # images: decoded per validation chunk (data.vision.with_vision_fields)
+            [rows[i] for i in range(len(rows))],
+            tokenizer.pad_token_id,
+            config.prompt_length,
+            processor,
+            lazy=True,
         )
         val.non_tensors["group_id"] = np.array([f"val-{i}" for i in range(len(val))], dtype=object)
     return sampler, val

@@ -25,7 +25,7 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.core.batch import Batch
 from roll.pipeline.rlvr.data.dataset import PromptDataset, PromptRow
-from roll.pipeline.rlvr.data.vision import vision_fields
+from roll.pipeline.rlvr.data.vision import VISION_ROWS, vision_fields
 
 ALL = "*"  # the one stream of the unmixed sampler
 
@@ -171,11 +171,16 @@ def _what_to_write(missing: list[str], role_tags: dict[str, list[str]] | None) -
 
 
 def to_batch(
-    rows: Sequence[PromptRow], pad_token_id: int, prompt_length: int, processor: Any = None
+    rows: Sequence[PromptRow],
+    pad_token_id: int,
+    prompt_length: int,
+    processor: Any = None,
+    lazy: bool = False,
 ) -> Batch:
     """``prompts``/``prompt_mask`` [B, prompt_length], LEFT-padded, plus the rows' text fields;
     with a vision-language model's ``processor``, each row's images and model inputs too
-    (``data.vision.vision_fields``)."""
+    (``data.vision.vision_fields``), or with ``lazy`` the rows, whose fields
+    ``data.vision.with_vision_fields`` builds for each part of the batch when it is used."""
     prompts = torch.full((len(rows), prompt_length), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), prompt_length), dtype=torch.long)
     for i, row in enumerate(rows):
@@ -192,7 +197,7 @@ def to_batch(
         "domain": [r.domain for r in rows],
     }
     if processor is not None:
-        fields |= vision_fields(rows, processor)
+        fields |= {VISION_ROWS: list(rows)} if lazy else vision_fields(rows, processor)
     elif any(r.images for r in rows):
         raise ValueError(
             f"prompt {next(r.source for r in rows if r.images)} has images but no processor was given"

@@ -29,6 +29,9 @@ from roll.configs.errors import ConfigError
 from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS, VisionProcessor, pixel_kwargs
 
 REWARD_MODEL = "reward_model"
+# A batch's prompt rows whose vision fields are built later (``with_vision_fields``): validation
+# holds its rows' image bytes only, and decodes each chunk's images when it generates.
+VISION_ROWS = "vision_rows"
 CONTEXT_KEYS = ("verifier_parm", "accuracy_ratio", "format_ratio")
 
 
@@ -134,6 +137,26 @@ def decode_images(refs: Sequence[Any], source: str) -> list[Any]:
     """Every image of the row at ``source`` ("file:row")."""
     base = Path(source.rsplit(":", 1)[0]).parent
     return [decode_image(ref, base, source, i) for i, ref in enumerate(refs)]
+
+
+def with_vision_fields(batch: Any, processor: VisionProcessor | None) -> Any:
+    """``batch`` with the vision fields of its ``VISION_ROWS`` built (``vision_fields``); a batch
+    without them as it is."""
+    if processor is None or VISION_ROWS not in batch:
+        return batch
+    rows = list(batch.non_tensors.pop(VISION_ROWS))
+    for key, values in vision_fields(rows, processor).items():
+        batch.non_tensors[key] = _objects(values)
+    return batch
+
+
+def _objects(values: list[Any]) -> Any:
+    import numpy as np
+
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
 
 
 def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, list[Any]]:
