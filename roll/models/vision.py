@@ -3,7 +3,8 @@ inputs carried by a Batch.
 
     processor = VisionProcessor.load("models/qwen2.5-vl-3b")       # tokenizer + image processor
     text = with_image_tokens(chat_text)                            # <image> -> one image token each
-    ids, inputs = processor.encode(text, images)                   # image tokens expanded
+    ids = processor.encode(text, images)                           # image tokens expanded
+    inputs = processor.image_inputs(images)                        # per batch, when it is built
     inputs["pixel_values"].shape, inputs["image_grid_thw"]          # [patches, C*14*14*2], [images, 3]
 
 A prompt row's vision inputs ride in the Batch as the per-row non-tensor ``multi_modal_inputs``:
@@ -121,17 +122,24 @@ class VisionProcessor:
         out = self.image_processor(images=list(images), return_tensors="pt", **kwargs)
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
-    def encode(
-        self, text: str, images: Sequence[Any], pixels: PixelBounds = None
-    ) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """Token ids of ``text`` with each image's token expanded, and the images' model inputs."""
-        inputs = self.image_inputs(images, pixels)
-        counts = [int(g.prod()) // self.merge_size**2 for g in inputs["image_grid_thw"]]
+    def image_tokens(self, images: Sequence[Any], pixels: PixelBounds = None) -> list[int]:
+        """How many image tokens each image becomes: from its size alone where the image processor
+        can say (``get_number_of_image_patches``, as vLLM asks it), else by processing it."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            grids = self.image_inputs(images, pixels)["image_grid_thw"]
+            return [int(g.prod()) // self.merge_size**2 for g in grids]
+        kwargs = pixel_kwargs(pixels)
+        return [count(image.height, image.width, kwargs) // self.merge_size**2 for image in images]
+
+    def encode(self, text: str, images: Sequence[Any], pixels: PixelBounds = None) -> list[int]:
+        """Token ids of ``text`` with each image's ``<|image_pad|>`` expanded to its token count."""
+        counts = self.image_tokens(images, pixels)
         parts = text.split(IMAGE_PAD)
         if len(parts) - 1 != len(counts):
             raise ValueError(f"{len(parts) - 1} image tokens in the prompt for {len(counts)} images")
         expanded = parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
-        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"]), inputs
+        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
 
     def image_sizes(self, grid_thw: torch.Tensor) -> list[list[int]]:
         """[width, height] in pixels of each image as the model saw it (after the resize)."""

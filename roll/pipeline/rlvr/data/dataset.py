@@ -325,7 +325,7 @@ def _vision_prompt(
         raise ConfigError(key, f"{source}: the row has images but the model is not a vision-language model")
     text = with_image_tokens(text)
     try:
-        ids, _ = processor.encode(text, decode_images(images, source), pixels)
+        ids = processor.encode(text, decode_images(images, source), pixels)
     except ConfigError as exc:
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:
