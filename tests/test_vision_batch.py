@@ -262,3 +262,19 @@ def test_validation_rows_decode_their_images_per_chunk(setup):
         chunk[MULTI_MODAL_INPUTS][0]["pixel_values"], eager[MULTI_MODAL_INPUTS][2]["pixel_values"]
     )
     assert chunk["reward_context"][0] == eager["reward_context"][2]
+
+
+def test_model_update_names_are_the_module_names_vllm_maps(setup):
+    """transformers renames a Qwen2.5-VL checkpoint's start (``^visual``); roll's wire keeps the
+    module names, which vLLM's Qwen2.5-VL loader maps (``model.language_model.``, ``model.visual.``)."""
+    from transformers import AutoModelForImageTextToText
+
+    from roll.models.checkpoint_names import CheckpointNames
+
+    model = AutoModelForImageTextToText.from_pretrained(setup[1])
+    names = [n for n, _ in CheckpointNames.of(model).to_checkpoint(model.state_dict().items())]
+    assert names == list(model.state_dict())
+    assert {n.split(".")[0] + "." + n.split(".")[1] for n in names if n.startswith("model.")} == {
+        "model.visual",
+        "model.language_model",
+    }

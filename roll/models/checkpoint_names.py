@@ -59,10 +59,11 @@ class CheckpointNames:
         if not isinstance(model, PreTrainedModel):  # a value head's wrapper: never sent or exported
             return cls()
         stacks, renames = [], []
+        vision = getattr(model.config, "vision_config", None) is not None
         for transform in get_model_conversion_mapping(model, add_legacy=False):
             ops = [type(op).__name__ for op in getattr(transform, "operations", [])]
             if not ops:
-                renames += _renames(transform)
+                renames += _renames(transform, vision)
             else:
                 stacks.append(_stack(transform, ops))
         return cls(tuple(stacks), tuple(renames))
@@ -111,13 +112,13 @@ class CheckpointNames:
         return name
 
 
-def _renames(transform: Any) -> list[tuple[str, str]]:
-    """Plain substring renames; [] for renames of a name's start (``^visual`` -> ``model.visual``:
-    a vision-language checkpoint's old layout), which transformers applies when it loads and
-    reverses when it saves: roll's wire keeps the module names there, which vLLM's loader of such a
-    model maps itself (Qwen2.5-VL's ``hf_to_vllm_mapper`` takes ``model.language_model.``,
-    ``model.visual.`` and ``lm_head.``)."""
-    if transform.source_patterns and all(p.startswith("^") for p in transform.source_patterns):
+def _renames(transform: Any, vision: bool = False) -> list[tuple[str, str]]:
+    """Plain substring renames. A vision-language model's renames of a name's start (``^visual``
+    -> ``model.visual``: the old checkpoint layout) give []: transformers applies them when it
+    loads and reverses them when it saves, and roll's wire keeps the module names, which vLLM's
+    loader of such a model maps itself (Qwen2.5-VL's ``hf_to_vllm_mapper`` takes
+    ``model.language_model.``, ``model.visual.`` and ``lm_head.``)."""
+    if vision and transform.source_patterns and all(p.startswith("^") for p in transform.source_patterns):
         return []
     pairs = list(zip(transform.source_patterns, transform.target_patterns))
     if len(transform.source_patterns) != len(transform.target_patterns) or not all(
