@@ -184,6 +184,36 @@ def test_vllm_engine_kwargs_pass_through_and_override():
     assert opts.sources["swap_space"] == "actor_infer.strategy_args.strategy_config.engine_kwargs.swap_space"
 
 
+def test_vllm_linear_attention_models_prefill_with_triton_without_flashinfer(tmp_path, monkeypatch):
+    """vLLM's "auto" GDN prefill picks FlashInfer on Hopper and fails to start without it: a model
+    with linear-attention layers gets "triton" where FlashInfer is not installed; others get nothing."""
+    import importlib.util
+    import json
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+
+    def options(config: dict, **cfg) -> dict:
+        model = tmp_path / str(len(list(tmp_path.iterdir())))
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        vllm = VLLMConfig(**cfg)
+        args = StrategyArgs("vllm", vllm)
+        role_config = RoleConfig(model_args=ModelArgs(model_name_or_path=str(model)), strategy_args=args)
+        return vllm_engine_options(vllm, role_config, "actor_infer", 1, "E").kwargs
+
+    hybrid = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
+    assert options(hybrid)["gdn_prefill_backend"] == "triton"
+    assert options({"model_type": "qwen3_next"})["gdn_prefill_backend"] == "triton"  # no layer_types
+    assert "gdn_prefill_backend" not in options({"model_type": "qwen2"})
+    chosen = options(hybrid, engine_kwargs={"gdn_prefill_backend": "flashinfer"})
+    assert chosen["gdn_prefill_backend"] == "flashinfer"  # the user's choice through engine_kwargs
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a)
+    )
+    assert "gdn_prefill_backend" not in options(hybrid)  # with FlashInfer installed vLLM chooses
+
+
 def test_vllm_start_up_options_become_its_compilation_config():
     # Default: no torch.compile, whole decode steps as CUDA graphs at powers of two up to 512.
     kw = vllm_engine_options(VLLMConfig(), role("vllm", None), "actor_infer", 1, "E").kwargs

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +115,7 @@ VLLM_OVERRIDABLE = {
     "distributed_executor_backend",
     "logprobs_mode",
     "compilation_config",
+    "gdn_prefill_backend",
 }
 # ``cuda_graph_sizes: null``: decode batches are padded up to the next power of two.
 DEFAULT_CUDA_GRAPH_SIZES = [1 << i for i in range(10)]  # 1 ... 512
@@ -167,11 +171,35 @@ def vllm_engine_options(
     # Sampled-token log-probs of the distribution actually sampled from (after temperature/top-k/top-p),
     # like hf_infer's infer_logprobs; vLLM's own default is the raw model distribution.
     derived["logprobs_mode"] = ("processed_logprobs", f"{path}.engine_kwargs")
+    derived["gdn_prefill_backend"] = (gdn_prefill_backend(role_config), f"{path}.engine_kwargs")
     # Our own choices may be overridden through engine_kwargs (e.g. the executor backend).
     engine_kwargs = dict(cfg.engine_kwargs)
     for key in VLLM_OVERRIDABLE & engine_kwargs.keys():
         derived[key] = (engine_kwargs.pop(key), f"{path}.engine_kwargs.{key}")
     return _build_options(derived, engine_kwargs, path)
+
+
+def gdn_prefill_backend(role_config: RoleConfig) -> str | None:
+    """vLLM's Gated DeltaNet prefill kernel for a model with linear-attention layers (Qwen3-Next):
+    "triton" (fla's kernels, inside vLLM) where FlashInfer is not installed, since vLLM's "auto"
+    picks FlashInfer on Hopper and its engine then fails at start-up without it; None (vLLM's
+    choice) otherwise and for every other model."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        return None
+    path = Path(role_config.model_args.model_name_or_path or "") / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return None
+    text = config.get("text_config") or config
+    linear = text.get("model_type") in LINEAR_ATTENTION_TYPES or "linear_attention" in (
+        text.get("layer_types") or []
+    )
+    return "triton" if linear else None
+
+
+# Model types whose layers include Gated DeltaNet linear attention (a config may leave out layer_types).
+LINEAR_ATTENTION_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
 
 
 SGLANG_CONFIG_KEYS = {
