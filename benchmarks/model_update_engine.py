@@ -59,6 +59,8 @@ LAYOUTS = {"colocated": COLOCATED, "disagg": DISAGG}
 
 def write_config_dir(preset: str, root: Path, tokenizer: str) -> Path:
     """config.json + tokenizer of the preset, no weights (the engines use load_format=dummy)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     from roll.models.random_checkpoint import preset_config
     from roll.models.tokenizer import load_tokenizer
 
@@ -72,6 +74,8 @@ def write_config_dir(preset: str, root: Path, tokenizer: str) -> Path:
         pad_token_id=tok.pad_token_id,
     )
     config.torch_dtype = torch.bfloat16
+    # What model.save_pretrained would record; SGLang reads the model class from it (vLLM infers it).
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -105,3 +105,15 @@ def test_a_failing_member_prints_its_own_error_under_its_name(monkeypatch, capsy
         bench.member(bench.DISAGG, None, {}, {}, "")
     err = capsys.readouterr().err
     assert "the disaggregated engine (process 2) failed" in err and "no module named sglang.srt" in err
+
+
+def test_config_dir_names_the_model_class(tmp_path):
+    """SGLang reads the model class from config.json's ``architectures`` (its engine stopped on
+    ``hf_config.architectures[0]`` of None at start-up); the directory records it as a checkpoint would."""
+    import json
+
+    from roll.models.tiny import build_tokenizer
+
+    build_tokenizer(["1 + 2 = 3"] * 20).save_pretrained(tmp_path / "tok")
+    out = bench.write_config_dir("qwen2.5-1.5b", tmp_path, str(tmp_path / "tok"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
