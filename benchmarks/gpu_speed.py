@@ -17,7 +17,7 @@ the run, the stage and by how much.
     python benchmarks/gpu_speed.py --only qwen2.5-1.5B-rlvr_megatron_vllm_2gpus --save
     python benchmarks/gpu_speed.py --repo /path/to/other/checkout --label before   # same runs, other code
     python benchmarks/gpu_speed.py --from_runs output/gpu_speed --gpu_name "NVIDIA H200" --gpus 1  # tables again
-    python benchmarks/gpu_speed.py --only qwen3-30B-A3B-rlvr_megatron_vllm_4gpus   # a pending_gpu draft, by name
+    python benchmarks/gpu_speed.py --only qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg   # a pending_gpu draft, by name
 
 Drafts in ``examples/config/pending_gpu`` (``pending=True`` below) run only when ``--only`` names
 them: they are not shipped yet, and a guard run of them is how one qualifies.
@@ -102,7 +102,7 @@ RUNS = (
     SpeedRun("rlvr_megatron_vllm_2gpus", 2),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", 2, preset="qwen2.5-1.5b"),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus_async", 2, preset="qwen2.5-1.5b"),
-    SpeedRun("qwen2.5-1.5B-rlvr_megatron_sglang_2gpus", 2, preset="qwen2.5-1.5b", pending=True),
+    SpeedRun("qwen2.5-1.5B-rlvr_megatron_sglang_2gpus", 2, preset="qwen2.5-1.5b"),
     SpeedRun(
         "qwen3-30B-A3B-rlvr_megatron_4gpus",
         4,
@@ -111,7 +111,7 @@ RUNS = (
         overrides=("response_length=128",),
     ),
     SpeedRun("qwen2.5-7B-rlvr_megatron_vllm_4gpus", 4, preset="qwen2.5-7b"),
-    SpeedRun("qwen3-30B-A3B-rlvr_megatron_vllm_4gpus", 4, preset="qwen3-30b-a3b", layers=4, pending=True),
+    SpeedRun("qwen3-30B-A3B-rlvr_megatron_vllm_4gpus", 4, preset="qwen3-30b-a3b", layers=4),
     SpeedRun(
         "qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg", 4, preset="qwen3-30b-a3b", layers=4, pending=True
     ),

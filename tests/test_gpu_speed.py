@@ -164,14 +164,14 @@ def test_drafts_run_only_when_named_and_launch_from_pending_gpu() -> None:
     drafts = {r.config for r in gpu_speed.RUNS if r.pending}
     assert drafts and all((repo / "examples/config/pending_gpu" / f"{c}.yaml").exists() for c in drafts)
     assert not drafts & {r.config for r in gpu_speed.select_runs(8, set())}  # not in the default set
-    named = gpu_speed.select_runs(4, {"qwen3-30B-A3B-rlvr_megatron_vllm_4gpus"})
-    assert [r.config for r in named] == ["qwen3-30B-A3B-rlvr_megatron_vllm_4gpus"]
+    named = gpu_speed.select_runs(4, {"qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg"})
+    assert [r.config for r in named] == ["qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg"]
     cmd = named[0].launcher("--dry_run")
     assert cmd[-5:] == [
         "--config_path",
         "examples/config/pending_gpu",
         "--config_name",
-        "qwen3-30B-A3B-rlvr_megatron_vllm_4gpus",
+        "qwen3-30B-A3B-rlvr_megatron_vllm_4gpus_disagg",
         "--dry_run",
     ]
     assert "--config_path" not in RUN.launcher()

@@ -442,7 +442,7 @@ def test_shipped_config_passes_dry_run_with_its_files_present(path, tmp_path, ca
 
 
 def test_pending_gpu_drafts_say_they_have_not_run_and_how_to_run_them():
-    assert len(PENDING) >= 3
+    assert PENDING  # the drafts that have not run (they move up to examples/config once they have)
     for path in PENDING:
         text = (EXAMPLES / f"{path}.yaml").read_text()
         assert text.startswith("# NOT RUN ON GPUs YET."), path
