@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -526,6 +527,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ENGINE_STRATEGIES = ("vllm", "sglang")  # strategy names whose package is not a roll dependency
+
+
+def engines_not_installed(values: dict) -> list[str]:
+    """The inference engines a config's roles name that this Python cannot import."""
+    roles = [values.get(k) for k in ("actor_train", "actor_infer", "reference", "critic")]
+    roles += list((values.get("rewards") or {}).values())
+    names = {((r or {}).get("strategy_args") or {}).get("strategy_name") for r in roles}
+    return sorted(e for e in ENGINE_STRATEGIES if e in names and importlib.util.find_spec(e) is None)
+
+
 def select_runs(gpus: int, only: set[str]) -> list[SpeedRun]:
     """The runs that fit ``gpus``: those named in ``only``, else every shipped one (no draft)."""
     return [r for r in RUNS if r.gpus <= gpus and (r.config in only if only else not r.pending)]
@@ -558,6 +570,15 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"gpu_speed: {args.repo} has no config {missing}; skipped", file=sys.stderr)
         runs = [r for r in runs if r.config not in missing]
+    if not only and args.from_runs is None:  # a run named with --only runs (and fails) regardless
+        for run in list(runs):
+            absent = engines_not_installed(config_values(args.repo, run))
+            if absent:
+                print(
+                    f"gpu_speed: {run.config}: skipped, {' and '.join(absent)} not installed here",
+                    file=sys.stderr,
+                )
+                runs.remove(run)
     baseline_path = args.baseline or BASELINES / f"{gpu_slug(gpu_name)}.json"
     baseline = load_baseline(baseline_path).get("runs", {})
     _, _, sheet = datasheet(gpu_name)

@@ -206,3 +206,21 @@ def test_a_run_is_stopped_once_its_last_step_is_logged(tmp_path: Path, monkeypat
     assert any("step 3 logged; stopped before its end-of-run export" in line for line in lines)
     assert gpu_speed.steps_logged(tmp_path / RUN.config / "metrics.jsonl") == 3
     assert gpu_speed.steps_logged(tmp_path / "absent.jsonl") == 0
+
+
+def test_default_runs_leave_out_configs_whose_engine_is_not_installed(monkeypatch) -> None:
+    """The GPU machines carry one engine at a time: a default guard run leaves out (with a note)
+    the configs whose vLLM or SGLang cannot be imported, instead of failing them."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: object() if n == "vllm" else (None if n == "sglang" else real(n, *a)),
+    )
+    values = {r.config: gpu_speed.config_values(repo, r) for r in gpu_speed.RUNS}
+    assert gpu_speed.engines_not_installed(values["qwen2.5-1.5B-rlvr_megatron_sglang_2gpus"]) == ["sglang"]
+    assert gpu_speed.engines_not_installed(values["qwen2.5-1.5B-rlvr_megatron_vllm_2gpus"]) == []
+    assert gpu_speed.engines_not_installed(values["rlvr_megatron_2gpus"]) == []
