@@ -20,7 +20,9 @@ work=$(mktemp -d); out=".engines/$engine-small"; rm -rf "$out"; mkdir -p "$out"
 # (nothing links against them at run time), C/C++ headers of packages that do not JIT-compile here.
 common_trim="*.pyi __pycache__ tests test *.a"
 case "$engine" in
-  vllm)   root="vllm==0.24.0"; extra="llguidance==1.7.6 apache-tvm-ffi==0.1.11"
+  # pycountry: mistral_common's extra (its resolution drops extras), which transformers imports when
+  # it builds a vision-language processor (Qwen2.5-VL), as vLLM does for a VL model.
+  vllm)   root="vllm==0.24.0"; extra="llguidance==1.7.6 apache-tvm-ffi==0.1.11 pycountry==26.2.16"
           # As engine_site.sh: kernels vLLM imports lazily or falls back from (VLLM_USE_FLASHINFER_SAMPLER=0).
           skip="flashinfer-python flashinfer-cubin tilelang nvidia-cudnn-frontend fastsafetensors nvidia-cutlass-dsl quack-kernels tokenspeed-mla tokenspeed-triton humming-kernels"
           # FlashAttention-2 build (Hopper runs FA3), Blackwell FMHA, the Rust frontend roll never starts.
