@@ -32,7 +32,12 @@ def _run(tmp_path: Path, trainer: _Trainer) -> SimpleNamespace:
     tokenizer = SimpleNamespace(save_pretrained=lambda p: (Path(p) / "tokenizer.json").write_text("{}"))
     tracker = SimpleNamespace(finish=lambda: None)
     return SimpleNamespace(
-        run_dir=tmp_path, colocated=set(), tokenizer=tokenizer, tracker=tracker, model=lambda role: trainer
+        run_dir=tmp_path,
+        colocated=set(),
+        tokenizer=tokenizer,
+        processor=None,  # a text model's run (a vision-language one exports its image processor too)
+        tracker=tracker,
+        model=lambda role: trainer,
     )
 
 

@@ -87,20 +87,24 @@ def test_batch_keeps_each_rows_vision_inputs_through_splits_joins_and_pickling(s
     assert torch.equal(kwargs["image_grid_thw"], torch.cat([r["image_grid_thw"] for r in rows]))
 
 
-def test_hf_infer_generates_and_scores_with_images(setup):
+def _hf_infer(model, role: str, infer_batch_size: int):
+    """An initialised fp32 hf_infer strategy on CPU for the tiny VL model, as ``role`` rank 0 of 1."""
     from roll.distributed.strategy.hf_strategy import HFInferStrategy
 
-    _, model, _ = setup
-    role = RoleConfig(
+    config = RoleConfig(
         model_args=ModelArgs(model_name_or_path=str(model), dtype="fp32"),
         strategy_args=StrategyArgs("hf_infer", {}),
-        infer_batch_size=2,
+        infer_batch_size=infer_batch_size,
     )
-    ctx = WorkerContext(
-        role="actor_infer", rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), seed=1
-    )
-    strategy = HFInferStrategy(role, ctx)
+    ctx = WorkerContext(role=role, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), seed=1)
+    strategy = HFInferStrategy(config, ctx)
     strategy.initialize()
+    return strategy
+
+
+def test_hf_infer_generates_and_scores_with_images(setup):
+    _, model, _ = setup
+    strategy = _hf_infer(model, "actor_infer", 2)
     batch = prompts(setup, n_det=2, n_math=1)
     out = strategy.generate(
         batch, SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=0, logprobs=True)
@@ -219,20 +223,10 @@ def test_responses_never_hold_vision_tokens_so_the_forward_reads_them_as_generat
     Every strategy gives them zero probability in responses, hf_infer's sampling and the forward's
     log-probs alike."""
     from roll.distributed.strategy.engine_vision import excluded_token_bias
-    from roll.distributed.strategy.hf_strategy import HFInferStrategy
     from roll.models.vision import response_excluded_tokens
 
     _, model, processor = setup
-    role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=str(model), dtype="fp32"),
-        strategy_args=StrategyArgs("hf_infer", {}),
-        infer_batch_size=4,
-    )
-    ctx = WorkerContext(
-        role="reference", rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), seed=1
-    )
-    strategy = HFInferStrategy(role, ctx)
-    strategy.initialize()
+    strategy = _hf_infer(model, "reference", 4)
     excluded = response_excluded_tokens(strategy.model.config)
     assert processor.image_token_id in excluded and len(excluded) == 3
     assert set(excluded_token_bias(str(model))) == set(excluded)  # vLLM's logit_bias, the same ids
