@@ -8,7 +8,9 @@ report a missing or wrong directory the same way.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from roll.configs.errors import ConfigError
 
@@ -28,6 +30,16 @@ def check_model_dir(path: str | None, key: str = "model_args.model_name_or_path"
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(key, f"{path!r} is not a Hugging Face model directory (no config.json there)")
     return path
+
+
+def config_json(path: str | None) -> dict[str, Any]:
+    """The directory's config.json as a dict: {} where there is none or it is not JSON (the model's
+    load names those problems; callers here only look for keys)."""
+    file = Path(path or "") / "config.json"
+    try:
+        return json.loads(file.read_text() or "{}") if path and file.is_file() else {}
+    except ValueError:
+        return {}
 
 
 def _looks_like_hub_name(path: str) -> bool:

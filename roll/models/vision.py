@@ -26,16 +26,15 @@ processor, which needs torchvision.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from roll.configs.errors import ConfigError
+from roll.models.model_dir import config_json
 
 # alibaba/ROLL's (and Orsta-Data-47k's) image placeholder in prompt text.
 IMAGE_PLACEHOLDER = "<image>"
@@ -67,12 +66,7 @@ def is_vision_config(config: Any) -> bool:
 
 def is_vision_model_dir(path: str | None) -> bool:
     """Whether the model directory's config.json describes a vision-language model."""
-    if not path or not (Path(path) / "config.json").is_file():
-        return False
-    try:
-        return is_vision_config(json.loads((Path(path) / "config.json").read_text() or "{}"))
-    except ValueError:
-        return False
+    return is_vision_config(config_json(path))
 
 
 @dataclass

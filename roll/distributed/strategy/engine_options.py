@@ -22,14 +22,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from roll.configs.errors import ConfigError, did_you_mean
+from roll.models.model_dir import config_json
 
 if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
@@ -186,11 +185,7 @@ def gdn_prefill_backend(role_config: RoleConfig) -> str | None:
     choice) otherwise and for every other model."""
     if importlib.util.find_spec("flashinfer") is not None:
         return None
-    path = Path(role_config.model_args.model_name_or_path or "") / "config.json"
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        return None
+    config = config_json(role_config.model_args.model_name_or_path)
     text = config.get("text_config") or config
     linear = text.get("model_type") in LINEAR_ATTENTION_TYPES or "linear_attention" in (
         text.get("layer_types") or []

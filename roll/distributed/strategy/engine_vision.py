@@ -15,29 +15,20 @@ trainer and the reference score the same tokens the engine conditioned on.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from roll.core.batch import Batch
+from roll.models.model_dir import config_json
 from roll.models.vision import MULTI_MODAL_DATA, collapse_image_tokens, response_excluded_tokens
 
 EXCLUDED_BIAS = -1.0e4
 
 
-def _config(model_dir: str | None) -> dict[str, Any]:
-    path = Path(model_dir or "") / "config.json"
-    try:
-        return json.loads(path.read_text() or "{}") if path.is_file() else {}
-    except ValueError:
-        return {}
-
-
 def image_token_id(model_dir: str | None) -> int | None:
     """The image token of a vision-language model directory (config.json ``image_token_id``);
     None for a text model."""
-    config = _config(model_dir)
+    config = config_json(model_dir)
     return config.get("image_token_id") if isinstance(config.get("vision_config"), dict) else None
 
 
@@ -46,7 +37,7 @@ def excluded_token_bias(model_dir: str | None) -> dict[int, float]:
     as roll's forward scores them (``roll.models.vision.response_excluded_tokens``); {} for a text
     model. A large finite bias (exp underflows to 0), not -inf, which the engine would carry into
     its processed log-probs."""
-    return {token: EXCLUDED_BIAS for token in response_excluded_tokens(_config(model_dir))}
+    return {token: EXCLUDED_BIAS for token in response_excluded_tokens(config_json(model_dir))}
 
 
 def vllm_prompts(batch: Batch, prompts: Sequence[Sequence[int]], image_token: int | None) -> list[Any] | None:
