@@ -68,7 +68,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import RoleConfig
@@ -78,7 +78,7 @@ from roll.core.errors import CheckpointError
 from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.fsdp2_experts import ExpertLayout
-from roll.distributed.strategy.fsdp2_gather import gather_dim0_shards
+from roll.distributed.strategy.fsdp2_gather import iter_full_state
 from roll.models.checkpoint_names import CheckpointNames
 from roll.models.hf_checkpoint import write_hf_checkpoint
 from roll.models.loading import decoder_layers, load_model, torch_dtype
@@ -96,8 +96,6 @@ from roll.utils.process_group import init_default_group
 TRAINER_STATE = "trainer_state.json"
 # ``strategy_config.sharding``: shard across all ranks, or full replicas (DDP-like); see _build_mesh.
 SHARDINGS = ("full_shard", "no_shard")
-# iter_hf_weights gathers the shards of at most this many bytes (of one dtype) in one collective.
-GATHER_GROUP_BYTES = 256 << 20
 
 
 class FSDP2TrainStrategy:
@@ -398,76 +396,17 @@ class FSDP2TrainStrategy:
         """(name, full tensor) for every ``state_dict`` entry of the HF model (tied names included),
         cast to ``model_args.dtype``, named as the checkpoint names it (a MoE layer's stacked experts
         as one view per expert: what vLLM, SGLang and ``save_pretrained`` expect). The shards are all-gathered a group at a time (one collective
-        per ``GATHER_GROUP_BYTES`` of one dtype, not one per tensor: ~40 gloo round trips fewer for
+        per ``fsdp2_gather.GATHER_GROUP_BYTES`` of one dtype, not one per tensor: ~40 gloo round trips fewer for
         a small model on CPU), so EVERY rank must exhaust the iterator; only rank 0 yields (on its
         device), the other ranks yield nothing. With LoRA the names are the original model's and
         each target's weight is merged (W + scale * B @ A, in fp32 before the cast), so receivers
         need nothing LoRA-specific."""
         dtype = torch_dtype(self.role_config.model_args.dtype)
-        fulls = self._iter_full_state()
+        state = self.model.state_dict()
+        fulls = iter_full_state(state, self.mesh, self.ctx.device, self.ctx.rank, self.experts)
         if self.lora_scales:
             fulls = merged_stream(fulls, self.lora_scales)
         yield from self._names.to_checkpoint((name, full.to(dtype)) for name, full in fulls)
-
-    def _iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(state_dict name, full tensor in its master dtype), gathered by groups; rank 0 only."""
-        group: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.model.state_dict().items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if group and (size + nbytes > GATHER_GROUP_BYTES or tensor.dtype != group[0][1].dtype):
-                yield from self._yield_full(group)
-                group, size = [], 0
-            group.append((name, tensor))
-            size += nbytes
-        if group:
-            yield from self._yield_full(group)
-
-    def _yield_full(self, group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        fulls = self._full_tensors([tensor for _, tensor in group])
-        if self.ctx.rank == 0:
-            yield from zip([name for name, _ in group], fulls)
-
-    def _full_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full copies of ``tensors`` on every rank: the dim-0 shards of the mesh's shard axis (the
-        replicate axis, when there is one, holds copies) in one all-gather over that axis, any other
-        tensor on its own (``_full_tensor``)."""
-        fulls: list[torch.Tensor | None] = [None] * len(tensors)
-        sharded = [i for i, t in enumerate(tensors) if self._dim0_sharded(t)]
-        if sharded:
-            gathered = gather_dim0_shards(
-                [tensors[i] for i in sharded], self.ctx.device, self.mesh.get_group("shard")
-            )
-            for i, full in zip(sharded, gathered):
-                fulls[i] = full
-        return [full if full is not None else self._full_tensor(t) for full, t in zip(fulls, tensors)]
-
-    def _dim0_sharded(self, tensor: torch.Tensor) -> bool:
-        """FSDP2's layout on this mesh: Shard(0) on the shard axis, Replicate on the replicate one."""
-        layout = (Shard(0),) if self.mesh.ndim == 1 else (Replicate(), Shard(0))
-        return (
-            isinstance(tensor, DTensor)
-            and tensor.device_mesh == self.mesh
-            and tuple(tensor.placements) == layout
-        )
-
-    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, DTensor):
-            return tensor.detach()
-        if self.experts is not None and self.experts.is_expert(tensor):
-            return self.experts.full_tensor(tensor)
-        local = tensor.to_local()
-        compute_device = self.ctx.device
-        if local.device != compute_device:  # cpu_offload keeps shards on CPU; gather on the GPU
-            tensor = DTensor.from_local(
-                local.to(compute_device),
-                tensor.device_mesh,
-                tensor.placements,
-                run_check=False,
-                shape=tensor.shape,
-                stride=tensor.stride(),
-            )
-        return tensor.full_tensor().detach()
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors (the same on every rank) into this rank's shards. With LoRA,
