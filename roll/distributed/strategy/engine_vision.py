@@ -20,7 +20,12 @@ from typing import Any
 
 from roll.core.batch import Batch
 from roll.models.model_dir import config_json
-from roll.models.vision import MULTI_MODAL_DATA, collapse_image_tokens, response_excluded_tokens
+from roll.models.vision import (
+    MULTI_MODAL_DATA,
+    collapse_image_tokens,
+    is_vision_config,
+    response_excluded_tokens,
+)
 
 EXCLUDED_BIAS = -1.0e4
 
@@ -29,7 +34,7 @@ def image_token_id(model_dir: str | None) -> int | None:
     """The image token of a vision-language model directory (config.json ``image_token_id``);
     None for a text model."""
     config = config_json(model_dir)
-    return config.get("image_token_id") if isinstance(config.get("vision_config"), dict) else None
+    return config.get("image_token_id") if is_vision_config(config) else None
 
 
 def excluded_token_bias(model_dir: str | None) -> dict[int, float]:
