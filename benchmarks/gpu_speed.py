@@ -527,15 +527,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-ENGINE_STRATEGIES = ("vllm", "sglang")  # strategy names whose package is not a roll dependency
-
-
 def engines_not_installed(values: dict) -> list[str]:
-    """The inference engines a config's roles name that this Python cannot import."""
+    """The packages (the strategy table's ``requires``: vllm, sglang, megatron.core) that a config's
+    roles need and this Python cannot import."""
+    from roll.configs.strategies import get_strategy_spec
+
     roles = [values.get(k) for k in ("actor_train", "actor_infer", "reference", "critic")]
     roles += list((values.get("rewards") or {}).values())
-    names = {((r or {}).get("strategy_args") or {}).get("strategy_name") for r in roles}
-    return sorted(e for e in ENGINE_STRATEGIES if e in names and importlib.util.find_spec(e) is None)
+    names = {((r or {}).get("strategy_args") or {}).get("strategy_name") for r in roles} - {None}
+    needed = {module for name in names for module in get_strategy_spec(name).requires}
+    return sorted(module for module in needed if not _importable(module))
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package is missing
+        return False
 
 
 def select_runs(gpus: int, only: set[str]) -> list[SpeedRun]:
