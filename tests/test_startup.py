@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 
@@ -150,11 +150,11 @@ def test_every_roles_workers_start_at_once_and_a_failure_keeps_the_others(monkey
 
     monkeypatch.setattr(classes, "role_classes", lambda name: (FakeCluster, None))
     cfg = config()
-    run = SimpleNamespace(config=cfg, plan=plan_placement(cfg), resources=None, clusters={})
+    clusters = {}
     with pytest.raises(RuntimeError, match="reference failed to start"):
-        start._start_workers(run)
+        start.start_workers(cfg, plan_placement(cfg), None, None, clusters)
     # The roles that did start are kept, in config order, so shutdown stops them.
-    assert list(run.clusters) == ["actor_train", "actor_infer", "rewards.math"]
+    assert list(clusters) == ["actor_train", "actor_infer", "rewards.math"]
 
 
 def test_startup_metrics_name_each_phase_and_the_time_to_the_first_step():
@@ -187,10 +187,11 @@ def test_the_launchers_marks_split_the_launch_phase_into_parts_that_sum_to_it():
     assert list(again.times) == ["time/launch"]
 
 
-def test_prestart_hands_its_ray_to_the_run_of_the_same_config_and_raises_its_error(monkeypatch):
-    """The launcher starts Ray and the hosts on a thread (``prestart``) while it checks the config;
-    start_clusters takes them for that config, an error there raises at the take, and one nobody
-    takes is stopped (``discard_prestart``)."""
+def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_raises_its_error(monkeypatch):
+    """The launcher starts Ray, the hosts and every role's workers on a thread (``prestart``) while
+    it checks the config; start_clusters takes them for that config, an error there raises at the
+    take (Ray) or at ``wait_workers`` (a role's start, with the roles that started kept), and one
+    nobody takes is stopped (``discard_prestart``)."""
     import roll.distributed.scheduler.resource_manager as resource_manager
     from roll.pipeline.rlvr import prestart
 
@@ -203,13 +204,31 @@ def test_prestart_hands_its_ray_to_the_run_of_the_same_config_and_raises_its_err
         def destroy(self):
             self.destroyed = True
 
+    failing: set[str] = set()
+
+    def fake_start_workers(config, plan, resources, hosted, clusters):
+        assert resources.plan == plan and hosted == {"actor_train": ([], True)}
+        for name in config.roles():
+            if name in failing:
+                raise RuntimeError(f"{name} failed to start")
+            clusters[name] = f"cluster of {name}"
+
     monkeypatch.setattr(resource_manager, "ResourceManager", FakeResources)
     monkeypatch.setattr(prestart, "start_hosts", lambda config, plan, rm: ({"actor_train": ([], True)}, []))
+    monkeypatch.setattr(start, "start_workers", fake_start_workers)
     cfg = config()
     prestart.prestart(cfg)
-    rm, hosted, hosts = prestart.take_prestart(cfg)
-    assert rm.plan == plan_placement(cfg) and hosted == {"actor_train": ([], True)} and hosts == []
+    early = prestart.take_prestart(cfg)
+    assert early.resources.plan == plan_placement(cfg) and early.hosts == []
+    assert list(early.wait_workers()) == ["actor_train", "actor_infer", "reference", "rewards.math"]
     assert prestart.take_prestart(cfg) is None  # taken once
+
+    failing.add("reference")
+    prestart.prestart(cfg)
+    early = prestart.take_prestart(cfg)
+    with pytest.raises(RuntimeError, match="reference failed to start"):
+        early.wait_workers()
+    assert list(early.clusters) == ["actor_train", "actor_infer"]  # for the run's shutdown
 
     prestart.prestart(cfg)
     assert prestart.take_prestart(config()) is None  # another config: stopped, the run starts its own
@@ -221,3 +240,25 @@ def test_prestart_hands_its_ray_to_the_run_of_the_same_config_and_raises_its_err
     prestart.prestart(gpu)
     with pytest.raises(RuntimeError, match="no GPUs here"):
         prestart.take_prestart(gpu)
+
+
+def test_the_launch_checks_leave_every_shipped_rlvr_config_as_loaded():
+    """The workers are built from the config while the launcher checks it (``prestart``): the
+    checks and the memory plan must not change it, or the workers would run another config."""
+    import pickle
+
+    from roll.configs.loader import load_config
+    from roll.launch.checks import check_before_launch
+    from roll.planner.report import memory_report
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "config"
+    checked = 0
+    for path in sorted(examples.glob("*.yaml")):
+        if "sft" in path.name:
+            continue
+        cfg = load_config(path, [])
+        before = pickle.dumps(cfg)
+        memory_report(cfg, check_before_launch(cfg, files=False))
+        assert pickle.dumps(cfg) == before, path.name
+        checked += 1
+    assert checked >= 10

@@ -1,14 +1,19 @@
-"""Ray, the device reservation and the host processes, started on a thread while the driver checks
-the config; and the host processes of a run.
+"""Ray, the device reservation, the host processes and every role's workers, started on a thread
+while the driver checks the config; and the host processes of a run.
 
-Starting Ray takes seconds of waiting on its daemons, and the driver's pre-launch checks take
-seconds of importing torch and transformers: on a laptop the two overlap. The launcher starts
-Ray as soon as the config is loaded and hands the result to ``start.start_clusters``::
+Starting Ray takes seconds of waiting on its daemons, starting the workers seconds of process
+starts and imports (torch, megatron-core, the engine), and the driver's pre-launch checks seconds
+of importing torch and transformers (15-20 s on a fresh GPU host): the three overlap. The
+launcher starts them as soon as the config is loaded and ``start.start_clusters`` takes them::
 
-    prestart(config)                 # returns at once; Ray, the reservation and the hosts start
-    check_before_launch(config)      # meanwhile (a ConfigError here: discard_prestart() stops Ray)
+    prestart(config)                 # returns at once; Ray, the reservation, hosts, workers start
+    check_before_launch(config)      # meanwhile (a ConfigError here: discard_prestart() stops them)
     run_pipeline(config)             # start_clusters takes them (take_prestart), or starts its own
     discard_prestart()               # in the launcher's finally: stops a prestart nobody took
+
+The workers are built from the config as loaded: the checks read it and change nothing
+(``tests/test_startup.py``), so they see what they would have seen after them. Their
+``initialize`` (model load, engine start) waits for ``start_clusters``, after the checks passed.
 
 Host processes (``start_hosts``): on CPU slots the colocated roles of a slot share one process
 (``roll/distributed/scheduler/hosting.py``); rule rewards ride along in the first hosts.
@@ -17,6 +22,7 @@ Host processes (``start_hosts``): on CPU slots the colocated roles of a slot sha
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
@@ -26,6 +32,7 @@ from roll.distributed.scheduler.resource_manager import reinstall_signal_handler
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker_host import HostRef
+    from roll.distributed.scheduler.cluster import Cluster
     from roll.distributed.scheduler.resource_manager import ResourceManager
 
 # Per hosted role: its host by rank, and whether it joins its process group (the host's group owner).
@@ -93,12 +100,34 @@ def rule_reward_roles(config: RLVRConfig) -> list[str]:
     ]
 
 
+@dataclass
+class Early:
+    """What a prestart started for a run: the reservation, the host processes and the role
+    clusters that came up (config order; a role whose start failed is missing and ``error`` says
+    why, so the run's shutdown still stops the others)."""
+
+    resources: ResourceManager
+    hosts: list[HostRef]
+    clusters: dict[str, Cluster] = field(default_factory=dict)
+    error: BaseException | None = None
+    workers_done: threading.Event = field(default_factory=threading.Event)
+
+    def wait_workers(self) -> dict[str, Cluster]:
+        """The clusters (waiting for their start); the first role that failed to start raises
+        here, after the caller could take the others from ``clusters`` for its shutdown."""
+        self.workers_done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.clusters
+
+
 class _Prestart:
     def __init__(self, config: RLVRConfig):
         self.config = config
-        self.result: tuple[ResourceManager, Hosted, list[HostRef]] | None = None
-        self.error: BaseException | None = None
-        self.ready = threading.Event()
+        self.early: Early | None = None
+        self.error: BaseException | None = None  # Ray, the reservation or the hosts did not start
+        self.started = threading.Event()  # Ray, the reservation and the hosts are up (or failed)
+        self.ready = threading.Event()  # the workers too
         # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG), so the thread
         # lives on until Ray is shut down (``_stop``) or the process ends.
         self.release = threading.Event()
@@ -107,37 +136,50 @@ class _Prestart:
 
     def _run(self) -> None:
         from roll.distributed.scheduler.resource_manager import ResourceManager
+        from roll.pipeline.rlvr.start import start_workers
 
         try:
             plan = plan_placement(self.config)
             rm = ResourceManager(plan, self.config.device)
-            self.result = (rm, *start_hosts(self.config, plan, rm))
+            hosted, hosts = start_hosts(self.config, plan, rm)
+            self.early = Early(rm, hosts)
         except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
             self.error = exc
+        self.started.set()
+        if self.early is not None:
+            try:
+                start_workers(self.config, plan, rm, hosted, self.early.clusters)
+            except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
+                self.early.error = exc
+            self.early.workers_done.set()
         self.ready.set()
         self.release.wait()
 
-    def wait(self) -> tuple[ResourceManager, Hosted, list[HostRef]]:
-        self.ready.wait()
+    def take(self) -> Early:
+        """The reservation and hosts, once up (an error there raises); ``Early.wait_workers``
+        then waits for the clusters."""
+        self.started.wait()
         if self.error is not None:
             raise self.error
-        assert self.result is not None
-        return self.result
+        assert self.early is not None
+        return self.early
 
 
 _pending: _Prestart | None = None
 
 
 def prestart(config: RLVRConfig) -> None:
-    """Start Ray, reserve the devices and start the host processes of ``config`` on a thread."""
+    """Start Ray, reserve the devices and start the host processes and the workers of ``config``
+    on a thread."""
     global _pending
     discard_prestart()
     _pending = _Prestart(config)
 
 
-def take_prestart(config: RLVRConfig) -> tuple[ResourceManager, Hosted, list[HostRef]] | None:
-    """What ``prestart(config)`` started (waiting for it), or None when nothing was started for
-    this config object; an error it met raises here."""
+def take_prestart(config: RLVRConfig) -> Early | None:
+    """What ``prestart(config)`` started, once Ray, the reservation and the hosts are up (an error
+    there raises here), or None when nothing was started for this config object. The workers may
+    still be starting: ``Early.wait_workers`` waits for them."""
     global _pending
     pending, _pending = _pending, None
     if pending is None:
@@ -146,7 +188,7 @@ def take_prestart(config: RLVRConfig) -> tuple[ResourceManager, Hosted, list[Hos
         _stop(pending)
         return None
     try:
-        return pending.wait()
+        return pending.take()
     finally:
         reinstall_signal_handlers()  # Ray's core worker set C-level ones from the prestart thread
 
@@ -164,10 +206,10 @@ def _stop(pending: _Prestart) -> None:
 
     from roll.distributed.scheduler.ray_shutdown import shutdown_ray
 
-    pending.ready.wait()
-    if pending.result is not None and ray.is_initialized():
-        for host in pending.result[2]:
+    pending.ready.wait()  # the workers' start is not cut off midway: Ray's shutdown stops them
+    if pending.early is not None and ray.is_initialized():
+        for host in pending.early.hosts:
             host.kill()
-        pending.result[0].destroy(timeout_s=1.0)
+        pending.early.resources.destroy(timeout_s=1.0)
     shutdown_ray()
     pending.release.set()

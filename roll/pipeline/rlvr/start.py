@@ -1,15 +1,15 @@
 """Starting an RLVR run, top to bottom: ``build_run`` is the one entry, ``shutdown`` its inverse.
 
-    launch/rlvr.py    prestart(config)             Ray, devices and host processes, on a thread
+    launch/rlvr.py    prestart(config)             Ray, devices, host processes and workers, on a thread
     pipeline.py       run = build_run(config, timer)
       build_run         plan, tokenizer, prompt data (data/routing.py), then:
-      start_clusters    take_prestart (or start Ray here), every role's workers, initialize in waves
+      start_clusters    take_prestart (or start Ray and the workers here), initialize in waves
       model update      the trainer -> engine group, set up once
     pipeline.py       the step loop over ``run``; finally shutdown(run)
 
-Worker processes of all roles start together: each one imports torch and its engine, which is most
-of a CPU run's start-up, and waiting for one role's ranks before asking for the next role's left
-cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
+Worker processes of all roles start together (``start_workers``; by the launcher, while it checks
+the config): each one imports torch and its engine, which is most of a CPU run's start-up, and
+waiting for one role's ranks before asking for the next role's left cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
 GPU engine that shares a device: an engine sizes its memory from what is free when it starts
 (vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
 the roles sharing them initialize together after it (``init_waves``), unless its KV cache is given
@@ -38,6 +38,7 @@ from roll.pipeline.rlvr.run import RLVRRun
 
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import AsyncResult, Cluster
+    from roll.distributed.scheduler.resource_manager import ResourceManager
     from roll.pipeline.rlvr.prestart import Hosted
 
 logger = logging.getLogger("roll")
@@ -231,12 +232,18 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     with timer("ray"):  # only the wait for it when the launcher started it early (``prestart``)
         early = take_prestart(config)
         if early is not None:
-            run.resources, hosted, run.hosts = early
+            run.resources, run.hosts = early.resources, early.hosts
         else:
             run.resources = ResourceManager(run.plan, config.device)
             hosted, run.hosts = start_hosts(config, run.plan, run.resources)
-    with timer("workers"):
-        _start_workers(run, hosted)
+    with timer("workers"):  # likewise: what is left of the workers' start after the checks
+        if early is not None:
+            try:
+                early.wait_workers()
+            finally:
+                run.clusters.update(early.clusters)  # those that started, for the shutdown
+        else:
+            start_workers(config, run.plan, run.resources, hosted, run.clusters)
         check_worker_nodes(run)
     with timer("initialize"):
         waves = init_waves(
@@ -284,21 +291,27 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None]
         timer.times[f"time/initialize.{role}"] = max(known)
 
 
-def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:
-    """One cluster per role, built on threads: each blocks until its ranks answer and have joined
-    their process group, and Ray starts all the processes meanwhile. ``hosted``: the roles whose
-    workers live in host processes (``prestart.start_hosts``), with their hosts by rank."""
+def start_workers(
+    config: RLVRConfig,
+    plan: PlacementPlan,
+    resources: ResourceManager,
+    hosted: Hosted | None,
+    clusters: dict[str, Cluster],
+) -> None:
+    """One cluster per role into ``clusters`` (config order), built on threads: each blocks until
+    its ranks answer and have joined their process group, and Ray starts all the processes
+    meanwhile. ``hosted``: the roles whose workers live in host processes (``prestart.start_hosts``),
+    with their hosts by rank. A role that fails to start raises once the others are in
+    ``clusters``, so the caller's shutdown stops them."""
     from roll.pipeline.workers.classes import role_classes
 
-    roles = run.config.roles()
+    roles = config.roles()
     hosted = hosted or {}
 
     def start(name: str) -> Cluster:
         cluster_cls, worker_cls = role_classes(name)
         extra = {"hosts": hosted[name][0], "joins_process_group": hosted[name][1]} if name in hosted else {}
-        return cluster_cls(
-            name, worker_cls, run.resources, run.plan.roles[name], roles[name], run.config, **extra
-        )
+        return cluster_cls(name, worker_cls, resources, plan.roles[name], roles[name], config, **extra)
 
     pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
     futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}
@@ -306,7 +319,7 @@ def _start_workers(run: RLVRRun, hosted: Hosted | None = None) -> None:
     try:
         for name, future in futures.items():  # config order, whatever order they finish in
             try:
-                run.clusters[name] = future.result()
+                clusters[name] = future.result()
             except Exception as exc:  # noqa: BLE001 - the others are kept for shutdown, then it raises
                 error = error or exc
     finally:
