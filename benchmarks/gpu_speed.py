@@ -104,13 +104,7 @@ RUNS = (
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus", 2, preset="qwen2.5-1.5b"),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_vllm_2gpus_async", 2, preset="qwen2.5-1.5b"),
     SpeedRun("qwen2.5-1.5B-rlvr_megatron_sglang_2gpus", 2, preset="qwen2.5-1.5b"),
-    SpeedRun(
-        "qwen3-30B-A3B-rlvr_megatron_4gpus",
-        4,
-        preset="qwen3-30b-a3b",
-        layers=4,
-        overrides=("response_length=128",),
-    ),
+    SpeedRun("qwen3-30B-A3B-rlvr_megatron_4gpus", 4, preset="qwen3-30b-a3b", layers=4),
     SpeedRun("qwen2.5-7B-rlvr_megatron_vllm_4gpus", 4, preset="qwen2.5-7b"),
     SpeedRun("qwen3-30B-A3B-rlvr_megatron_vllm_4gpus", 4, preset="qwen3-30b-a3b", layers=4),
     SpeedRun(
