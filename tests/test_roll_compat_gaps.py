@@ -249,6 +249,8 @@ def test_gap8_sleep_level_2_engine_is_woken_updated_and_used_without_an_offload_
         "actor_infer.offload",  # drops the weights again; the next wake refills them
     ]
     assert run.weight_version == 1
+    # The refill is timed apart from the wake (both inside time/generate).
+    assert {"swap/actor_infer/reload_s", "swap/actor_infer/refill_s"} <= set(run.swaps.take())
 
 
 def test_sleep_level_1_engine_keeps_the_update_then_offload_order():

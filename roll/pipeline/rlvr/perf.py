@@ -16,7 +16,8 @@ age when the step ends; the first row a run logs also
 carries its start-up phases, ``startup/*_s`` (``startup_metrics``). ``swap/<role>/reload_s`` and
 ``swap/<role>/offload_s`` are the seconds a colocated role spent coming onto and leaving its devices
 during the step (``roll.pipeline.common.timing.SwapTimes``; part of the stage that asked for it, e.g. waking vLLM is part of
-``time/generate``).
+``time/generate``); ``swap/actor_infer/refill_s`` the model update that refills an engine whose
+sleep dropped its weights, right after its wake (also inside ``time/generate``).
 """
 
 from __future__ import annotations

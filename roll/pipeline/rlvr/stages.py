@@ -62,7 +62,8 @@ def engine_awake(run: RLVRRun) -> Iterator[None]:
     offload in between."""
     with on_devices(run, "actor_infer"):
         if run.refill_on_wake:
-            sync_engine_weights(run, run.weight_version)
+            with run.swaps.timed("actor_infer", "refill"):  # swap/actor_infer/refill_s
+                sync_engine_weights(run, run.weight_version)
         yield
 
 
