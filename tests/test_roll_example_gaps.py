@@ -204,9 +204,8 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
         ),
         ("rewards: {j: {judge_model_type: cluster}}", "judge_model_type='cluster' (ROLL: api asks"),
         (
-            "rewards: {d: {worker_cls: x.VideoR1RewardWorker}}",
-            "VideoR1RewardWorker (ROLL scores Video-R1 answers on videos; roll's vision-language runs take "
-            "images only",
+            "rewards: {d: {worker_cls: x.MysteryRewardWorker}}",
+            "MysteryRewardWorker (unknown ROLL reward worker; known: MathRuleRewardWorker",
         ),
     ],
 )

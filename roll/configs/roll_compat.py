@@ -101,11 +101,7 @@ REWARD_WORKERS = {
     "GeneralRuleRewardWorker": "ifeval",
     "CrossThinkQARuleRewardWorker": "multiple_choice",
     "DetectionRewardWorker": "detection",
-}
-# ROLL's reward workers roll has no counterpart of: refused with what they score.
-VISION_REWARD_WORKERS = {
-    "VideoR1RewardWorker": "ROLL scores Video-R1 answers on videos; roll's vision-language runs take "
-    "images only (docs/vision_language.md)",
+    "VideoR1RewardWorker": "video_r1",
 }
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
@@ -201,8 +197,9 @@ def _map_reward_worker(reward: dict[str, Any], path: str, problems: Problems, no
     cls = class_name(reward.pop("worker_cls"))
     name = REWARD_WORKERS.get(cls)
     if name is None:
-        advice = VISION_REWARD_WORKERS.get(cls, "unknown ROLL reward worker")
-        problems.add(f"{path}.worker_cls={cls}", f"{advice}; known: {', '.join(REWARD_WORKERS)}")
+        problems.add(
+            f"{path}.worker_cls={cls}", f"unknown ROLL reward worker; known: {', '.join(REWARD_WORKERS)}"
+        )
         return
     if reward.setdefault("reward_fn", name) != name:
         problems.add(

@@ -47,6 +47,7 @@ REWARD_FUNCTIONS: dict[str, RewardSpec] = {
         RewardSpec("ifeval", f"{_R}.ifeval:ifeval_reward"),
         RewardSpec("multiple_choice", f"{_R}.multiple_choice:multiple_choice_reward"),
         RewardSpec("detection", f"{_R}.detection:detection_reward"),
+        RewardSpec("video_r1", f"{_R}.video_r1:video_r1_reward"),
     )
 }
 
