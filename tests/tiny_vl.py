@@ -179,3 +179,47 @@ def math_rows(image_dir: Path, n: int, tag: str = "mm_math") -> list[dict]:
             }
         )
     return rows
+
+
+# Video-R1 rows: 4 frames of 56 x 56 (2 temporal patches of 2 x 2 merged patches: 8 video tokens).
+VIDEO_SIZE, VIDEO_FPS, VIDEO_FRAMES = 56, 4, 8
+VIDEO_ARGS = {"video_fps": 2.0, "video_min_pixels": 56 * 56, "video_max_pixels": 56 * 56}
+
+
+def write_video(
+    path: Path, colors: list[tuple[int, int, int]], fps: int = VIDEO_FPS, size: int = VIDEO_SIZE
+) -> Path:
+    """An MPEG-4 video of one flat color per frame (needs PyAV)."""
+    import av
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for color in colors:
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), color, np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    return path
+
+
+def video_r1_rows(video_dir: Path, n: int) -> list[dict]:
+    """Video-R1 rows (ROLL's video_r1 layout): which color comes first, multiple choice; videos of
+    ``VIDEO_FRAMES`` frames at ``VIDEO_FPS`` under ``video_dir``, paths relative to its parent."""
+    rows = []
+    for i in range(n):
+        first, second = list(COLORS.values())[i % 2], list(COLORS.values())[1 - i % 2]
+        colors = [first] * (VIDEO_FRAMES // 2) + [second] * (VIDEO_FRAMES // 2)
+        write_video(video_dir / f"clip{i}.mp4", colors)
+        rows.append(
+            {
+                "modality_type": "video",
+                "problem": "What color comes first? Options:\nA. red\nB. blue\n",
+                "solution": f"<answer>{'AB'[i % 2]}</answer>",
+                "video": f"{video_dir.name}/clip{i}.mp4",
+                "problem_type": "multiple choice",
+            }
+        )
+    return rows

@@ -160,6 +160,18 @@ class DataArgs:
     # model's preprocessor_config.json (ROLL's defaults: 4 * 28 * 28 and 4096 * 4096).
     image_min_pixels: int | None = bounded(None, ge=1)
     image_max_pixels: int | None = bounded(None, ge=1)
+    # A row's videos (a path or a list of paths; roll.pipeline.rlvr.data.video) and how their
+    # frames are sampled (alibaba/ROLL's keys; None: Qwen's qwen_vl_utils defaults).
+    video: str = "video"
+    video_fps: float | None = bounded(None, gt=0)
+    video_max_frames: int | None = bounded(None, ge=2)
+    video_min_pixels: int | None = bounded(None, ge=1)
+    video_max_pixels: int | None = bounded(None, ge=1)
+    video_total_pixels: int | None = bounded(None, ge=1)
+    video_folder: str | None = None  # where relative video paths are looked up first
+    # "video_r1": rows in Video-R1's layout (problem, problem_type, solution, video), which ROLL's
+    # custom_data_kwargs_func video_r1_get_data_kwargs reads.
+    row_layout: str = one_of("default", "default", "video_r1")
     domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
     max_samples: int | None = bounded(None, ge=1)
 

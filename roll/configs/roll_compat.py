@@ -90,6 +90,7 @@ DROPPED: dict[str, str] = {
     "rewards.*.data_args.preprocessing_num_workers": _PREPROCESS,
     "model_download_type": "roll loads local checkpoint directories (ROLL: the hub to download from)",
     "*.training_args.num_train_epochs": _EPOCHS,
+    "*.data_args.video_resize_chunk_frames": "roll resizes the sampled frames of one video at a time",
     "rewards.*.training_args.num_train_epochs": _EPOCHS,
 }
 
@@ -103,6 +104,8 @@ REWARD_WORKERS = {
     "DetectionRewardWorker": "detection",
     "VideoR1RewardWorker": "video_r1",
 }
+# ROLL's data_args.custom_data_kwargs_func (the function that reads its rows) -> roll's row_layout.
+DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1"}
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
 
@@ -130,6 +133,8 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             if isinstance(reward.get("strategy_args"), dict):
                 map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
     _map_rpc_timeout(raw, problems, notes)
+    for path, section in sections.items():
+        _map_data_kwargs_func(section, path, problems, notes)
     map_rollout_mock(raw, problems, notes)
     drop_offload_nccl(raw, "offload_nccl", notes)
     _walk(raw, "", problems, notes)
@@ -227,6 +232,20 @@ def _map_rpc_timeout(raw: dict[str, Any], problems: Problems, notes: list[str]) 
     for f in dataclasses.fields(WorkerTimeoutsConfig):
         timeouts.setdefault(f.name, seconds)
     notes.append(f"rpc_timeout: {seconds} -> worker_timeouts of every stage not set there")
+
+
+def _map_data_kwargs_func(section: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:
+    data_args = section.get("data_args")
+    if not isinstance(data_args, dict) or "custom_data_kwargs_func" not in data_args:
+        return
+    func = data_args.pop("custom_data_kwargs_func")
+    layout = DATA_KWARGS_FUNCS.get(class_name(str(func)))
+    at = f"{path}.data_args.custom_data_kwargs_func={func}"
+    if layout is None:
+        problems.add(at, f"unknown ROLL row reader; known: {', '.join(DATA_KWARGS_FUNCS)}")
+        return
+    data_args.setdefault("row_layout", layout)
+    notes.append(f"{path}.data_args.custom_data_kwargs_func {class_name(str(func))} -> row_layout: {layout}")
 
 
 def _complete_interleave_probs(raw: dict[str, Any], notes: list[str]) -> None:

@@ -81,12 +81,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Logits [B, R, V] predicting ``responses[:, t]`` (columns P - 1 .. P + R - 2).
 
-    Only the last R + 1 positions go through the LM head (``logits_to_keep``). Rows with images
-    (``roll.models.vision``) pass their pixel values and image grids instead of position ids: the
-    model computes its multimodal rope positions from them and the attention mask.
+    Only the last R + 1 positions go through the LM head (``logits_to_keep``). Rows with images or
+    videos (``roll.models.vision``) pass their pixel values, grids and token types instead of
+    position ids: the model computes its 3-D rope positions from them and the attention mask.
     """
     width = batch["responses"].shape[1]
-    vision = forward_kwargs(batch, batch["input_ids"].device)
+    vision = forward_kwargs(batch, batch["input_ids"].device, batch["input_ids"], model.config)
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],

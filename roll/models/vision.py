@@ -22,6 +22,16 @@ roll calls the model directory's image processor (``AutoImageProcessor``) and ex
 tokens itself, as ``Qwen2_5_VLProcessor`` does (one ``<|image_pad|>`` becomes
 ``grid_t * grid_h * grid_w / merge_size**2`` of them): ``AutoProcessor`` would also build the video
 processor, which needs torchvision.
+
+Videos (``<video>`` in the prompt, one ``<|video_pad|>`` each) are sampled frames of one size
+(``roll.pipeline.rlvr.data.video``); ``video_inputs`` runs the same image processor on each frame
+and pairs consecutive frames into one temporal patch, which is the layout of Qwen2-VL's video
+processor (``pixel_values_videos`` [patches, C*2*14*14], ``video_grid_thw`` [frames / 2, h, w]),
+without its torchvision dependency; ``second_per_grid_ts`` is 2 / the sampling fps.
+
+The 3-D rope positions: transformers (5.x) computes them only when the forward also gets
+``mm_token_type_ids`` (1 at image tokens, 2 at video tokens; ``token_types``), which the HF
+processor returns and roll builds from the ids; without them the model falls back to 1-D positions.
 """
 
 from __future__ import annotations
@@ -38,7 +48,17 @@ from roll.models.model_dir import config_json
 
 # alibaba/ROLL's (and Orsta-Data-47k's) image placeholder in prompt text.
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"  # one video of a prompt (ROLL's {"type": "video"} part)
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+# The forward's keyword tensors of a row's vision inputs, concatenated over rows in row order.
+VISION_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 # The vision-language model types roll has run (CPU tests; docs/vision_language.md).
@@ -78,6 +98,8 @@ class VisionProcessor:
     image_token_id: int
     merge_size: int
     patch_size: int
+    video_token_id: int | None = None  # None: the tokenizer has no <|video_pad|>
+    temporal_patch_size: int = 2
 
     @classmethod
     def load(cls, path: str, trust_remote_code: bool = False) -> VisionProcessor:
@@ -97,12 +119,15 @@ class VisionProcessor:
             raise ConfigError(
                 "model_args.model_name_or_path", f"the tokenizer of {path!r} has no {IMAGE_PAD} token"
             )
+        video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         return cls(
             tokenizer,
             image_processor,
             token_id,
             int(image_processor.merge_size),
             int(image_processor.patch_size),
+            None if video_id is None or video_id == tokenizer.unk_token_id else int(video_id),
+            int(getattr(image_processor, "temporal_patch_size", 2) or 2),
         )
 
     def image_inputs(self, images: Sequence[Any], pixels: PixelBounds = None) -> dict[str, torch.Tensor]:
@@ -126,13 +151,48 @@ class VisionProcessor:
         kwargs = pixel_kwargs(pixels)
         return [count(image.height, image.width, kwargs) // self.merge_size**2 for image in images]
 
-    def encode(self, text: str, images: Sequence[Any], pixels: PixelBounds = None) -> list[int]:
-        """Token ids of ``text`` with each image's ``<|image_pad|>`` expanded to its token count."""
-        counts = self.image_tokens(images, pixels)
-        parts = text.split(IMAGE_PAD)
-        if len(parts) - 1 != len(counts):
-            raise ValueError(f"{len(parts) - 1} image tokens in the prompt for {len(counts)} images")
-        expanded = parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
+    def video_inputs(self, videos: Sequence[Sequence[Any]], fps: Sequence[float]) -> dict[str, torch.Tensor]:
+        """``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` of ``videos`` (each
+        a list of PIL frames of one size, an even count), sampled at ``fps`` frames per second."""
+        values, grids = [], []
+        for frames in videos:
+            if not frames or len(frames) % self.temporal_patch_size:
+                raise ValueError(
+                    f"a video needs a multiple of {self.temporal_patch_size} frames, got {len(frames)}"
+                )
+            width, height = frames[0].size
+            bound = (height * width, height * width)  # frames come resized: the processor keeps them
+            out = self.image_inputs(frames, bound)
+            grid = out["image_grid_thw"][0]
+            tp, p = self.temporal_patch_size, self.patch_size
+            # [frames, patches, C, tp, p, p], the tp copies of a frame alike: keep one copy and put
+            # each pair of consecutive frames in its place: [frames / tp, patches, C, tp, p, p]
+            pv = out["pixel_values"].reshape(len(frames), int(grid.prod()), -1, tp, p, p)[:, :, :, 0]
+            pv = pv.reshape(len(frames) // tp, tp, *pv.shape[1:]).permute(0, 2, 3, 1, 4, 5)
+            values.append(pv.reshape(-1, out["pixel_values"].shape[1]))
+            grids.append([len(frames) // self.temporal_patch_size, int(grid[1]), int(grid[2])])
+        return {
+            "pixel_values_videos": torch.cat(values),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+            "second_per_grid_ts": torch.tensor(
+                [self.temporal_patch_size / f for f in fps], dtype=torch.float32
+            ),
+        }
+
+    def video_tokens(self, frame_count: int, height: int, width: int) -> int:
+        """How many video tokens a video of ``frame_count`` frames of ``height`` x ``width`` (already
+        resized to multiples of patch_size * merge_size) becomes."""
+        unit = self.patch_size * self.merge_size
+        return frame_count // self.temporal_patch_size * (height // unit) * (width // unit)
+
+    def encode(
+        self, text: str, images: Sequence[Any], pixels: PixelBounds = None, video_tokens: Sequence[int] = ()
+    ) -> list[int]:
+        """Token ids of ``text`` with each image's ``<|image_pad|>`` and each video's ``<|video_pad|>``
+        expanded to its token count (``video_tokens``: per video)."""
+        expanded = _expand(text, IMAGE_PAD, self.image_tokens(images, pixels) if images else [], "image")
+        if video_tokens or (VIDEO_PAD in expanded):
+            expanded = _expand(expanded, VIDEO_PAD, list(video_tokens), "video")
         return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
 
     def image_sizes(self, grid_thw: torch.Tensor) -> list[list[int]]:
@@ -140,16 +200,27 @@ class VisionProcessor:
         return [[int(w) * self.patch_size, int(h) * self.patch_size] for _, h, w in grid_thw.tolist()]
 
 
+def _expand(text: str, pad: str, counts: list[int], what: str) -> str:
+    parts = text.split(pad)
+    if len(parts) - 1 != len(counts):
+        raise ValueError(f"{len(parts) - 1} {what} tokens in the prompt for {len(counts)} {what}s")
+    return parts[0] + "".join(pad * n + part for n, part in zip(counts, parts[1:]))
+
+
 def with_image_tokens(text: str) -> str:
-    """Prompt text with each ``<image>`` as ``<|vision_start|><|image_pad|><|vision_end|>``."""
-    return text.replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
+    """Prompt text with each ``<image>`` as ``<|vision_start|><|image_pad|><|vision_end|>`` and each
+    ``<video>`` as ``<|vision_start|><|video_pad|><|vision_end|>``."""
+    text = text.replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
+    return text.replace(VIDEO_PLACEHOLDER, VISION_START + VIDEO_PAD + VISION_END)
 
 
-def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
-    """``ids`` with each run of image tokens as one token: the prompt as vLLM takes it with images."""
+def collapse_image_tokens(ids: Sequence[int], *token_ids: int | None) -> list[int]:
+    """``ids`` with each run of one of ``token_ids`` (the image token, the video token) as one
+    token: the prompt as vLLM takes it with images and videos."""
+    collapse = {t for t in token_ids if t is not None}
     out: list[int] = []
     for token in ids:
-        if token == image_token_id and out and out[-1] == image_token_id:
+        if token in collapse and out and out[-1] == token:
             continue
         out.append(int(token))
     return out
@@ -182,19 +253,42 @@ def exclude_response_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> t
 
 
 def has_vision_inputs(batch: Any) -> bool:
-    """Whether any row of the batch has images."""
+    """Whether any row of the batch has images or videos."""
     return MULTI_MODAL_INPUTS in batch and any(r for r in batch[MULTI_MODAL_INPUTS])
 
 
-def forward_kwargs(batch: Any, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """``pixel_values`` and ``image_grid_thw`` of the batch's rows, concatenated in row order, on
-    ``device``; {} for a batch without vision inputs (a text model, or text rows only)."""
+def forward_kwargs(
+    batch: Any, device: torch.device | str, input_ids: torch.Tensor | None = None, config: Any = None
+) -> dict[str, torch.Tensor]:
+    """The vision inputs of the batch's rows (``VISION_INPUT_KEYS``, each concatenated over the rows
+    that have it, in row order) on ``device``, and with ``input_ids`` [B, T] and the model's
+    ``config`` their ``mm_token_type_ids`` (``token_types``); {} for a batch without vision inputs."""
     if MULTI_MODAL_INPUTS not in batch:
         return {}
     rows = [r for r in batch[MULTI_MODAL_INPUTS] if r]
     if not rows:
         return {}
-    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}
+    out = {}
+    for key in VISION_INPUT_KEYS:
+        parts = [r[key] for r in rows if r.get(key) is not None]
+        if parts:
+            out[key] = torch.cat(parts).to(device)
+    if input_ids is not None and config is not None:
+        out["mm_token_type_ids"] = token_types(input_ids, config).to(device)
+    return out
+
+
+def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """``mm_token_type_ids``: 1 at the config's image tokens, 2 at its video tokens, 0 elsewhere; with
+    them transformers computes the 3-D rope positions (``get_rope_index``)."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    for token, kind in (
+        (getattr(config, "image_token_id", None), 1),
+        (getattr(config, "video_token_id", None), 2),
+    ):
+        if token is not None:
+            types[input_ids == token] = kind
+    return types
 
 
 def repeat_rows(rows: Sequence[Any], n: int) -> list[Any]:

@@ -9,6 +9,11 @@ so the engine's prompt collapses each run of image tokens back to one::
     image_token = image_token_id(model_dir)               # config.json's image_token_id (None: text)
     prompts = vllm_prompts(batch, prompt_token_lists(batch), image_token)   # one dict per row
 
+Videos go the same way: ``{"video": [frames [T, H, W, 3] uint8]}`` with each run of video tokens
+collapsed to one, and ``mm_processor_kwargs`` holding the frames' sampling ``fps`` (the processor's
+``second_per_grid_ts``) and their pixel area as ``min_pixels``/``max_pixels``, so the engine keeps
+roll's frames as they are (``roll.pipeline.rlvr.data.vision.video_fields``).
+
 The engine's outputs are the responses only; the Batch keeps roll's expanded prompt ids, so the
 trainer and the reference score the same tokens the engine conditioned on.
 """
@@ -37,6 +42,13 @@ def image_token_id(model_dir: str | None) -> int | None:
     return config.get("image_token_id") if is_vision_config(config) else None
 
 
+def video_token_id(model_dir: str | None) -> int | None:
+    """The video token of a vision-language model directory (config.json ``video_token_id``);
+    None for a text model or one without videos."""
+    config = config_json(model_dir)
+    return config.get("video_token_id") if is_vision_config(config) else None
+
+
 def excluded_token_bias(model_dir: str | None) -> dict[int, float]:
     """vLLM's ``logit_bias`` keeping a vision-language model's vision tokens out of its responses,
     as roll's forward scores them (``roll.models.vision.response_excluded_tokens``); {} for a text
@@ -45,9 +57,11 @@ def excluded_token_bias(model_dir: str | None) -> dict[int, float]:
     return {token: EXCLUDED_BIAS for token in response_excluded_tokens(config_json(model_dir))}
 
 
-def vllm_prompts(batch: Batch, prompts: Sequence[Sequence[int]], image_token: int | None) -> list[Any] | None:
-    """Per row, vLLM's prompt with the row's images (text rows: their ids as they are); None when
-    the batch carries no images, so the caller keeps its text path unchanged."""
+def vllm_prompts(
+    batch: Batch, prompts: Sequence[Sequence[int]], image_token: int | None, video_token: int | None = None
+) -> list[Any] | None:
+    """Per row, vLLM's prompt with the row's images or videos (text rows: their ids as they are);
+    None when the batch carries none, so the caller keeps its text path unchanged."""
     if MULTI_MODAL_DATA not in batch or not any(batch[MULTI_MODAL_DATA]):
         return None
     if image_token is None:
@@ -59,13 +73,16 @@ def vllm_prompts(batch: Batch, prompts: Sequence[Sequence[int]], image_token: in
         if not data:
             out.append(list(ids))
             continue
-        collapsed = collapse_image_tokens(ids, image_token)
-        images = list(data.get("image") or [])
-        if collapsed.count(image_token) != len(images):
-            raise ValueError(
-                f"a prompt has {collapsed.count(image_token)} image token runs for {len(images)} images"
-            )
-        prompt = {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}}
+        collapsed = collapse_image_tokens(ids, image_token, video_token)
+        items = {}
+        for kind, token in (("image", image_token), ("video", video_token)):
+            values = list(data.get(kind) or [])
+            runs = collapsed.count(token) if token is not None else 0
+            if runs != len(values):
+                raise ValueError(f"a prompt has {runs} {kind} token runs for {len(values)} {kind}s")
+            if values:
+                items[kind] = values
+        prompt = {"prompt_token_ids": collapsed, "multi_modal_data": items}
         if data.get("mm_processor_kwargs"):  # the file's image_min/max_pixels: vLLM resizes alike
             prompt["mm_processor_kwargs"] = dict(data["mm_processor_kwargs"])
         out.append(prompt)

@@ -61,7 +61,12 @@ from roll.distributed.strategy.engine_requests import (
     vllm_prompt_logprobs,
 )
 from roll.distributed.strategy.engine_startup import ENGINES, start_engine
-from roll.distributed.strategy.engine_vision import excluded_token_bias, image_token_id, vllm_prompts
+from roll.distributed.strategy.engine_vision import (
+    excluded_token_bias,
+    image_token_id,
+    video_token_id,
+    vllm_prompts,
+)
 from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
@@ -109,6 +114,7 @@ class VLLMStrategy:
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
         self.image_token_id = image_token_id(self.role_config.model_args.model_name_or_path)
+        self.video_token_id = video_token_id(self.role_config.model_args.model_name_or_path)
         self.excluded_bias = excluded_token_bias(self.role_config.model_args.model_name_or_path)
         self.workers = VLLMWorkerCalls(self.llm, serialize=self.config.tensor_parallel_size > 1)
         self._weights_stale = self.config.load_format == "dummy"
@@ -135,7 +141,9 @@ class VLLMStrategy:
             (r.request_id, r.prompt_ids, self._sampling({**r.sampling, **extra}))
             for r in vllm_generate_requests(plan, prompts, params)
         ]
-        with_images = vllm_prompts(batch, prompts, self.image_token_id)  # None: text rows only
+        with_images = vllm_prompts(
+            batch, prompts, self.image_token_id, self.video_token_id
+        )  # None: text rows only
         if with_images is not None:  # one request per row, in row order
             requests = [(rid, prompt, sampling) for (rid, _, sampling), prompt in zip(requests, with_images)]
         collector = CompletionCollector(plan)

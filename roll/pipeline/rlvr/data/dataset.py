@@ -40,6 +40,7 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import DataArgs
+from roll.pipeline.rlvr.data.video import VideoOptions, probe_video, read_video_r1_row, row_videos
 from roll.pipeline.rlvr.data.vision import (
     REWARD_MODEL,
     content_text,
@@ -68,6 +69,8 @@ class PromptRow:
     images: list[Any] | None = None  # image bytes or paths (vision-language rows), decoded per batch
     reward_context: dict[str, Any] | None = None  # the row's reward options (``data.vision``)
     pixels: tuple[int | None, int | None] | None = None  # its file's image_min/max_pixels
+    videos: list[str] | None = None  # video paths (``data.video``), their frames decoded per batch
+    video_options: VideoOptions | None = None  # its file's frame sampling
 
 
 @dataclass
@@ -80,6 +83,7 @@ class RawRow:
     line: int
     images: list[Any] | None = None
     reward_context: dict[str, Any] | None = None
+    videos: list[str] | None = None
 
 
 @dataclass
@@ -240,11 +244,18 @@ def _read_parquet(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[Ra
 
 
 def _raw_row(row: Any, args: DataArgs, default_tag: str, line: int) -> RawRow:
-    messages, truth, tag = parse_row(row, args, default_tag)
-    images = row_images(row, args.images)
+    if args.row_layout == "video_r1":
+        messages, truth, tag, context = read_video_r1_row(row, default_tag)
+    else:
+        (messages, truth, tag), context = parse_row(row, args, default_tag), row_context(row)
+    images, videos = row_images(row, args.images), row_videos(row, args.video)
+    if images and videos:
+        raise ValueError("a row holds images or videos, not both")
     if images:
         messages = place_images(messages, len(images))
-    return RawRow(messages, truth, tag, line, images, row_context(row))
+    if videos:
+        messages = place_images(messages, len(videos), "video")
+    return RawRow(messages, truth, tag, line, images, context, videos)
 
 
 def resolve_files(data_args: DataArgs, path_prefix: str) -> list[Path]:
@@ -284,11 +295,12 @@ def load_prompt_files(
         texts = [render_prompt(row.messages, tokenizer, data_args.template) for row in rows]
         ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         pixels = (data_args.image_min_pixels, data_args.image_max_pixels)
+        video_options = VideoOptions.of(data_args)
         for row, text, ids in zip(rows, texts, ids_list, strict=True):
             source = f"{path}:{row.line}"
-            if row.images:
+            if row.images or row.videos:
                 key = f"{path_prefix}.file_name"
-                text, ids = _vision_prompt(text, row.images, processor, source, key, pixels)
+                text, ids = _vision_prompt(text, row, processor, source, key, pixels, video_options)
             if len(ids) > prompt_length:
                 dataset.too_long.append(f"{source} ({len(ids)} tokens)")
                 continue
@@ -303,6 +315,8 @@ def load_prompt_files(
                     row.images,
                     row.reward_context,
                     pixels if row.images else None,
+                    row.videos,
+                    video_options if row.videos else None,
                 )  # fmt: skip
             )
     if data_args.max_samples is not None:
@@ -316,16 +330,27 @@ def load_prompt_files(
 
 
 def _vision_prompt(
-    text: str, images: list[Any], processor: Any, source: str, key: str, pixels: tuple[int | None, int | None]
+    text: str,
+    row: RawRow,
+    processor: Any,
+    source: str,
+    key: str,
+    pixels: tuple[int | None, int | None],
+    video_options: VideoOptions,
 ) -> tuple[str, list[int]]:
-    """(text with image tokens, ids with each image's tokens expanded) of a row with images."""
+    """(text with vision tokens, ids with each image's and video's tokens expanded) of a row with
+    images or videos."""
     from roll.models.vision import with_image_tokens
 
     if processor is None:
-        raise ConfigError(key, f"{source}: the row has images but the model is not a vision-language model")
+        what = "images" if row.images else "videos"
+        raise ConfigError(key, f"{source}: the row has {what} but the model is not a vision-language model")
     text = with_image_tokens(text)
     try:
-        ids = processor.encode(text, decode_images(images, source), pixels)
+        plans = [probe_video(ref, source, i, video_options) for i, ref in enumerate(row.videos or [])]
+        tokens = [processor.video_tokens(len(p.indices), p.height, p.width) for p in plans]
+        images = decode_images(row.images, source) if row.images else []
+        ids = processor.encode(text, images, pixels, tokens)
     except ConfigError as exc:
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:

@@ -91,8 +91,8 @@ def content_text(content: Any) -> Any:
     out = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image":
-            out.append("<image>")
+        if kind in ("image", "video"):
+            out.append(f"<{kind}>")
         elif kind == "text" and isinstance(part.get("text"), str):
             out.append(part["text"])
         else:
@@ -100,17 +100,19 @@ def content_text(content: Any) -> Any:
     return "".join(out)
 
 
-def place_images(messages: list[dict[str, str]], count: int) -> list[dict[str, str]]:
-    """``messages`` with ``count`` images placed: as they are when their ``<image>`` marks number
-    ``count``; in front of the first user message when they have none; ValueError otherwise."""
-    marks = sum(m["content"].count("<image>") for m in messages)
+def place_images(messages: list[dict[str, str]], count: int, kind: str = "image") -> list[dict[str, str]]:
+    """``messages`` with ``count`` images (``kind="video"``: videos) placed: as they are when their
+    ``<image>`` (``<video>``) marks number ``count``; in front of the first user message when they
+    have none; ValueError otherwise."""
+    mark = f"<{kind}>"
+    marks = sum(m["content"].count(mark) for m in messages)
     if marks == count:
         return messages
     if marks:
-        raise ValueError(f"the prompt has {marks} <image> marks for {count} images")
+        raise ValueError(f"the prompt has {marks} {mark} marks for {count} {kind}s")
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), 0)
     out = [dict(m) for m in messages]
-    out[first]["content"] = "<image>" * count + out[first]["content"]
+    out[first]["content"] = mark * count + out[first]["content"]
     return out
 
 
@@ -150,6 +152,29 @@ def with_vision_fields(batch: Any, processor: VisionProcessor | None) -> Any:
     return batch
 
 
+def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model inputs, engine data) of a row with videos: the sampled frames through the processor,
+    and for vLLM the same frames ([frames, H, W, 3] uint8 each) with their sampling fps and pixel
+    area as ``mm_processor_kwargs``, so the engine neither resamples nor resizes them."""
+    import numpy as np
+
+    from roll.pipeline.rlvr.data.video import decode_video
+
+    decoded = [decode_video(ref, row.source, i, row.video_options) for i, ref in enumerate(row.videos)]
+    mm = processor.video_inputs([frames for frames, _ in decoded], [fps for _, fps in decoded])
+    width, height = decoded[0][0][0].size
+    fps = [fps for _, fps in decoded]
+    engine = {
+        "video": [np.stack([np.asarray(f) for f in frames]) for frames, _ in decoded],
+        "mm_processor_kwargs": {
+            "fps": fps[0] if len(fps) == 1 else fps,
+            "min_pixels": height * width,
+            "max_pixels": height * width,
+        },
+    }
+    return mm, engine
+
+
 def _objects(values: list[Any]) -> Any:
     import numpy as np
 
@@ -167,7 +192,11 @@ def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, 
     inputs, data, contexts = [], [], []
     for row in rows:
         context = dict(row.reward_context or {})
-        if row.images:
+        if getattr(row, "videos", None):
+            mm, engine = video_fields(row, processor)
+            inputs.append(mm)
+            data.append(engine)
+        elif row.images:
             images = decode_images(row.images, row.source)
             mm = processor.image_inputs(images, row.pixels)
             inputs.append(mm)
