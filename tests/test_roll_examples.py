@@ -30,6 +30,7 @@ MODELS = {
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
+    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-3b",  # a stand-in: the dry run checks keys, not sizes
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -44,10 +45,16 @@ DATA = {
     # The vision-language file's (Orsta-Data-47k's layout, roll.pipeline.rlvr.data.vision).
     "train_detection_v3det_4000.parquet": ["v3det_train"],
     "train_math_mmmath_3539.parquet": ["mm_math"],
+    # The video file's (Video-R1's layout, roll.pipeline.rlvr.data.video): a JSON list of rows.
+    "Video-R1-116k-video.json": ["video"],
 }
 
+VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    # ROLL's own experiment tracker; with track_with=tensorboard it stops on Megatron (test below)
+    VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,9 @@ def roll_workdir(tmp_path_factory) -> Path:
     for file_name, tags in DATA.items():
         if file_name.endswith(".parquet"):
             write_vision_rows(root / "data" / file_name, tags)
+            continue
+        if file_name.endswith(".json"):
+            write_video_r1_rows(root / "data" / file_name, tags)
             continue
         rows = [
             {
@@ -107,9 +117,26 @@ def write_vision_rows(path: Path, tags: list[str]) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def write_video_r1_rows(path: Path, tags: list[str]) -> None:
+    """Video-R1 rows (problem, problem_type, solution, video, modality_type) as one JSON list; the
+    dry run reads rows, not videos, so the videos are not written."""
+    kinds = ["multiple choice", "numerical", "OCR", "free-form", "regression"]
+    rows = [
+        {
+            "modality_type": tag,
+            "problem": f"What is {i} + 1?",
+            "solution": f"<answer>{i + 1}</answer>",
+            "video": f"videos/{i}.mp4",
+            "problem_type": kinds[i % len(kinds)],
+        }
+        for i, tag in enumerate(tags * 2)
+    ]
+    path.write_text(json.dumps(rows))
+
+
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 34 and set(REFUSED) <= names
+    assert len(names) == 35 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
@@ -205,3 +232,38 @@ def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
     code = main(["--config_path", str(EXAMPLES), "--config_name", VL_FILE, "--dry_run", *overrides])
     errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(line), errors
+
+
+def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir, monkeypatch, capsys):
+    """ROLL's video file: VideoR1RewardWorker and its Video-R1 row reader map; its Megatron trainer
+    is refused for a vision-language model; with fsdp2_train / hf_infer (and its vllm rollouts) it
+    dry-runs (gradient accumulation 2: ROLL's 8 on Megatron's DP 4 is 2 on fsdp2's DP 16)."""
+    monkeypatch.chdir(roll_workdir)
+    args = [
+        "--config_path",
+        str(EXAMPLES),
+        "--config_name",
+        VIDEO_FILE,
+        "--dry_run",
+        "track_with=tensorboard",
+    ]
+    assert main(args) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert errors == [
+        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run vision-language "
+        "models in roll (no image inputs; ROLL builds them with mcore_adapter); use one of hf_infer, fsdp2_train, vllm"
+    ]
+    overrides = [
+        "actor_train.strategy_args={strategy_name: fsdp2_train}",
+        "reference.strategy_args={strategy_name: hf_infer}",
+        "actor_train.training_args.gradient_accumulation_steps=2",
+    ]
+    code = main(args + overrides)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "rewards.videor1.worker_cls VideoR1RewardWorker -> reward_fn: video_r1" in out.err
+    assert (
+        "actor_train.data_args.custom_data_kwargs_func video_r1_get_data_kwargs -> row_layout: video_r1"
+        in out.err
+    )
+    assert "actor_infer            vllm" in out.out and "fsdp2_train        16" in out.out

@@ -133,6 +133,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             if isinstance(reward.get("strategy_args"), dict):
                 map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
     _map_rpc_timeout(raw, problems, notes)
+    _map_reward_system_config(raw, problems, notes)
     for path, section in sections.items():
         _map_data_kwargs_func(section, path, problems, notes)
     map_rollout_mock(raw, problems, notes)
@@ -232,6 +233,22 @@ def _map_rpc_timeout(raw: dict[str, Any], problems: Problems, notes: list[str]) 
     for f in dataclasses.fields(WorkerTimeoutsConfig):
         timeouts.setdefault(f.name, seconds)
     notes.append(f"rpc_timeout: {seconds} -> worker_timeouts of every stage not set there")
+
+
+def _map_reward_system_config(raw: dict[str, Any], problems: Problems, notes: list[str]) -> None:
+    """ROLL's ``reward_system_config: {skip_special_tokens: true}``: roll's rewards always read the
+    responses decoded without special tokens, so only that value is accepted."""
+    if "reward_system_config" not in raw:
+        return
+    section = raw.pop("reward_system_config")
+    for key, value in (section or {}).items() if isinstance(section, dict) else [(None, section)]:
+        if key == "skip_special_tokens" and value is True:
+            notes.append(
+                "reward_system_config.skip_special_tokens: true dropped; roll's rewards read responses so"
+            )
+        else:
+            at = f"reward_system_config.{key}={value!r}" if key else f"reward_system_config={section!r}"
+            problems.add(at, "roll's rewards read responses decoded without special tokens; remove it")
 
 
 def _map_data_kwargs_func(section: dict[str, Any], path: str, problems: Problems, notes: list[str]) -> None:

@@ -21,6 +21,8 @@ message content, a missing / null / NaN / infinite ground truth, or a string hol
 surrogate (``"\ud800"``: valid JSON, but no tokenizer can encode it). Prompts longer than
 ``prompt_length`` tokens are dropped and counted, the first ``MAX_LOGGED_BAD_ROWS`` by ``file:line``.
 
+A ``.json`` file holding one JSON list of rows (Video-R1's files) is read as rows numbered from 1.
+
 alibaba/ROLL's vision-language rows (``roll.pipeline.rlvr.data.vision``): ``.parquet`` files are read
 too (rows numbered from 1 where JSONL has lines); a row without ``tag`` takes its ``data_source``, one
 without a ground truth its ``reward_model.ground_truth``; a row's ``images`` (``data_args.images``) are
@@ -215,6 +217,8 @@ def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow
     """Good rows of one JSONL or parquet file; bad ones go to ``bad_rows``."""
     if path.suffix == ".parquet":
         return _read_parquet(path, args, bad_rows)
+    if path.suffix == ".json" and path.read_bytes()[:64].lstrip().startswith(b"["):
+        return _read_json_list(path, args, bad_rows)
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -236,6 +240,21 @@ def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow
 def _read_parquet(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
     rows = []
     for number, row in iter_parquet(path):
+        try:
+            rows.append(_raw_row(row, args, path.stem, number))
+        except ValueError as exc:
+            bad_rows.append(BadRow(str(path), number, str(exc)))
+    return rows
+
+
+def _read_json_list(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
+    """A ``.json`` file holding one list of rows (Video-R1's files); rows numbered from 1."""
+    try:
+        items = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("data_args.file_name", f"{path}: not a JSON list of rows ({exc})") from None
+    rows = []
+    for number, row in enumerate(items, start=1):
         try:
             rows.append(_raw_row(row, args, path.stem, number))
         except ValueError as exc:
