@@ -6,11 +6,15 @@ without vLLM, torchvision or a GPU).
   (``engine_vision.vllm_prompts``); the Batch layout holds and the engine's sampled-token log-probs
   equal transformers' forward with the pixel values on the same weights (bf16 tolerance,
   tests/engine_gpu.py), which they would not if an image were dropped or misplaced;
+- generate with videos: ROLL's Video-R1 rows with tiny generated videos go to vLLM as one video
+  token per video plus the sampled frames, their fps and pixel area (``mm_processor_kwargs``), and
+  the log-probs equal transformers' forward with ``pixel_values_videos`` (which would not hold if
+  vLLM resampled or resized the frames, or placed them at other rope positions);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``,
   what fsdp2_train and hf_infer send in a model update): the engine then samples like the new
   weights, and not before.
 
-    pytest tests/test_vllm_vl_gpu.py -m gpu     # vLLM 0.24 and torchvision on PYTHONPATH, 1 GPU
+    pytest tests/test_vllm_vl_gpu.py -m gpu     # vLLM 0.24, torchvision, PyAV on PYTHONPATH, 1 GPU
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ pytestmark = [
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
-from tiny_vl import build_tiny_vl_dir, detection_rows, math_rows  # noqa: E402
+from tiny_vl import VIDEO_ARGS, build_tiny_vl_dir, detection_rows, math_rows, video_r1_rows  # noqa: E402
 
 from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
@@ -41,6 +45,7 @@ from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
 from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
 
 PROMPT_LENGTH = 64
+VIDEO_PROMPT_LENGTH = 600  # the tiny tokenizer spends ~530 tokens on Video-R1's template
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def engine(models):
         models[1],
         gpu_memory_utilization=0.25,
         enforce_eager=True,
-        engine_kwargs={"limit_mm_per_prompt": {"image": 1}},  # one image per row: a small profile
+        engine_kwargs={"limit_mm_per_prompt": {"image": 1, "video": 1}},  # one per row: a small profile
     )
     yield strategy
     del strategy.llm
@@ -73,6 +78,16 @@ def vl_prompts(root: Path, model_dir: Path):
     rows = load_prompt_files(args, processor.tokenizer, PROMPT_LENGTH, "data_args", processor)
     assert len(rows) == 6 and not rows.bad_rows
     return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+
+
+def video_prompts(root: Path, model_dir: Path):
+    pytest.importorskip("av")  # the frames are decoded with PyAV
+    processor = VisionProcessor.load(str(model_dir))
+    (root / "videos.json").write_text(json.dumps(video_r1_rows(root / "videos", 2)))
+    args = DataArgs(file_name=[str(root / "videos.json")], row_layout="video_r1", **VIDEO_ARGS)
+    rows = load_prompt_files(args, processor.tokenizer, VIDEO_PROMPT_LENGTH, "data_args", processor)
+    assert len(rows) == 2 and not rows.bad_rows
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, VIDEO_PROMPT_LENGTH, processor)
 
 
 def hf_vl(path: Path):
@@ -95,6 +110,17 @@ def test_generate_with_images_matches_transformers(engine, models):
     assert out["response_mask"].sum() > 0
     want = hf_sampled_logprobs(hf_vl(a), out)
     assert_close(out["infer_logprobs"], want, out["response_mask"], "generate with images")
+
+
+def test_generate_with_videos_matches_transformers(engine, models):
+    root, a, _ = models
+    prompts = video_prompts(root, a)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    assert out["responses"].shape[0] == 2 * len(prompts)
+    assert torch.equal(out["prompts"][::2], prompts["prompts"])
+    assert out["response_mask"].sum() > 0
+    want = hf_sampled_logprobs(hf_vl(a), out)
+    assert_close(out["infer_logprobs"], want, out["response_mask"], "generate with videos")
 
 
 def test_load_weights_with_module_names_makes_the_engine_sample_like_the_new_model(engine, models):
