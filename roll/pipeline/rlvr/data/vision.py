@@ -192,7 +192,7 @@ def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, 
     inputs, data, contexts = [], [], []
     for row in rows:
         context = dict(row.reward_context or {})
-        if getattr(row, "videos", None):
+        if row.videos:
             mm, engine = video_fields(row, processor)
             inputs.append(mm)
             data.append(engine)
