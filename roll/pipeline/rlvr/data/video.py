@@ -95,17 +95,14 @@ class FramePlan:
 
 
 def video_r1_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """A Video-R1 row's prompt as one user message (``<video>`` or ``<image>`` first, per
-    ``modality_type``); ValueError naming what is missing."""
+    """A Video-R1 row's prompt as one user message (its video, or images, are placed in front of it
+    by the reader, as ROLL's template puts the media first); ValueError naming what is missing."""
     problem, kind = row.get("problem"), row.get("problem_type")
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError("missing field: 'problem' (a Video-R1 row's question)")
     if kind not in TYPE_TEMPLATE:
         raise ValueError(f"wrong value: problem_type {kind!r}; one of {', '.join(TYPE_TEMPLATE)}")
-    mark = {"video": "<video>", "image": "<image>"}.get(row.get("modality_type"), "")
-    return [
-        {"role": "user", "content": mark + QUESTION_TEMPLATE.format(Question=problem) + TYPE_TEMPLATE[kind]}
-    ]
+    return [{"role": "user", "content": QUESTION_TEMPLATE.format(Question=problem) + TYPE_TEMPLATE[kind]}]
 
 
 def row_videos(row: dict[str, Any], field: str) -> list[str] | None:
