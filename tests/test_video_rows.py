@@ -134,10 +134,11 @@ def test_the_forward_gets_3d_rope_positions_from_the_token_types(setup):
     _, model, processor = setup
     batch = video_batch(setup, 1)
     ids = batch["prompts"]
-    config = _hf_infer(model, "reference", 1).model.config
+    hf_model = _hf_infer(model, "reference", 1).model
+    config = hf_model.config
     types = token_types(ids, config)
     assert int((types == 2).sum()) == 8 and int((types == 1).sum()) == 0
-    kwargs = forward_kwargs(batch, "cpu", ids, config)
+    kwargs = forward_kwargs(batch, "cpu", ids, hf_model)
     assert torch.equal(kwargs["mm_token_type_ids"], types)
     assert set(kwargs) == {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids"}
     from transformers import AutoModelForImageTextToText

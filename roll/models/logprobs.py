@@ -86,7 +86,7 @@ def response_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     position ids: the model computes its 3-D rope positions from them and the attention mask.
     """
     width = batch["responses"].shape[1]
-    vision = forward_kwargs(batch, batch["input_ids"].device, batch["input_ids"], model.config)
+    vision = forward_kwargs(batch, batch["input_ids"].device, batch["input_ids"], model)
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],

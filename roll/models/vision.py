@@ -36,6 +36,7 @@ processor returns and roll builds from the ids; without them the model falls bac
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,11 +259,12 @@ def has_vision_inputs(batch: Any) -> bool:
 
 
 def forward_kwargs(
-    batch: Any, device: torch.device | str, input_ids: torch.Tensor | None = None, config: Any = None
+    batch: Any, device: torch.device | str, input_ids: torch.Tensor | None = None, model: Any = None
 ) -> dict[str, torch.Tensor]:
     """The vision inputs of the batch's rows (``VISION_INPUT_KEYS``, each concatenated over the rows
-    that have it, in row order) on ``device``, and with ``input_ids`` [B, T] and the model's
-    ``config`` their ``mm_token_type_ids`` (``token_types``); {} for a batch without vision inputs."""
+    that have it, in row order) on ``device``, and with ``input_ids`` [B, T] and a ``model`` whose
+    forward takes them (transformers >= 5) their ``mm_token_type_ids`` (``token_types``); {} for a
+    batch without vision inputs."""
     if MULTI_MODAL_INPUTS not in batch:
         return {}
     rows = [r for r in batch[MULTI_MODAL_INPUTS] if r]
@@ -273,9 +275,15 @@ def forward_kwargs(
         parts = [r[key] for r in rows if r.get(key) is not None]
         if parts:
             out[key] = torch.cat(parts).to(device)
-    if input_ids is not None and config is not None:
-        out["mm_token_type_ids"] = token_types(input_ids, config).to(device)
+    if input_ids is not None and model is not None and takes_token_types(model):
+        out["mm_token_type_ids"] = token_types(input_ids, model.config).to(device)
     return out
+
+
+def takes_token_types(model: Any) -> bool:
+    """Whether the model's forward takes ``mm_token_type_ids`` (transformers 5's Qwen2.5-VL; 4.x
+    computes the rope positions from the ids alone)."""
+    return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
 
 
 def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:

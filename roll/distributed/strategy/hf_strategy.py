@@ -158,7 +158,7 @@ class HFInferStrategy:
         vision = {}  # rows with images: their pixel values and grids, each row's n times
         if MULTI_MODAL_INPUTS in micro:
             rows = {MULTI_MODAL_INPUTS: repeat_rows(micro[MULTI_MODAL_INPUTS], params.n)}
-            vision = forward_kwargs(rows, self.ctx.device, input_ids, self.model.config)
+            vision = forward_kwargs(rows, self.ctx.device, input_ids, self.model)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=mask,
