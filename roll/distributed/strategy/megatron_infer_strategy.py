@@ -37,6 +37,7 @@ from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
 from roll.models.megatron.runtime import (
     build_chunks,
     forward_log_probs,
+    is_vision_model,
     move_params,
 )
 
@@ -67,11 +68,18 @@ class MegatronInferStrategy:
     def dp_layout(self) -> tuple[int, int, bool]:
         return parallel.dp_layout()
 
+    def _vocab_size(self) -> int:
+        """The HF vocab (a vision-language config keeps it in ``text_config``)."""
+        from roll.models.megatron.families import language_config
+
+        return language_config(self.hf_config).vocab_size
+
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
         self._ensure_loaded()
         size = max(1, self.role_config.infer_batch_size)
-        return forward_log_probs(self.chunks, batch, self.config, self.hf_config.vocab_size, size)
+        vocab, vision = self._vocab_size(), is_vision_model(self.hf_config)
+        return forward_log_probs(self.chunks, batch, self.config, vocab, size, vision=vision)
 
     @torch.no_grad()
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
@@ -93,7 +101,7 @@ class MegatronInferStrategy:
                 rows,
                 params,
                 eos_ids,
-                self.hf_config.vocab_size,
+                self._vocab_size(),
                 self.tokenizer.pad_token_id,
                 stop,
                 shape_sync_group(self.config),

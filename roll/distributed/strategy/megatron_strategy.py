@@ -57,6 +57,7 @@ from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
     forward_log_probs,
+    is_vision_model,
 )
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
 from roll.utils.lr_schedule import build_lr_lambda
@@ -113,12 +114,19 @@ class MegatronTrainStrategy:
     def dp_layout(self) -> tuple[int, int, bool]:
         return parallel.dp_layout()
 
+    def _vocab_size(self) -> int:
+        """The HF vocab (a vision-language config keeps it in ``text_config``)."""
+        from roll.models.megatron.families import language_config
+
+        return language_config(self.hf_config).vocab_size
+
     # ----------------------------------------------------------------------------------- forward
     def compute_log_probs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
         self.offloader.ensure_params_loaded()
         size = max(1, self.role_config.infer_batch_size)
-        return forward_log_probs(self.model, batch, self.config, self.hf_config.vocab_size, size)
+        vocab, vision = self._vocab_size(), is_vision_model(self.hf_config)
+        return forward_log_probs(self.model, batch, self.config, vocab, size, vision=vision)
 
     # ---------------------------------------------------------------------------------- training
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
@@ -132,7 +140,7 @@ class MegatronTrainStrategy:
         packed = self._prepare(micro_batches, loss_fn)
         temperature = batch_temperature(packed[0].batch)
         tp_group = ps.get_tensor_model_parallel_group()
-        vocab = self.hf_config.vocab_size
+        vocab = self._vocab_size()
 
         def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
             outputs = response_logprobs(logits, mb, tp_group, temperature, vocab)
@@ -170,7 +178,7 @@ class MegatronTrainStrategy:
             seq_multiple_for(self.config),
             device,
             shape_sync_group(self.config),
-            packed=packing_enabled(self.config),
+            packed=packing_enabled(self.config, is_vision_model(self.hf_config)),
         )
         for mb, weight in zip(packed, weights):
             mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count

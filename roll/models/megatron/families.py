@@ -54,6 +54,8 @@ class Family:
     # megatron_infer can generate with it (kv_generate's cache holds attention K/V only; Gated
     # DeltaNet layers keep a recurrent state it has no place for).
     generates: bool = True
+    # Multimodal rotary positions (Qwen2.5-VL's mrope: 3-D position ids, ``mrope_section``).
+    mrope: bool = False
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -144,6 +146,8 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", wm.LLAMA),
         Family("qwen2", wm.QWEN2, qkv_bias=True),
+        # Qwen2.5-VL's language model: Qwen2 with multimodal RoPE (its vision tower: qwen2_5_vl.py).
+        Family("qwen2_5_vl_text", wm.QWEN2, qkv_bias=True, mrope=True, generates=False),
         Family("qwen3", wm.QWEN3, qk_layernorm=True),
         Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
         Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
@@ -168,8 +172,23 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def language_config(hf_config: Any) -> Any:
+    """The config of the language model: a vision-language config's ``text_config`` (Qwen2.5-VL
+    keeps the text sizes there), else the config itself."""
+    text = getattr(hf_config, "text_config", None)
+    return text if text is not None and getattr(hf_config, "vision_config", None) is not None else hf_config
+
+
+# Vision-language model types the Megatron strategies build (vision tower + merger from transformers,
+# language model as megatron-core GPTModel; roll.models.megatron.qwen2_5_vl).
+VISION_FAMILIES = ("qwen2_5_vl",)
+
+
 def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
-    """The family of ``hf_config.model_type``; ConfigError naming the model path otherwise."""
+    """The family of ``hf_config.model_type`` (of its language model for a vision-language config);
+    ConfigError naming the model path otherwise."""
+    if getattr(hf_config, "model_type", None) in VISION_FAMILIES:
+        hf_config = language_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in FAMILIES:
         where = getattr(hf_config, "_name_or_path", "") or "the checkpoint"
@@ -188,8 +207,11 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_
 
 def rope_kwargs(hf: Any) -> dict[str, Any]:
     """GPTModel's RoPE arguments; ConfigError for scalings megatron-core cannot reproduce."""
+    hf = language_config(hf)
     rope = rope_parameters(hf)
     kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    if get_family(hf).mrope:
+        return {**kwargs, "position_embedding_type": "mrope"}  # mrope_section: transformer_kwargs
     if get_family(hf).mla_kwargs is not None:
         return kwargs  # multi-latent attention applies its own RoPE (checked by its mla_kwargs)
     # RoPE on the first part of each head only (Qwen3-Next's partial_rotary_factor).
@@ -237,6 +259,7 @@ def _check_supported(hf: Any, family: Family) -> None:
 
 def transformer_kwargs(hf: Any) -> dict[str, Any]:
     """The model-shape part of megatron-core's TransformerConfig for this HF config."""
+    hf = language_config(hf)
     family = get_family(hf)
     _check_supported(hf, family)
     kwargs = {
@@ -257,6 +280,8 @@ def transformer_kwargs(hf: Any) -> dict[str, Any]:
         "attention_dropout": float(getattr(hf, "attention_dropout", 0.0) or 0.0),
         "init_method_std": getattr(hf, "initializer_range", 0.02),
     }
+    if family.mrope:
+        kwargs["mrope_section"] = list(rope_parameters(hf)["mrope_section"])
     if family.moe_kwargs is not None:
         kwargs.update(family.moe_kwargs(hf))
     if family.mla_kwargs is not None:
@@ -274,6 +299,8 @@ def padded_vocab_size(vocab_size: int, megatron_cfg: MegatronConfig) -> int:
 
 def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
     """What the weight conversion needs to know about this model (see ``weight_mapping``)."""
+    vision = _vision_tensor_names(hf)
+    hf = language_config(hf)
     family = get_family(hf)
     moe = family.moe_kwargs(hf) if family.moe_kwargs else {}
     arch = family.arch_kwargs(hf) if family.arch_kwargs else {}
@@ -293,7 +320,18 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
         extra_layers=_mtp_layers(hf),
         linear_layers=linear if any(linear) else (),
         skipped_prefixes=family.skipped_prefixes,
+        vision_names=vision,
     )
+
+
+def _vision_tensor_names(hf: Any) -> tuple[str, ...]:
+    """The HF names of a vision-language model's vision tower tensors (``visual.*``), the same in the
+    checkpoint and in roll's megatron model; () for a text model."""
+    if getattr(hf, "model_type", None) not in VISION_FAMILIES:
+        return ()
+    from roll.models.megatron.qwen2_5_vl import vision_tensor_names
+
+    return vision_tensor_names(hf)
 
 
 def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:
@@ -376,6 +414,7 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     ``MegatronConfig.validate`` checks the layout against the devices; this checks it against the
     model (layers per pipeline chunk, heads per TP rank, experts per EP rank, MoE-only options).
     """
+    hf_config = language_config(hf_config)
     family = get_family(hf_config)
     _check_supported(hf_config, family)
     cfg, tp = megatron_cfg, megatron_cfg.tensor_model_parallel_size

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -56,6 +56,8 @@ class PackedMicroBatch:
     packed_seq_params: Any = None  # megatron PackedSeqParams (qkv_format "thd") when packed
     loss_scale: float = 1.0  # what the training loss is multiplied by
     cp_owned: torch.Tensor | None = None  # [B, R] context parallelism: this rank holds window[i, t]
+    # Extra model inputs: a vision-language model's pixel_values / image_grid_thw of the rows.
+    model_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _lengths(batch: Batch) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -93,7 +95,19 @@ def _shift_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> P
         targets=batch["responses"].to(device),
         response_mask=resp_mask.to(device),
         batch=batch.to(device),
+        model_kwargs=_vision_inputs(batch, pad, device),
     )
+
+
+def _vision_inputs(batch: Batch, filler_rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows' images (``roll.models.vision.MULTI_MODAL_INPUTS``), filler rows' included (they
+    repeat a row of the batch, image tokens and all); {} for rows without images."""
+    from roll.models.vision import MULTI_MODAL_INPUTS, forward_kwargs
+
+    if MULTI_MODAL_INPUTS not in batch:
+        return {}
+    rows = list(batch[MULTI_MODAL_INPUTS])
+    return forward_kwargs({MULTI_MODAL_INPUTS: rows + [rows[i] for i in filler_rows]}, device)
 
 
 def _pack_one(
@@ -175,15 +189,17 @@ def pack_micro_batches(
     return [_shift_one(b, seq_len, rows, device) for b in batches]
 
 
-def packing_enabled(megatron_cfg: Any) -> bool:
+def packing_enabled(megatron_cfg: Any, vision: bool = False) -> bool:
     """``sequence_packing``, or when null: on where something needs it (context parallelism, which
     runs on packed rows only, or a token budget) and the attention path is exact with it (the
     plain-torch spec with SDPA core attention); padded rows otherwise. On an H200 at the
     Qwen2.5-1.5B shape padded rows were as fast as packed ones on a ragged RL batch and 9% faster
     on full-length rows (benchmarks/packing.py, docs/packing.md): packing saves memory, not time,
-    at RL response lengths."""
+    at RL response lengths. A vision-language model (``vision``) always runs on padded rows."""
     from roll.models.megatron.layer_spec import HAVE_TE
 
+    if vision:  # 3-D rope positions per padded row (qwen2_5_vl.py); the pre-launch check refuses true
+        return False
     if megatron_cfg.sequence_packing is not None:
         return bool(megatron_cfg.sequence_packing)
     needed = megatron_cfg.context_parallel_size > 1 or any(
@@ -230,7 +246,13 @@ def response_logprobs(
 
 def _forward_step(loss_maker: Callable, data_iterator, model):
     packed: PackedMicroBatch = next(data_iterator)
-    output = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+    output = model(
+        packed.input_ids,
+        packed.position_ids,
+        None,
+        packed_seq_params=packed.packed_seq_params,
+        **packed.model_kwargs,
+    )
     return output, partial(loss_maker, packed)
 
 

@@ -188,7 +188,8 @@ def build_model_chunks(
     to use a config you adjusted from ``transformer_config_from_hf``.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from roll.models.megatron.qwen2_5_vl import model_class
 
     config = transformer_config
     if config is None:
@@ -196,19 +197,22 @@ def build_model_chunks(
     spec_fn = layer_spec_fn or default_layer_spec_fn()
     info = families.conversion_info(hf_config, megatron_cfg)
     model_kwargs = families.rope_kwargs(hf_config)
+    gpt_class, class_kwargs = model_class(hf_config)  # GPTModel, or Qwen2.5-VL's with its vision tower
+    max_positions = families.language_config(hf_config).max_position_embeddings
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
-        model = GPTModel(
+        model = gpt_class(
             config,
             decoder_block_spec(config, megatron_cfg, spec_fn, vp_stage),
             vocab_size=info.padded_vocab_size,
-            max_sequence_length=hf_config.max_position_embeddings,
+            max_sequence_length=max_positions,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=info.tie_word_embeddings,
             vp_stage=vp_stage,
             **model_kwargs,
+            **class_kwargs,
         )
         model.roll_hf_info = info
         chunks.append(model)

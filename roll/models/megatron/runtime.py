@@ -35,6 +35,13 @@ from roll.models.microbatch import invert, split_by_tokens
 logger = logging.getLogger("roll")
 
 
+def is_vision_model(hf_config: Any) -> bool:
+    """Whether the built model is a vision-language one (its rows carry images; padded rows only)."""
+    from roll.models.vision import is_vision_config
+
+    return is_vision_config(hf_config)
+
+
 def build_chunks(
     role_config: RoleConfig, ctx: WorkerContext, cfg: MegatronConfig, hf_config: Any = None
 ) -> tuple[Any, list[torch.nn.Module]]:
@@ -111,11 +118,13 @@ def forward_log_probs(
     cfg: MegatronConfig,
     vocab_size: int,
     micro_batch_size: int,
+    vision: bool = False,
 ) -> dict[str, torch.Tensor]:
     """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank.
 
     Micro-batches of ``micro_batch_size`` rows, or formed by ``infer_max_tokens_per_microbatch``
-    tokens when set; packed rows when ``packing_enabled``."""
+    tokens when set; packed rows when ``packing_enabled`` (never for a vision-language model,
+    ``vision``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``)."""
     from megatron.core import parallel_state as ps
 
     temperature = batch_temperature(batch)
@@ -127,7 +136,7 @@ def forward_log_probs(
     else:
         micro = split_for_pipeline(batch, micro_batch_size, min_count)
     packed = pack_micro_batches(
-        micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg), packed=packing_enabled(cfg)
+        micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg), packed=packing_enabled(cfg, vision)
     )
     tp_group = ps.get_tensor_model_parallel_group()
 

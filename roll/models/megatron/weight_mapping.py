@@ -127,6 +127,9 @@ class ConversionInfo:
     linear_layers: tuple[bool, ...] = ()
     # HF tensors of other modules roll does not build (Qwen3-Next's ``mtp.``), skipped on load.
     skipped_prefixes: tuple[str, ...] = ()
+    # A vision-language model's vision tower tensors (``visual.*``): held whole on every rank of the
+    # first pipeline stage under the same name as in the HF checkpoint (replicated).
+    vision_names: tuple[str, ...] = ()
 
     def skipped(self, hf_name: str) -> bool:
         """Whether ``hf_name`` belongs to one of the ``extra_layers`` or ``skipped_prefixes``."""
@@ -353,6 +356,7 @@ def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[B
     bound: list[BoundWeight] = []
     if model.pre_process:
         bound.append(BoundWeight(EMBEDDING.mcore, EMBEDDING.hf, VOCAB))
+        bound.extend(BoundWeight(name, (name,), REPLICATED) for name in info.vision_names)
     offset = get_transformer_layer_offset(model.config, vp_stage=model.vp_stage)
     for local, layer_module in enumerate(model.decoder.layers):
         layer = offset + local
@@ -370,7 +374,7 @@ def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[B
 
 def expected_hf_names(info: ConversionInfo) -> set[str]:
     """The HF tensor names of the whole model (every layer, every expert)."""
-    names = set(EMBEDDING.hf) | set(FINAL_NORM.hf)
+    names = set(EMBEDDING.hf) | set(FINAL_NORM.hf) | set(info.vision_names)
     if not info.tie_word_embeddings:
         names |= set(OUTPUT.hf)
     experts = list(range(info.num_experts))
