@@ -102,19 +102,22 @@ def full_hf_weights(strategy) -> dict[str, torch.Tensor]:
     return {n: t for part in parts for n, t in part.items()}
 
 
-def train_strategy(path: str, layout: dict, weight_decay: float = 0.0):
-    """megatron_train (fp32, lr 1e-2, clip 1.0) on this process's rank of the default group."""
+def train_strategy(
+    path: str, layout: dict, weight_decay: float = 0.0, strategy: str = "megatron_train", **model_args
+):
+    """megatron_train (fp32, lr 1e-2, clip 1.0; or ``strategy``, e.g. megatron_infer) on this
+    process's rank of the default group; ``model_args``: more ``ModelArgs`` fields."""
     from roll.distributed.strategy.registry import load_strategy_class
 
     role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=path, dtype="fp32"),
+        model_args=ModelArgs(model_name_or_path=path, dtype="fp32", **model_args),
         training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0, weight_decay=weight_decay),
-        strategy_args=StrategyArgs("megatron_train", dict(layout)),
+        strategy_args=StrategyArgs(strategy, dict(layout)),
         infer_batch_size=2,
     )
     rank = dist.get_rank()
     ctx = WorkerContext("actor", rank, dist.get_world_size(), rank, torch.device("cpu"), seed=7)
-    strategy = load_strategy_class("megatron_train")(role, ctx)
+    strategy = load_strategy_class(strategy)(role, ctx)
     strategy.initialize()
     compat.seed(7)
     return strategy

@@ -92,6 +92,11 @@ class MegatronTrainStrategy:
         self.hf_config, chunks = build_chunks(self.role_config, self.ctx, self.config, hf_config)
         if self.config.freeze_moe_router:
             freeze_routers(chunks)
+        if self.role_config.model_args.freeze_module_prefix:
+            from roll.models.megatron.qwen2_5_vl import freeze_vision_tower
+
+            path = f"{self.ctx.role}.model_args.freeze_module_prefix"
+            freeze_vision_tower(chunks, self.role_config.model_args.freeze_module_prefix, path)
         if self.role_config.model_args.uses_lora:
             self.lora_layout = self._apply_lora(chunks)
         self.model = _wrap_ddp(chunks, self.config)

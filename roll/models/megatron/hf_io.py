@@ -87,7 +87,7 @@ def _group_rank_size(expert: bool) -> tuple[Any, int, int]:
 class _Checkpoint:
     """Names -> files of an HF safetensors checkpoint, and a slice reader over lazily opened files."""
 
-    def __init__(self, hf_dir: str | Path, stack: ExitStack):
+    def __init__(self, hf_dir: str | Path, stack: ExitStack, info: wm.ConversionInfo | None = None):
         self.dir = Path(hf_dir)
         self.files_open = ExitStack()
         stack.callback(self.close_files)
@@ -101,6 +101,13 @@ class _Checkpoint:
             raise CheckpointError(
                 f"{self.dir}: no {INDEX_FILE} or {SINGLE_FILE} (only safetensors checkpoints are supported)"
             )
+        # The tables' names -> the names stored (a vision-language checkpoint stores the language
+        # model under "model." and the tower under "visual.", transformers 5's modules elsewhere).
+        stored = {wm.module_name(info, name): name for name in self.files} if info is not None else {}
+        self.stored = {k: v for k, v in stored.items() if k != v}
+        self.files = (
+            {wm.module_name(info, n): f for n, f in self.files.items()} if info is not None else self.files
+        )
 
     def _open(self, file: str) -> Any:
         if file not in self.handles:
@@ -121,18 +128,21 @@ class _Checkpoint:
     def shape(self, name: str) -> list[int]:
         if name not in self.files:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        return list(self._open(self.files[name]).get_slice(name).get_shape())
+        return list(self._slice(name).get_shape())
+
+    def _slice(self, name: str) -> Any:
+        return self._open(self.files[name]).get_slice(self.stored.get(name, name))
 
     def meta(self, name: str, shape: list[int]) -> torch.Tensor:
         """An empty ``meta`` tensor of ``shape`` and of the dtype ``name`` has in the file."""
-        dtype = self._open(self.files[name]).get_slice(name).get_dtype()
+        dtype = self._slice(name).get_dtype()
         if dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.where(name)} has dtype {dtype}, which roll does not convert")
         return torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype], device="meta")
 
     def read(self, name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """The whole tensor (``dim`` None) or rows/columns [start, stop) of dim 0/1."""
-        sliced = self._open(self.files[name]).get_slice(name)
+        sliced = self._slice(name)
         if dim is None:
             return sliced[:]
         return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
@@ -283,7 +293,7 @@ def load_hf_weights(model_chunks: list[Any], hf_dir: str | Path) -> None:
     models = [unwrap(chunk) for chunk in model_chunks]
     info = models[0].roll_hf_info
     with ExitStack() as stack:
-        ckpt = _Checkpoint(hf_dir, stack)
+        ckpt = _Checkpoint(hf_dir, stack, info)
         _check_checkpoint_names(ckpt, info)
         for model in models:
             bound, params = _bind_chunk(model, info)

@@ -82,6 +82,7 @@ class NamedTensorLoader:
         source, written = self.source, 0
         arrived: set[str] = set()
         for name, tensor in named_tensors:
+            name = wm.module_name(self.info, name)  # a vision-language checkpoint's names too
             if name not in self.known:
                 if self.info.skipped(name):
                     continue  # a layer roll does not build (DeepSeek-V3's multi-token prediction)

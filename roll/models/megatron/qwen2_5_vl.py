@@ -122,3 +122,22 @@ def model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
     if getattr(hf_config, "model_type", None) in VISION_FAMILIES:
         return Qwen2_5_VLGPTModel, {"hf_config": hf_config}
     return GPTModel, {}
+
+
+def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | None, path: str) -> int:
+    """``model_args.freeze_module_prefix`` on megatron_train: ROLL's / transformers' module names
+    (``model.visual``, ``model.visual.merger``, or ``visual...``) freeze that part of the tower on
+    the ranks that hold it (the first pipeline stage); other prefixes are a ConfigError. Returns how
+    many tensors this rank froze; call before DDP and the optimizer are built."""
+    from roll.configs.errors import ConfigError
+    from roll.models.vision import freeze_prefixes
+
+    if not prefixes:
+        return 0
+    names = [p.removeprefix("model.") for p in prefixes]
+    for prefix, name in zip(prefixes, names):
+        if name != "visual" and not name.startswith("visual."):
+            raise ConfigError(
+                path, f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual...) only"
+            )
+    return sum(freeze_prefixes(c, names, path) for c in chunks if getattr(c, "pre_process", False))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -369,7 +369,28 @@ def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[B
         elif not model.pre_process:
             # Tied weights on a stage without the embedding: megatron keeps a synced copy here.
             bound.append(BoundWeight(OUTPUT.mcore, EMBEDDING.hf, VOCAB, export=False))
+    if info.vision_names:
+        return [replace(w, hf=tuple(module_name(info, h) for h in w.hf)) for w in bound]
     return bound
+
+
+# A vision-language model's HF names: its checkpoints store the language model under "model." and the
+# vision tower under "visual."; transformers 5's modules (roll's wire, vLLM's loader, HF exports) are
+# "model.language_model." and "model.visual.". The tables and the megatron model ("visual.") use
+# the checkpoint's; the HF side of a vision-language model's bound weights uses the modules'.
+VL_LANGUAGE, VL_VISION = "model.language_model.", "model.visual."
+
+
+def module_name(info: ConversionInfo | None, name: str) -> str:
+    """``name`` (a checkpoint's, or already a module's) as transformers 5's module name for a
+    vision-language model; unchanged for a text model."""
+    if info is None or not info.vision_names or name.startswith((VL_LANGUAGE, VL_VISION)):
+        return name
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return VL_LANGUAGE + name.removeprefix("model.")
+    return name
 
 
 def expected_hf_names(info: ConversionInfo) -> set[str]:
@@ -381,7 +402,7 @@ def expected_hf_names(info: ConversionInfo) -> set[str]:
     for layer in range(info.num_layers):
         for weight in layer_weights(info, MegatronNaming(), layer, layer, experts):
             names.update(weight.hf)
-    return names
+    return {module_name(info, name) for name in names}
 
 
 # ---------------------------------------------------------------------------------- layouts
