@@ -30,7 +30,7 @@ MODELS = {
     "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
-    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-3b",  # a stand-in: the dry run checks keys, not sizes
+    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -47,6 +47,8 @@ DATA = {
     "train_math_mmmath_3539.parquet": ["mm_math"],
     # The video file's (Video-R1's layout, roll.pipeline.rlvr.data.video): a JSON list of rows.
     "Video-R1-116k-video.json": ["video"],
+    "test_math_megabench_237.parquet": ["megabench_math"],
+    "test_detection_coco_test_multi_2000.parquet": ["coco_val_multi_test"],
 }
 
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
@@ -54,6 +56,8 @@ VIDEO_FILE = "video-rlvr__video_r1.yaml"
 REFUSED: dict[str, str] = {
     # ROLL's own experiment tracker; with track_with=tensorboard it stops on Megatron (test below)
     VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
+    # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
+    "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
 }
 
 
@@ -136,12 +140,12 @@ def write_video_r1_rows(path: Path, tags: list[str]) -> None:
 
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 35 and set(REFUSED) <= names
+    assert len(names) == 37 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
-    if name.startswith("qwen2_5-vl"):
+    if name.startswith(("qwen2_5-vl", "qwen2.5-vl")):
         pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])
@@ -179,16 +183,24 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
     [
         (
             ["reference.model_args.freeze_module_prefix=model.visual"],
-            "ConfigError: reference.model_args.freeze_module_prefix: is applied by fsdp2_train trainers only "
-            "(strategy 'hf_infer' here); remove it",
+            "ConfigError: reference.model_args.freeze_module_prefix: is applied by fsdp2_train and megatron_train "
+            "trainers only (strategy 'hf_infer' here); remove it",
+        ),
+        (
+            [
+                "actor_infer.strategy_args.strategy_name=megatron_infer",
+                "actor_infer.strategy_args.strategy_config={}",
+            ],
+            "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with model_type "
+            "'qwen2_5_vl' (its KV-cached loop takes no images; generate with vllm",
         ),
         (
             [
                 "actor_train.strategy_args.strategy_name=megatron_train",
-                "actor_train.strategy_args.strategy_config={}",
+                "actor_train.strategy_args.strategy_config={sequence_packing: true}",
             ],
-            "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run vision-language "
-            "models in roll (no image inputs; ROLL builds them with mcore_adapter); use one of hf_infer, fsdp2_train, vllm",
+            "ConfigError: actor_train.strategy_args.strategy_config.sequence_packing: true does not run with a "
+            "vision-language model",
         ),
         (
             [
@@ -220,7 +232,8 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
 def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
     overrides, line, roll_workdir, monkeypatch, capsys
 ):
-    """ROLL's other vision-language files (Megatron, Qwen3-VL) stop on one line naming the key."""
+    """Vision-language layouts roll has not run (megatron_infer rollouts, packing, Qwen3-VL, ...) stop
+    on one line naming the key."""
     pytest.importorskip("pyarrow")
     monkeypatch.chdir(roll_workdir)
     qwen3_vl = roll_workdir / "Qwen/Qwen3-VL-4B"

@@ -155,6 +155,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             offloads_on_cpu=True,
             trains_lora=True,
             preload=MEGATRON_PRELOAD + ("megatron.core.optimizer", "megatron.core.distributed"),
+            runs_vision=True,  # Qwen2.5-VL (roll.models.megatron.qwen2_5_vl)
         ),
         StrategySpec(
             "megatron_infer",
@@ -167,6 +168,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             requires=("megatron.core",),
             protocols=("HFWeightSource", "FinishesModelUpdate"),
             preload=MEGATRON_PRELOAD,
+            runs_vision=True,  # scores image rows; generation with images: vllm
         ),
         StrategySpec(
             "vllm",

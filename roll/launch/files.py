@@ -80,6 +80,10 @@ def loads_model(role: RoleConfig) -> bool:
     return get_reward_spec(role.reward_fn).kind == "model"
 
 
+# Trainers that apply ``model_args.freeze_module_prefix`` (megatron_train: to the vision tower only).
+FREEZES_MODULES = ("fsdp2_train", "megatron_train")
+
+
 def check_vision_layout(name: str, role: RoleConfig) -> None:
     """``freeze_module_prefix`` only where fsdp2_train applies it, and a vision-language model
     (config.json with a ``vision_config``) only of a type roll has run, on strategies that pass it
@@ -88,10 +92,10 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
     path = role.model_args.model_name_or_path
     if is_vision_model_dir(path):
         check_vision_model(name, role, strategy)
-    if role.model_args.freeze_module_prefix and strategy != "fsdp2_train":
+    if role.model_args.freeze_module_prefix and strategy not in FREEZES_MODULES:
         raise ConfigError(
             f"{name}.model_args.freeze_module_prefix",
-            f"is applied by fsdp2_train trainers only (strategy {strategy!r} here); remove it",
+            f"is applied by {' and '.join(FREEZES_MODULES)} trainers only (strategy {strategy!r} here); remove it",
         )
 
 
@@ -123,6 +127,14 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
     cfg = strategy_options(role)
     if isinstance(cfg, FSDP2Config):
         check_vision_options(name, cfg.sequence_packing is True, cfg.ulysses_size)
+    if isinstance(cfg, MegatronConfig):
+        check_vision_options(name, cfg.sequence_packing is True, 1)
+        if cfg.context_parallel_size > 1:
+            raise ConfigError(
+                f"{name}.strategy_args.strategy_config.context_parallel_size",
+                f"{cfg.context_parallel_size} does not run with a vision-language model (roll's context "
+                "parallelism splits packed rows; a vision-language model runs on padded rows); set it to 1",
+            )
 
 
 def check_vision_dump(config: RLVRConfig) -> None:
@@ -153,11 +165,11 @@ def check_megatron_layout(name: str, role: RoleConfig) -> None:
         if exc.path.startswith(name):
             raise
         raise ConfigError(f"{name}.{exc.path}", exc.message) from None
-    if _generates(name, role) and not get_family(hf_config).generates:
+    family = get_family(hf_config)
+    if _generates(name, role) and not family.generates:
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",
-            f"megatron_infer cannot generate with model_type {hf_config.model_type!r} (its linear-attention "
-            "layers keep a recurrent state the KV cache has no place for); generate with vllm or sglang",
+            f"megatron_infer cannot generate with model_type {hf_config.model_type!r} ({family.no_generation})",
         )
 
 

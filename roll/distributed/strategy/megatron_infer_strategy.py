@@ -11,6 +11,9 @@ Generation is our own KV-cached loop (``roll.models.megatron.kv_generate``) over
 ``StaticInferenceContext``: megatron-core 0.16.1's inference engines expect TransformerEngine or
 its dynamic batching kernels, neither of which the GPU machines here have. It supports TP and PP
 (not VPP, not sequence parallelism). ``infer_logprobs`` follow ``hf_infer``'s definition.
+
+A vision-language model (Qwen2.5-VL, ``roll.models.megatron.qwen2_5_vl``) scores rows with images
+here (``reference``); it does not generate with them (ROLL's Qwen2.5-VL files generate with vLLM).
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class MegatronInferStrategy:
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
         prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
+        if is_vision_model(self.hf_config):  # the pre-launch check refuses this layout first
+            raise ValueError(
+                f"{self.ctx.role}: megatron_infer does not generate with a vision-language model "
+                "(its KV-cached loop takes no images); generate with vllm"
+            )
         self._ensure_loaded()
         width = response_width(self.ctx, params)
         params = capped(params, width)

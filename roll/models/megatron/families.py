@@ -54,6 +54,11 @@ class Family:
     # megatron_infer can generate with it (kv_generate's cache holds attention K/V only; Gated
     # DeltaNet layers keep a recurrent state it has no place for).
     generates: bool = True
+    # Why it cannot (the launch check's refusal, with what to generate with instead).
+    no_generation: str = (
+        "its linear-attention layers keep a recurrent state the KV cache has no place for; "
+        "generate with vllm or sglang"
+    )
     # Multimodal rotary positions (Qwen2.5-VL's mrope: 3-D position ids, ``mrope_section``).
     mrope: bool = False
 
@@ -147,7 +152,14 @@ FAMILIES: dict[str, Family] = {
         Family("llama", wm.LLAMA),
         Family("qwen2", wm.QWEN2, qkv_bias=True),
         # Qwen2.5-VL's language model: Qwen2 with multimodal RoPE (its vision tower: qwen2_5_vl.py).
-        Family("qwen2_5_vl_text", wm.QWEN2, qkv_bias=True, mrope=True, generates=False),
+        Family(
+            "qwen2_5_vl_text",
+            wm.QWEN2,
+            qkv_bias=True,
+            mrope=True,
+            generates=False,
+            no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
+        ),
         Family("qwen3", wm.QWEN3, qk_layernorm=True),
         Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
         Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
