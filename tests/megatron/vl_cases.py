@@ -20,7 +20,13 @@ from tiny_vl import build_tiny_vl_dir, detection_rows, math_rows  # noqa: E402
 from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
-from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor, forward_kwargs  # noqa: E402
+from roll.models.vision import (  # noqa: E402
+    MULTI_MODAL_INPUTS,
+    VisionProcessor,
+    exclude_response_tokens,
+    forward_kwargs,
+    response_excluded_tokens,
+)
 from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
 from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
 
@@ -67,7 +73,8 @@ def hf_log_probs(
     model: Path, batch: Batch, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> torch.Tensor:
     """transformers' response log-probs [B, R] (0 at padding), with Qwen2.5-VL's 3-D rope positions
-    (``mm_token_type_ids`` makes transformers compute them)."""
+    (``mm_token_type_ids`` makes transformers compute them) and the vision tokens excluded, as
+    roll scores responses."""
     from transformers import AutoModelForImageTextToText
 
     hf = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -78,6 +85,7 @@ def hf_log_probs(
         logits = hf(
             input_ids=ids, attention_mask=mask, mm_token_type_ids=token_types, **kwargs
         ).logits.float()
+    logits = exclude_response_tokens(logits, response_excluded_tokens(hf.config))  # as roll scores them
     width = batch["responses"].shape[1]
     logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
     logps = logps.gather(-1, batch["responses"].to(device).unsqueeze(-1)).squeeze(-1).cpu()

@@ -56,6 +56,7 @@ from roll.models.megatron.offload import StateOffloader
 from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
+    excluded_tokens,
     forward_log_probs,
     is_vision_model,
 )
@@ -130,8 +131,14 @@ class MegatronTrainStrategy:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
         self.offloader.ensure_params_loaded()
         size = max(1, self.role_config.infer_batch_size)
-        vocab, vision = self._vocab_size(), is_vision_model(self.hf_config)
-        return forward_log_probs(self.model, batch, self.config, vocab, size, vision=vision)
+        vocab, vision, excluded = (
+            self._vocab_size(),
+            is_vision_model(self.hf_config),
+            excluded_tokens(self.hf_config),
+        )
+        return forward_log_probs(
+            self.model, batch, self.config, vocab, size, vision=vision, excluded=excluded
+        )
 
     # ---------------------------------------------------------------------------------- training
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
@@ -145,10 +152,10 @@ class MegatronTrainStrategy:
         packed = self._prepare(micro_batches, loss_fn)
         temperature = batch_temperature(packed[0].batch)
         tp_group = ps.get_tensor_model_parallel_group()
-        vocab = self._vocab_size()
+        vocab, excluded = self._vocab_size(), excluded_tokens(self.hf_config)
 
         def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
-            outputs = response_logprobs(logits, mb, tp_group, temperature, vocab)
+            outputs = response_logprobs(logits, mb, tp_group, temperature, vocab, excluded)
             loss, metrics = loss_fn(outputs, mb.batch)
             payload = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
             return loss * mb.loss_scale, payload

@@ -23,7 +23,7 @@ i's logits row, vocab-parallel (no full-vocab gather), and is 0 where the respon
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from roll.core.batch import Batch
 from roll.models.context_parallel import sum_over_ranks, zigzag_indices
-from roll.models.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+from roll.models.megatron.vocab_parallel import exclude_vocab_tokens, vocab_parallel_logprobs_entropy
 from roll.models.packing import pack_rows, packed_length
 
 
@@ -224,10 +224,13 @@ def response_logprobs(
     tp_group: Any,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    excluded: Sequence[int] = (),
 ) -> dict[str, torch.Tensor]:
     """{"log_probs", "entropy"} [B, R] from this rank's vocab shard of ``logits``
-    [rows, seq, V/tp]; ``vocab_size`` (the HF one) leaves megatron's vocab padding out."""
+    [rows, seq, V/tp]; ``vocab_size`` (the HF one) leaves megatron's vocab padding out, and the
+    ``excluded`` token ids get zero probability (a vision-language model's vision tokens)."""
     window_logits = logits[packed.row_index.unsqueeze(1), packed.window]  # [B, R, V/tp]
+    window_logits = exclude_vocab_tokens(window_logits, excluded, tp_group)
     log_probs, entropy = vocab_parallel_logprobs_entropy(
         window_logits, packed.targets, tp_group, temperature, vocab_size
     )

@@ -8,6 +8,7 @@ log-probs through the pipeline schedule, and moving plain parameters off and bac
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,6 +41,14 @@ def is_vision_model(hf_config: Any) -> bool:
     from roll.models.vision import is_vision_config
 
     return is_vision_config(hf_config)
+
+
+def excluded_tokens(hf_config: Any) -> list[int]:
+    """Token ids a response must not hold (a vision-language model's vision tokens; [] for text):
+    their log-probs are scored as zero probability, as on every other strategy."""
+    from roll.models.vision import response_excluded_tokens
+
+    return response_excluded_tokens(hf_config)
 
 
 def build_chunks(
@@ -119,12 +128,14 @@ def forward_log_probs(
     vocab_size: int,
     micro_batch_size: int,
     vision: bool = False,
+    excluded: Sequence[int] = (),
 ) -> dict[str, torch.Tensor]:
     """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank.
 
     Micro-batches of ``micro_batch_size`` rows, or formed by ``infer_max_tokens_per_microbatch``
     tokens when set; packed rows when ``packing_enabled`` (never for a vision-language model,
-    ``vision``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``)."""
+    ``vision``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``);
+    ``excluded`` token ids get zero probability (``forward.response_logprobs``)."""
     from megatron.core import parallel_state as ps
 
     temperature = batch_temperature(batch)
@@ -141,7 +152,7 @@ def forward_log_probs(
     tp_group = ps.get_tensor_model_parallel_group()
 
     def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
-        out = response_logprobs(logits, mb, tp_group, temperature, vocab_size)
+        out = response_logprobs(logits, mb, tp_group, temperature, vocab_size, excluded)
         return torch.zeros((), device=logits.device), out
 
     modes = [c.training for c in chunks]

@@ -14,6 +14,8 @@ Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -135,3 +137,15 @@ def vocab_parallel_logprobs_entropy(
         flat, targets.reshape(-1).long(), group, float(temperature), vocab_size
     )
     return log_probs.reshape(lead), entropy.reshape(lead)
+
+
+def exclude_vocab_tokens(logits: torch.Tensor, token_ids: Sequence[int], group=None) -> torch.Tensor:
+    """This rank's vocab shard of ``logits`` with the columns of ``token_ids`` (global ids) at
+    ``EXCLUDED_LOGIT``: a vision-language model's tokens a response must not hold, scored as every
+    other strategy scores them (``roll.models.vision.response_excluded_tokens``)."""
+    from roll.models.vision import exclude_response_tokens
+
+    if not token_ids:
+        return logits
+    start, end = _vocab_range(logits.shape[-1], group)
+    return exclude_response_tokens(logits, [t - start for t in token_ids if start <= t < end])
