@@ -5,7 +5,7 @@
 - the weights round-trip: the HF export is the checkpoint's tensors under transformers 5's module
   names, bit for bit, and an HF checkpoint saved from megatron loads in transformers;
 - a train step reaches the vision tower, and ``freeze_module_prefix: model.visual`` (ROLL's key)
-  keeps it as it was while the language model trains.
+  keeps it as it was while the language model trains (TP=2 + SP, and PP=2).
 """
 
 from __future__ import annotations
@@ -90,18 +90,24 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
     return bad
 
 
-def check_train_step(path: str, scratch: Path, freeze: bool) -> list[str]:
+TRAINING = {
+    "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},  # the first stage sends the image-filled embeddings
+}
+
+
+def check_train_step(path: str, scratch: Path, freeze: bool, layout: str = "tp2_sp") -> list[str]:
     args = {"freeze_module_prefix": ["model.visual"]} if freeze else {}
-    strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, **args)
+    strategy = train_strategy(path, TRAINING[layout], **args)
     batch = torch.load(scratch / "batch.pt", weights_only=False)
     before = raw_params(strategy)
     metrics = strategy.train_step(batch.split(2), pg_loss)
     after = raw_params(strategy)
     moved = {n for n in before if not torch.equal(before[n], after[n])}
-    tag, bad = f"train step (freeze={freeze})", []
+    tag, bad = f"train step ({layout}, freeze={freeze})", []
     if not (torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0):
         bad.append(f"{tag}: metrics {metrics}")
-    vision = {n for n in before if n.startswith("visual.")}
+    vision = {n for n in before if n.startswith("visual.")}  # none on the second pipeline stage
     if freeze and moved & vision:
         bad.append(f"{tag}: the frozen tower changed: {sorted(moved & vision)[:3]}")
     if not freeze and not vision <= moved:
@@ -118,8 +124,8 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
             dist.barrier()
         bad += check_round_trip(path, Path(scratch))
         dist.barrier()
-        for freeze in (False, True):
-            bad += check_train_step(path, Path(scratch), freeze)
+        for freeze, layout in ((False, "tp2_sp"), (True, "tp2_sp"), (False, "pp2")):
+            bad += check_train_step(path, Path(scratch), freeze, layout)
             dist.barrier()
 
 

@@ -151,15 +151,6 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", wm.LLAMA),
         Family("qwen2", wm.QWEN2, qkv_bias=True),
-        # Qwen2.5-VL's language model: Qwen2 with multimodal RoPE (its vision tower: qwen2_5_vl.py).
-        Family(
-            "qwen2_5_vl_text",
-            wm.QWEN2,
-            qkv_bias=True,
-            mrope=True,
-            generates=False,
-            no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
-        ),
         Family("qwen3", wm.QWEN3, qk_layernorm=True),
         Family("qwen3_moe", wm.QWEN3_MOE, qk_layernorm=True, moe_kwargs=_qwen3_moe_kwargs),
         Family("mixtral", wm.MIXTRAL, moe_kwargs=_mixtral_kwargs),
@@ -184,6 +175,11 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def supported_model_types() -> list[str]:
+    """The config.json model types the Megatron strategies build."""
+    return sorted([*FAMILIES, *VISION_FAMILIES])
+
+
 def language_config(hf_config: Any) -> Any:
     """The config of the language model: a vision-language config's ``text_config`` (Qwen2.5-VL
     keeps the text sizes there), else the config itself."""
@@ -191,9 +187,21 @@ def language_config(hf_config: Any) -> Any:
     return text if text is not None and getattr(hf_config, "vision_config", None) is not None else hf_config
 
 
-# Vision-language model types the Megatron strategies build (vision tower + merger from transformers,
-# language model as megatron-core GPTModel; roll.models.megatron.qwen2_5_vl).
-VISION_FAMILIES = ("qwen2_5_vl",)
+# Vision-language model types the Megatron strategies build, by config.json model_type: the family
+# of the language model (``text_config``), a megatron-core GPTModel; the vision tower and merger are
+# transformers' (roll.models.megatron.qwen2_5_vl).
+VISION_FAMILIES: dict[str, Family] = {
+    # Qwen2.5-VL's language model: Qwen2 with multimodal RoPE.
+    "qwen2_5_vl": Family(
+        "qwen2_5_vl_text",
+        wm.QWEN2,
+        qkv_bias=True,
+        mrope=True,
+        generates=False,
+        no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
+    ),
+}
+_LANGUAGE_FAMILIES = FAMILIES | {f.model_type: f for f in VISION_FAMILIES.values()}
 
 
 def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
@@ -202,14 +210,14 @@ def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
     if getattr(hf_config, "model_type", None) in VISION_FAMILIES:
         hf_config = language_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in FAMILIES:
+    if model_type not in _LANGUAGE_FAMILIES:
         where = getattr(hf_config, "_name_or_path", "") or "the checkpoint"
         raise ConfigError(
             path,
             f"model_type {model_type!r} of {where} is not supported by the Megatron strategies; "
-            f"supported: {sorted(FAMILIES)}",
+            f"supported: {supported_model_types()}",
         )
-    return FAMILIES[model_type]
+    return _LANGUAGE_FAMILIES[model_type]
 
 
 # ---------------------------------------------------------------------------- HF config fields

@@ -107,12 +107,12 @@ class Qwen2_5_VLGPTModel(GPTModel):
                 f"{int(image.sum())} image tokens in the rows for {features.shape[0]} image features"
             )
         full = words.new_zeros(image.shape + (words.shape[-1],))
-        full = full.masked_scatter(image.unsqueeze(-1), features.to(words.dtype)).transpose(0, 1)
-        image = image.transpose(0, 1)  # [s, b, h] / [s, b], as the decoder takes them
+        full = full.masked_scatter(image.unsqueeze(-1), features.to(words.dtype)).transpose(0, 1).contiguous()
+        image = image.transpose(0, 1).contiguous()  # [s, b, h] / [s, b], as the decoder takes them
         if self.config.sequence_parallel:  # this rank's share, as the embedding scattered the words
             full = tensor_parallel.scatter_to_sequence_parallel_region(full)
             image = tensor_parallel.scatter_to_sequence_parallel_region(image.float()).bool()
-        return torch.where(image.unsqueeze(-1), full, words)
+        return torch.where(image.unsqueeze(-1), full, words).contiguous()  # pipeline sends need contiguous
 
 
 def model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
