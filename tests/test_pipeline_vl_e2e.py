@@ -163,7 +163,7 @@ def test_vl_run_on_megatron_train(setup, shimmed_ray):
     """The same run with actor_train on megatron_train (TP 2 + SP, the tower frozen; about 35 s):
     hf_infer gets its weights under the module names, the tower stays, the language model trains."""
     tmp, model = setup
-    raw = config(tmp, model) | {"eval_steps": 0, "save_steps": 0}
+    raw = config(tmp, model) | {"eval_steps": 0, "save_steps": 0, "output_dir": str(tmp / "out_megatron")}
     megatron = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
     raw["actor_train"]["strategy_args"] = {"strategy_name": "megatron_train", "strategy_config": megatron}
     run_dir = run_pipeline(load(tmp, "vl_megatron", raw))
