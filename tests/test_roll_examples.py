@@ -249,8 +249,9 @@ def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
 
 def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir, monkeypatch, capsys):
     """ROLL's video file: VideoR1RewardWorker and its Video-R1 row reader map; its Megatron trainer
-    is refused for a vision-language model; with fsdp2_train / hf_infer (and its vllm rollouts) it
-    dry-runs (gradient accumulation 2: ROLL's 8 on Megatron's DP 4 is 2 on fsdp2's DP 16)."""
+    stops on context parallelism, then (CP 1) on video rows, which roll's Megatron Qwen2.5-VL does
+    not take; with fsdp2_train / hf_infer (and its vllm rollouts) it dry-runs (gradient
+    accumulation 2: ROLL's 8 on Megatron's DP 4 is 2 on fsdp2's DP 16)."""
     monkeypatch.chdir(roll_workdir)
     args = [
         "--config_path",
@@ -262,9 +263,21 @@ def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir,
     ]
     assert main(args) == 2
     errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "ConfigError: actor_train.strategy_args.strategy_config.context_parallel_size: 2 does not run with "
+        "a vision-language model"
+    ), errors
+    cp1 = [
+        f"{role}.strategy_args.strategy_config.context_parallel_size=1"
+        for role in ("actor_train", "reference")
+    ]
+    cp1.append("actor_train.training_args.gradient_accumulation_steps=4")  # DP 8 at CP 1: still 64 samples
+    assert main(args + cp1) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
     assert errors == [
-        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run vision-language "
-        "models in roll (no image inputs; ROLL builds them with mcore_adapter); use one of hf_infer, fsdp2_train, vllm"
+        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run video rows in roll "
+        "(its Qwen2.5-VL takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
+        "(reference: hf_infer) with vllm rollouts"
     ]
     overrides = [
         "actor_train.strategy_args={strategy_name: fsdp2_train}",

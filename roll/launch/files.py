@@ -70,6 +70,7 @@ def check_files(config: RLVRConfig) -> None:
     if resume_requested(config.resume_from_checkpoint):
         resolve_resume(config)
     check_vision_dump(config)
+    check_video_strategies(config)
     check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 
 
@@ -148,6 +149,21 @@ def check_vision_dump(config: RLVRConfig) -> None:
             f"{config.rollout_dump.mode!r} does not write or read vision-language rollouts (their "
             "images); set it to none",
         )
+
+
+def check_video_strategies(config: RLVRConfig) -> None:
+    """Video-R1 rows (``data_args.row_layout: video_r1``, ROLL's video files) only where roll's
+    forwards pass videos: the Megatron strategies take images only."""
+    if config.actor_train.data_args.row_layout != "video_r1":
+        return
+    for name, role in config.roles().items():
+        if isinstance(strategy_options(role), MegatronConfig):
+            raise ConfigError(
+                f"{name}.strategy_args.strategy_name",
+                f"{role.strategy_args.strategy_name} does not run video rows in roll (its Qwen2.5-VL "
+                "takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
+                "(reference: hf_infer) with vllm rollouts",
+            )
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:

@@ -107,7 +107,12 @@ def _vision_inputs(batch: Batch, filler_rows: list[int], device: torch.device) -
     if MULTI_MODAL_INPUTS not in batch:
         return {}
     rows = list(batch[MULTI_MODAL_INPUTS])
-    return forward_kwargs({MULTI_MODAL_INPUTS: rows + [rows[i] for i in filler_rows]}, device)
+    kwargs = forward_kwargs({MULTI_MODAL_INPUTS: rows + [rows[i] for i in filler_rows]}, device)
+    if "pixel_values_videos" in kwargs:  # refused before launch for ROLL's video files too
+        raise ValueError(
+            "the Megatron strategies take images only; rows with videos run on fsdp2_train / hf_infer"
+        )
+    return kwargs
 
 
 def _pack_one(
