@@ -172,10 +172,9 @@ def test_vl_run_on_megatron_train(setup, shimmed_ray):
     for row in steps:
         assert math.isfinite(row["actor/loss"]) and math.isfinite(row["actor/grad_norm"])
         # hf_infer holds the trainer's weights and scores the vision tokens out as the trainer does
-        # (the probe is text). Not checked: rollout/logprob_mismatch of image rows (about 0.02 here),
-        # since megatron uses transformers' 3-D rope positions and hf_infer's forward, given no
-        # mm_token_type_ids, 1-D ones.
+        # (the probe is text), and both run image rows at transformers' 3-D rope positions.
         assert row["model_update/probe_logprob_diff"] < 1e-4
+        assert row["rollout/logprob_mismatch"] < 1e-4  # was ~0.02 with hf_infer at 1-D positions
     before, after = weights(model), weights(run_dir / "hf_model")
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model.visual."))
     language = [k for k in before if k.startswith("model.language_model.layers.")]
