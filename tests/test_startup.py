@@ -15,7 +15,7 @@ from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, VLLMConfig
 from roll.distributed.scheduler.placement import plan_placement
 from roll.pipeline.common.timing import StageTimer
-from roll.pipeline.rlvr import start
+from roll.pipeline.rlvr import prestart, start
 from roll.pipeline.rlvr.perf import record_launch, startup_metrics
 from roll.pipeline.rlvr.start import init_waves, offloaded_roles, offloads_after_waves
 
@@ -152,7 +152,7 @@ def test_every_roles_workers_start_at_once_and_a_failure_keeps_the_others(monkey
     cfg = config()
     clusters = {}
     with pytest.raises(RuntimeError, match="reference failed to start"):
-        start.start_workers(cfg, plan_placement(cfg), None, None, clusters)
+        prestart.start_workers(cfg, plan_placement(cfg), None, None, clusters)
     # The roles that did start are kept, in config order, so shutdown stops them.
     assert list(clusters) == ["actor_train", "actor_infer", "rewards.math"]
 
@@ -193,7 +193,6 @@ def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_ra
     take (Ray) or at ``wait_workers`` (a role's start, with the roles that started kept), and one
     nobody takes is stopped (``discard_prestart``)."""
     import roll.distributed.scheduler.resource_manager as resource_manager
-    from roll.pipeline.rlvr import prestart
 
     class FakeResources:
         def __init__(self, plan, device):
@@ -215,7 +214,7 @@ def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_ra
 
     monkeypatch.setattr(resource_manager, "ResourceManager", FakeResources)
     monkeypatch.setattr(prestart, "start_hosts", lambda config, plan, rm: ({"actor_train": ([], True)}, []))
-    monkeypatch.setattr(start, "start_workers", fake_start_workers)
+    monkeypatch.setattr(prestart, "start_workers", fake_start_workers)
     cfg = config()
     prestart.prestart(cfg)
     early = prestart.take_prestart(cfg)

@@ -189,15 +189,13 @@ def build_model_chunks(
     """
     from megatron.core import parallel_state as ps
 
-    from roll.models.megatron.qwen2_5_vl import model_class
-
     config = transformer_config
     if config is None:
         config = transformer_config_from_hf(hf_config, megatron_cfg, dtype)
     spec_fn = layer_spec_fn or default_layer_spec_fn()
     info = families.conversion_info(hf_config, megatron_cfg)
     model_kwargs = families.rope_kwargs(hf_config)
-    gpt_class, class_kwargs = model_class(hf_config)  # GPTModel, or Qwen2.5-VL's with its vision tower
+    gpt_class, class_kwargs = _model_class(hf_config)  # GPTModel, or Qwen2.5-VL's with its vision tower
     max_positions = families.language_config(hf_config).max_position_embeddings
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -242,3 +240,14 @@ def mark_tensor_parallel_params(chunks: list[torch.nn.Module]) -> None:
             if dim is not None and isinstance(weight, torch.nn.Parameter):
                 if not getattr(weight, "tensor_model_parallel", False):
                     set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+def _model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
+    """The GPTModel class for ``hf_config`` and its extra constructor arguments."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if getattr(hf_config, "model_type", None) in families.VISION_FAMILIES:
+        from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
+
+        return Qwen2_5_VLGPTModel, {"hf_config": hf_config}
+    return GPTModel, {}

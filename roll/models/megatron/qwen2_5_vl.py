@@ -115,15 +115,6 @@ class Qwen2_5_VLGPTModel(GPTModel):
         return torch.where(image.unsqueeze(-1), full, words).contiguous()  # pipeline sends need contiguous
 
 
-def model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
-    """The GPTModel class for ``hf_config`` and its extra constructor arguments."""
-    from roll.models.megatron.families import VISION_FAMILIES
-
-    if getattr(hf_config, "model_type", None) in VISION_FAMILIES:
-        return Qwen2_5_VLGPTModel, {"hf_config": hf_config}
-    return GPTModel, {}
-
-
 def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | None, path: str) -> int:
     """``model_args.freeze_module_prefix`` on megatron_train: ROLL's / transformers' module names
     (``model.visual``, ``model.visual.merger``, or ``visual...``) freeze that part of the tower on

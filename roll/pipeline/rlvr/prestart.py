@@ -22,6 +22,7 @@ Host processes (``start_hosts``): on CPU slots the colocated roles of a slot sha
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,43 @@ def start_hosts(config: RLVRConfig, plan: PlacementPlan, rm: ResourceManager) ->
             )
             ranks[rank] = ref
     return hosted, refs
+
+
+def start_workers(
+    config: RLVRConfig,
+    plan: PlacementPlan,
+    resources: ResourceManager,
+    hosted: Hosted | None,
+    clusters: dict[str, Cluster],
+) -> None:
+    """One cluster per role into ``clusters`` (config order), built on threads: each blocks until
+    its ranks answer and have joined their process group, and Ray starts all the processes
+    meanwhile. ``hosted``: the roles whose workers live in host processes (``prestart.start_hosts``),
+    with their hosts by rank. A role that fails to start raises once the others are in
+    ``clusters``, so the caller's shutdown stops them."""
+    from roll.pipeline.workers.classes import role_classes
+
+    roles = config.roles()
+    hosted = hosted or {}
+
+    def start(name: str) -> Cluster:
+        cluster_cls, worker_cls = role_classes(name)
+        extra = {"hosts": hosted[name][0], "joins_process_group": hosted[name][1]} if name in hosted else {}
+        return cluster_cls(name, worker_cls, resources, plan.roles[name], roles[name], config, **extra)
+
+    pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
+    futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}
+    error: BaseException | None = None
+    try:
+        for name, future in futures.items():  # config order, whatever order they finish in
+            try:
+                clusters[name] = future.result()
+            except Exception as exc:  # noqa: BLE001 - the others are kept for shutdown, then it raises
+                error = error or exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if error is not None:
+        raise error
 
 
 def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
@@ -136,7 +174,6 @@ class _Prestart:
 
     def _run(self) -> None:
         from roll.distributed.scheduler.resource_manager import ResourceManager
-        from roll.pipeline.rlvr.start import start_workers
 
         try:
             plan = plan_placement(self.config)

@@ -7,8 +7,8 @@
       model update      the trainer -> engine group, set up once
     pipeline.py       the step loop over ``run``; finally shutdown(run)
 
-Worker processes of all roles start together (``start_workers``; by the launcher, while it checks
-the config): each one imports torch and its engine, which is most of a CPU run's start-up, and
+Worker processes of all roles start together (``prestart.start_workers``; by the launcher, while it
+checks the config): each one imports torch and its engine, which is most of a CPU run's start-up, and
 waiting for one role's ranks before asking for the next role's left cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
 GPU engine that shares a device: an engine sizes its memory from what is free when it starts
 (vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +36,7 @@ from roll.pipeline.rlvr.data.routing import build_tag_routes, load_data
 from roll.pipeline.rlvr.run import RLVRRun
 
 if TYPE_CHECKING:
-    from roll.distributed.scheduler.cluster import AsyncResult, Cluster
-    from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.pipeline.rlvr.prestart import Hosted
+    from roll.distributed.scheduler.cluster import AsyncResult
 
 logger = logging.getLogger("roll")
 
@@ -225,7 +222,7 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     another role failed, so ``run.shutdown`` stops them."""
     from roll.distributed.scheduler.cluster import get_all
     from roll.distributed.scheduler.resource_manager import ResourceManager
-    from roll.pipeline.rlvr.prestart import start_hosts, take_prestart
+    from roll.pipeline.rlvr.prestart import start_hosts, start_workers, take_prestart
     from roll.pipeline.workers.model_worker import ModelWorker
 
     config = run.config
@@ -289,43 +286,6 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None]
     known = [s for s in per_rank or [] if isinstance(s, (int, float))]
     if known:
         timer.times[f"time/initialize.{role}"] = max(known)
-
-
-def start_workers(
-    config: RLVRConfig,
-    plan: PlacementPlan,
-    resources: ResourceManager,
-    hosted: Hosted | None,
-    clusters: dict[str, Cluster],
-) -> None:
-    """One cluster per role into ``clusters`` (config order), built on threads: each blocks until
-    its ranks answer and have joined their process group, and Ray starts all the processes
-    meanwhile. ``hosted``: the roles whose workers live in host processes (``prestart.start_hosts``),
-    with their hosts by rank. A role that fails to start raises once the others are in
-    ``clusters``, so the caller's shutdown stops them."""
-    from roll.pipeline.workers.classes import role_classes
-
-    roles = config.roles()
-    hosted = hosted or {}
-
-    def start(name: str) -> Cluster:
-        cluster_cls, worker_cls = role_classes(name)
-        extra = {"hosts": hosted[name][0], "joins_process_group": hosted[name][1]} if name in hosted else {}
-        return cluster_cls(name, worker_cls, resources, plan.roles[name], roles[name], config, **extra)
-
-    pool = ThreadPoolExecutor(len(roles), thread_name_prefix="start-workers")
-    futures: dict[str, Future] = {name: pool.submit(start, name) for name in roles}
-    error: BaseException | None = None
-    try:
-        for name, future in futures.items():  # config order, whatever order they finish in
-            try:
-                clusters[name] = future.result()
-            except Exception as exc:  # noqa: BLE001 - the others are kept for shutdown, then it raises
-                error = error or exc
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    if error is not None:
-        raise error
 
 
 def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
