@@ -1,13 +1,15 @@
 """fla's ``chunk_gated_delta_rule`` (the GPU path of Qwen3-Next's linear attention) against roll's
 plain-torch chunked delta rule: outputs and input gradients, bf16 inputs, with and without packed
-rows. Needs CUDA and flash-linear-attention (``pip install flash-linear-attention``)."""
+rows. Needs CUDA and flash-linear-attention (``pip install flash-linear-attention``), and a Triton
+fla trains with: on the GPU machines (Hopper, Triton < 3.7.1) fla refuses its backward, and the
+test checks that roll says so before the forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from roll.models.megatron.gated_delta_rule import HAVE_FLA, gated_delta_rule
+from roll.models.megatron.gated_delta_rule import HAVE_FLA, fla_unusable, gated_delta_rule
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,8 +45,19 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err < 3e-2, f"{what}: max error {err:.3g} of the reference's largest value"
 
 
+def test_fla_on_a_triton_it_refuses_is_an_error_before_the_forward(monkeypatch) -> None:
+    reason = fla_unusable(torch.device("cuda"))
+    if reason is None:
+        pytest.skip("fla trains with this GPU's Triton")
+    monkeypatch.setenv("ROLL_GDN_KERNEL", "fla")
+    with pytest.raises(RuntimeError, match="ROLL_GDN_KERNEL=fla: fla refuses its backward"):
+        gated_delta_rule(*_inputs(1, 64))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_fla_kernel_equals_torch_rule(packed: bool) -> None:
+    if reason := fla_unusable(torch.device("cuda")):
+        pytest.skip(reason)
     if packed:
         inputs = _inputs(1, 300)
         cu = torch.tensor([0, 70, 200, 300], device="cuda")

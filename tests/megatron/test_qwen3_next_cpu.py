@@ -387,3 +387,28 @@ def test_random_weights_start_zero_centred_norms_at_one() -> None:
     init_random_weights([chunk])
     assert chunk["centred"].weight.eq(0).all() and chunk["plain"].weight.eq(1).all()
     torch.testing.assert_close(chunk["centred"](x), chunk["plain"](x))
+
+
+@pytest.mark.parametrize(
+    ("capability", "version", "refused"),
+    [
+        ((9, 0), "3.6.0", True),
+        ((9, 0), "3.7.1", False),
+        ((8, 0), "3.6.0", False),
+        ((9, 0), "3.3.1+git", False),
+    ],
+)
+def test_fla_is_refused_where_it_refuses_its_own_backward(monkeypatch, capability, version, refused):
+    """fla 0.6 raises inside its first backward on Hopper with Triton >= 3.4.0 and < 3.7.1 (the GPU
+    machines' image); roll says so before the forward (``fla_unusable``)."""
+    import sys
+    from types import SimpleNamespace
+
+    from roll.models.megatron import gated_delta_rule as gdr
+
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__=version))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    reason = gdr.fla_unusable(torch.device("cpu"))
+    assert (reason is not None) == refused
+    if refused:
+        assert "Triton 3.6.0" in reason and "#640" in reason

@@ -10,9 +10,10 @@ over chunks of 64 tokens (within a chunk the delta-rule updates are one unit-tri
 between chunks the state is carried), all in fp32, differentiable by autograd. Packed rows
 (``cu_seqlens``) restart the state at every sequence start. fla's ``chunk_gated_delta_rule``
 (Triton, CUDA only) runs instead with ``ROLL_GDN_KERNEL=fla`` where fla is importable and the
-tensors are on a GPU: its comparison with the torch rule on an H200
-(tests/megatron/test_gated_delta_rule_gpu.py) failed once with its cause not captured, so it is
-not the default until that test passes.
+tensors are on a GPU. It is not the default: on Hopper, fla 0.6 refuses its backward with Triton
+>= 3.4.0 and < 3.7.1 (incorrect gradients, fla issue #640), which is what the GPU machines have
+(tests/megatron/test_gated_delta_rule_gpu.py, 2026-11-28); asking for it there raises before the
+first step's backward rather than in it (``fla_unusable``).
 
 >>> out = gated_delta_rule(q, k, v, g, beta)              # [b, s, heads, dim] in, [b, s, hv, dv] out
 >>> x = causal_conv(x, weight, cu_seqlens=None)           # depthwise causal conv1d + SiLU
@@ -29,6 +30,27 @@ import torch.nn.functional as F
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 CHUNK = 64
 L2_EPS = 1e-6  # fla's and transformers' epsilon of the q/k L2 norm
+
+
+# Triton versions whose gated chunk backward fla 0.6 refuses on Hopper (fla issue #640).
+FLA_BAD_TRITON_ON_HOPPER = ((3, 4, 0), (3, 7, 1))
+
+
+def fla_unusable(device: torch.device) -> str | None:
+    """Why fla's kernel cannot train on ``device`` (None: it can): fla 0.6's own check, made before
+    the forward instead of inside the first backward."""
+    try:
+        import triton
+    except ImportError:
+        return "fla needs Triton"
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
+    low, high = FLA_BAD_TRITON_ON_HOPPER
+    if torch.cuda.get_device_capability(device)[0] == 9 and low <= version < high:
+        return (
+            f"fla refuses its backward on Hopper with Triton {triton.__version__} (incorrect gradients "
+            "with Triton >= 3.4.0 and < 3.7.1, fla issue #640)"
+        )
+    return None
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -170,5 +192,7 @@ def gated_delta_rule(
     is set, fla is installed and the tensors are on a GPU; the torch rule otherwise."""
     if use_fla is None:
         use_fla = os.environ.get("ROLL_GDN_KERNEL") == "fla" and HAVE_FLA and q.is_cuda
+    if use_fla and (reason := fla_unusable(q.device)):
+        raise RuntimeError(f"ROLL_GDN_KERNEL=fla: {reason}; unset it to use roll's torch rule")
     rule = _fla_rule if use_fla else _torch_rule
     return rule(q, k, v, g, beta, cu_seqlens)
