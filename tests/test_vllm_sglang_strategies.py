@@ -127,7 +127,11 @@ class FakeLLMEngine:
         self.prompts: list[dict] = []
         self.aborted: list[str] = []
         self.stall = False  # never finish anything (to test abort)
+        self.encoder_resets = 0
         self.rename = False  # keep requests under internal ids, like vLLM 0.24 (``<id>-<8 random>``)
+
+    def reset_encoder_cache(self) -> None:
+        self.encoder_resets += 1
 
     def add_request(self, request_id, prompt, params):
         """vLLM 0.24 returns an internal id, but outputs and aborts use the caller's id. A prompt
@@ -628,7 +632,7 @@ def test_vllm_sleep_levels(fake_engines, tokenizer_dir):
         ("reset_prefix_cache",),
         ("wake_up", ["kv_cache"]),
     ]
-    assert strategy.weight_version == 3
+    assert strategy.weight_version == 3 and llm.llm_engine.encoder_resets == 1  # old images' embeddings
     assert strategy.workers.call(RollWorkerExtension.roll_weight_version) == [3]
     strategy.generate(prompt_batch([[5]]), SamplingParams(max_new_tokens=2))
 
@@ -671,6 +675,7 @@ def test_vllm_shared_bucket_and_load_weights_reach_every_tp_worker(fake_engines,
     strategy.load_weights(iter(named))
     assert_workers_hold(llm, named)
     assert ("collective_rpc", "roll_load_tensors") in llm.calls and llm.calls[-1] == ("reset_prefix_cache",)
+    assert llm.llm_engine.encoder_resets == 1  # load_weights is a whole update (the bucket waits for finish)
 
 
 def test_vllm_broadcast_bucket_over_gloo(fake_engines, tokenizer_dir):

@@ -326,10 +326,10 @@ class VLLMStrategy:
         )
 
     def finish_model_update(self, version: int) -> None:
-        """After the last bucket: forget cached prefixes (their KV came from the old weights), wake
+        """After the last bucket: forget cached prefixes and encoder outputs (both came from the old weights), wake
         the KV cache if it still sleeps, and record the version in every TP worker."""
         self.workers.call(RollWorkerExtension.roll_finish_update, version)
-        self.llm.reset_prefix_cache()
+        self._forget_cached_outputs()
         self._weights_stale = False
         self.weight_version = version
         if "kv_cache" in self._asleep:
@@ -353,8 +353,16 @@ class VLLMStrategy:
             self.workers.call(
                 RollWorkerExtension.roll_load_tensors, [(name, tensor.cpu()) for name, tensor in named]
             )
-        self.llm.reset_prefix_cache()
+        self._forget_cached_outputs()
         self._weights_stale = False
+
+    def _forget_cached_outputs(self) -> None:
+        """After new weights: the cached prefixes' KV and the cached vision-encoder outputs (vLLM
+        keeps an image's embeddings for later requests with the same image) came from the old
+        weights. Without the encoder reset a VL engine went on using the old tower's embeddings
+        (tests/test_vllm_vl_gpu.py, 2026-11-28)."""
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
 
     def _wake_weights(self) -> None:
         if "weights" in self._asleep:
