@@ -52,6 +52,48 @@ def _qwen3_moe(**sizes: Any) -> dict[str, Any]:
     )
 
 
+def _qwen2_5_vl(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool
+) -> tuple[str, dict[str, Any]]:
+    """A Qwen2.5-VL preset: the published text sizes, and the vision tower every size shares (32
+    blocks of 1280, merged into the text width)."""
+    text = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=128000,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+        tie_word_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+    vision = dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        in_chans=3,
+        out_hidden_size=hidden,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        tokens_per_second=2,
+    )
+    tokens = dict(
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+    )
+    return "Qwen2_5_VLConfig", dict(
+        text_config=text, vision_config=vision, **tokens, tie_word_embeddings=tied
+    )
+
+
 # Values of the published config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen2.5-7B, ...).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": (
@@ -137,87 +179,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
-    # Vision-language (roll.models.vision): Qwen/Qwen2.5-VL-3B-Instruct's config.json; the text
-    # sizes (and num_hidden_layers, token ids) live in text_config.
-    "qwen2.5-vl-3b": (
-        "Qwen2_5_VLConfig",
-        dict(
-            text_config=dict(
-                hidden_size=2048,
-                intermediate_size=11008,
-                num_hidden_layers=36,
-                num_attention_heads=16,
-                num_key_value_heads=2,
-                vocab_size=151936,
-                max_position_embeddings=128000,
-                rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6,
-                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-                tie_word_embeddings=True,
-                bos_token_id=151643,
-                eos_token_id=151645,
-            ),
-            vision_config=dict(
-                depth=32,
-                hidden_size=1280,
-                intermediate_size=3420,
-                num_heads=16,
-                in_chans=3,
-                out_hidden_size=2048,
-                patch_size=14,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                window_size=112,
-                fullatt_block_indexes=[7, 15, 23, 31],
-                tokens_per_second=2,
-            ),
-            image_token_id=151655,
-            video_token_id=151656,
-            vision_start_token_id=151652,
-            vision_end_token_id=151653,
-            tie_word_embeddings=True,
-        ),
-    ),
-    # Qwen/Qwen2.5-VL-7B-Instruct's config.json (ROLL's qwen2.5-vl-7B-rlvr files, Megatron layouts).
-    "qwen2.5-vl-7b": (
-        "Qwen2_5_VLConfig",
-        dict(
-            text_config=dict(
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                vocab_size=152064,
-                max_position_embeddings=128000,
-                rope_theta=1_000_000.0,
-                rms_norm_eps=1e-6,
-                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-                tie_word_embeddings=False,
-                bos_token_id=151643,
-                eos_token_id=151645,
-            ),
-            vision_config=dict(
-                depth=32,
-                hidden_size=1280,
-                intermediate_size=3420,
-                num_heads=16,
-                in_chans=3,
-                out_hidden_size=3584,
-                patch_size=14,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                window_size=112,
-                fullatt_block_indexes=[7, 15, 23, 31],
-                tokens_per_second=2,
-            ),
-            image_token_id=151655,
-            video_token_id=151656,
-            vision_start_token_id=151652,
-            vision_end_token_id=151653,
-            tie_word_embeddings=False,
-        ),
-    ),
+    # Vision-language (roll.models.vision): Qwen/Qwen2.5-VL-3B-Instruct's and -7B-Instruct's
+    # config.json (the 7B: ROLL's qwen2.5-vl-7B-rlvr files, Megatron layouts); the text sizes (and
+    # num_hidden_layers, token ids) live in text_config.
+    "qwen2.5-vl-3b": _qwen2_5_vl(2048, 11008, 36, 16, 2, 151936, tied=True),
+    "qwen2.5-vl-7b": _qwen2_5_vl(3584, 18944, 28, 28, 4, 152064, tied=False),
     # The Qwen3-MoE architecture at test size (CPU tests of the scale run's code paths).
     "tiny-qwen3-moe": (
         "Qwen3MoeConfig",

@@ -39,7 +39,6 @@ from roll.models.megatron.forward import shape_sync_group
 from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
 from roll.models.megatron.runtime import (
     build_chunks,
-    excluded_tokens,
     forward_log_probs,
     is_vision_model,
     move_params,
@@ -82,14 +81,7 @@ class MegatronInferStrategy:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
         self._ensure_loaded()
         size = max(1, self.role_config.infer_batch_size)
-        vocab, vision, excluded = (
-            self._vocab_size(),
-            is_vision_model(self.hf_config),
-            excluded_tokens(self.hf_config),
-        )
-        return forward_log_probs(
-            self.chunks, batch, self.config, vocab, size, vision=vision, excluded=excluded
-        )
+        return forward_log_probs(self.chunks, batch, self.config, self._vocab_size(), size, self.hf_config)
 
     @torch.no_grad()
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:

@@ -131,14 +131,7 @@ class MegatronTrainStrategy:
         """{"log_probs", "entropy"} [B, R] (CPU) at the batch's sampling temperature."""
         self.offloader.ensure_params_loaded()
         size = max(1, self.role_config.infer_batch_size)
-        vocab, vision, excluded = (
-            self._vocab_size(),
-            is_vision_model(self.hf_config),
-            excluded_tokens(self.hf_config),
-        )
-        return forward_log_probs(
-            self.model, batch, self.config, vocab, size, vision=vision, excluded=excluded
-        )
+        return forward_log_probs(self.model, batch, self.config, self._vocab_size(), size, self.hf_config)
 
     # ---------------------------------------------------------------------------------- training
     def train_step(self, micro_batches: list[Batch], loss_fn: LossFn) -> dict[str, float]:

@@ -8,7 +8,6 @@ log-probs through the pipeline schedule, and moving plain parameters off and bac
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,16 +126,18 @@ def forward_log_probs(
     cfg: MegatronConfig,
     vocab_size: int,
     micro_batch_size: int,
-    vision: bool = False,
-    excluded: Sequence[int] = (),
+    hf_config: Any = None,
 ) -> dict[str, torch.Tensor]:
     """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank.
 
     Micro-batches of ``micro_batch_size`` rows, or formed by ``infer_max_tokens_per_microbatch``
     tokens when set; packed rows when ``packing_enabled`` (never for a vision-language model,
-    ``vision``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``);
-    ``excluded`` token ids get zero probability (``forward.response_logprobs``)."""
+    told by ``hf_config``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``,
+    and its vision tokens get zero probability, ``forward.response_logprobs``)."""
     from megatron.core import parallel_state as ps
+
+    vision = hf_config is not None and is_vision_model(hf_config)
+    excluded = excluded_tokens(hf_config) if hf_config is not None else []
 
     temperature = batch_temperature(batch)
     min_count = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1

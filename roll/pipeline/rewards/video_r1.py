@@ -147,7 +147,11 @@ def format_score(response: str) -> float:
 
 
 def video_r1_reward(
-    response: str, ground_truth: str, question_type: str | None = None, context: dict[str, Any] | None = None
+    response: str,
+    ground_truth: str,
+    *,
+    question_type: str | None = None,
+    context: dict[str, Any] | None = None,
 ) -> float:
     """Accuracy by question type plus format (see the module docstring); ``context``: the row's
     ``reward_context`` (its ``problem_type`` wins over ``question_type``)."""
