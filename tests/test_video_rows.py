@@ -20,7 +20,7 @@ from tiny_vl import VIDEO_ARGS, build_tiny_vl_dir, video_r1_rows, write_video  #
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
-from roll.distributed.strategy.engine_vision import image_token_id, video_token_id, vllm_prompts  # noqa: E402
+from roll.distributed.strategy.engine_vision import vision_tokens, vllm_prompts  # noqa: E402
 from roll.distributed.strategy.generation import prompt_token_lists  # noqa: E402
 from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor, forward_kwargs, token_types  # noqa: E402
 from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
@@ -164,7 +164,7 @@ def test_the_forward_gets_3d_rope_positions_from_the_token_types(setup):
 def test_vllm_prompts_collapse_video_tokens_and_carry_the_frames(setup):
     _, model, processor = setup
     batch = video_batch(setup)
-    image, video = image_token_id(str(model)), video_token_id(str(model))
+    image, video = vision_tokens(str(model)).image, vision_tokens(str(model)).video
     assert video == processor.video_token_id
     ids = prompt_token_lists(batch)
     for row, request in zip(ids, vllm_prompts(batch, ids, image, video)):

@@ -20,7 +20,7 @@ from roll.configs.role import DataArgs, ModelArgs, RoleConfig, StrategyArgs  # n
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.core.worker_context import WorkerContext  # noqa: E402
-from roll.distributed.strategy.engine_vision import image_token_id, vllm_prompts  # noqa: E402
+from roll.distributed.strategy.engine_vision import vision_tokens, vllm_prompts  # noqa: E402
 from roll.distributed.strategy.generation import build_generation_batch, prompt_token_lists  # noqa: E402
 from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor, forward_kwargs  # noqa: E402
 from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
@@ -119,7 +119,7 @@ def test_hf_infer_generates_and_scores_with_images(setup):
 def test_vllm_prompts_collapse_image_tokens_and_carry_the_images(setup):
     _, model, processor = setup
     batch = prompts(setup, n_det=2, n_math=0)
-    token = image_token_id(str(model))
+    token = vision_tokens(str(model)).image
     assert token == processor.image_token_id
     ids = prompt_token_lists(batch)
     sent = vllm_prompts(batch, ids, token)
@@ -207,13 +207,13 @@ def test_image_pixel_bounds_resize_for_the_model_and_for_vllm(setup):
         int(grid.prod()) // 4 <= 4
         and int((batch["prompts"][2] == processor.image_token_id).sum()) == int(grid.prod()) // 4
     )
-    sent = vllm_prompts(batch, prompt_token_lists(batch), image_token_id(str(model)))
+    sent = vllm_prompts(batch, prompt_token_lists(batch), vision_tokens(str(model)).image)
     assert sent[2]["mm_processor_kwargs"] == {"max_pixels": 28 * 28 * 4}  # vLLM resizes alike
     plain = to_batch(load(path, processor).rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
     assert int(plain[MULTI_MODAL_INPUTS][2]["image_grid_thw"].prod()) // 4 == 8
     assert (
         "mm_processor_kwargs"
-        not in vllm_prompts(plain, prompt_token_lists(plain), image_token_id(str(model)))[2]
+        not in vllm_prompts(plain, prompt_token_lists(plain), vision_tokens(str(model)).image)[2]
     )
 
 
@@ -222,14 +222,14 @@ def test_responses_never_hold_vision_tokens_so_the_forward_reads_them_as_generat
     forward look for a 13th image patch group (``Image features and image tokens do not match``).
     Every strategy gives them zero probability in responses, hf_infer's sampling and the forward's
     log-probs alike."""
-    from roll.distributed.strategy.engine_vision import excluded_token_bias
+    from roll.distributed.strategy.engine_vision import vision_tokens
     from roll.models.vision import response_excluded_tokens
 
     _, model, processor = setup
     strategy = _hf_infer(model, "reference", 4)
     excluded = response_excluded_tokens(strategy.model.config)
     assert processor.image_token_id in excluded and len(excluded) == 3
-    assert set(excluded_token_bias(str(model))) == set(excluded)  # vLLM's logit_bias, the same ids
+    assert set(vision_tokens(str(model)).bias) == set(excluded)  # vLLM's logit_bias, the same ids
     batch = prompts(setup, n_det=2, n_math=2)
     out = strategy.generate(
         batch, SamplingParams(n=8, max_new_tokens=12, temperature=1.5, seed=0, logprobs=True)

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 
-def _object_array(values: Sequence[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array of ``values`` (a non-tensor field; numpy would stack equal-shaped items)."""
     arr = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):
         arr[i] = v
@@ -34,7 +35,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.non_tensors = {
-            k: v if isinstance(v, np.ndarray) else _object_array(v) for k, v in self.non_tensors.items()
+            k: v if isinstance(v, np.ndarray) else object_array(v) for k, v in self.non_tensors.items()
         }
         sizes = {k: v.shape[0] for k, v in self.tensors.items()} | {
             k: len(v) for k, v in self.non_tensors.items()

@@ -25,7 +25,7 @@ from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.expert_parallel import check_experts, config_experts
 from roll.models.megatron.families import check_model_fits, get_family
-from roll.models.model_dir import check_model_dir
+from roll.models.model_dir import check_model_dir, config_json
 from roll.models.ulysses import check_heads
 from roll.models.vision import VISION_MODEL_TYPES, check_vision_options, is_vision_model_dir
 from roll.pipeline.common.checkpoint import resolve_resume
@@ -101,8 +101,7 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
 
 
 def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> None:
-    path = role.model_args.model_name_or_path
-    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    model_type = config_json(role.model_args.model_name_or_path).get("model_type")
     if model_type not in VISION_MODEL_TYPES:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path",

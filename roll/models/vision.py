@@ -36,6 +36,7 @@ processor returns and roll builds from the ids; without them the model falls bac
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Sequence
@@ -283,7 +284,12 @@ def forward_kwargs(
 def takes_token_types(model: Any) -> bool:
     """Whether the model's forward takes ``mm_token_type_ids`` (transformers 5's Qwen2.5-VL; 4.x
     computes the rope positions from the ids alone)."""
-    return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
+    return _forward_takes_token_types(type(model))
+
+
+@functools.cache
+def _forward_takes_token_types(model_class: type) -> bool:  # once per class, not per forward
+    return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
 
 
 def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:

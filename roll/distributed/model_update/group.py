@@ -317,6 +317,7 @@ def default_probe_batch(config: RLVRConfig) -> Batch:
     from transformers import AutoConfig
 
     from roll.models.loading import model_path
+    from roll.models.vision import response_excluded_tokens
 
     model_args = config.actor_train.model_args
     hf_config = AutoConfig.from_pretrained(
@@ -324,8 +325,5 @@ def default_probe_batch(config: RLVRConfig) -> Batch:
     )
     vocab = getattr(hf_config, "vocab_size", None) or hf_config.get_text_config().vocab_size
     # A vision-language model's forward looks for an image behind each image token: draw below them.
-    vision = [
-        getattr(hf_config, k, None) for k in ("vision_start_token_id", "image_token_id", "video_token_id")
-    ]
-    vocab = min([vocab] + [i for i in vision if isinstance(i, int)])
+    vocab = min([vocab, *response_excluded_tokens(hf_config)])
     return build_probe_batch(vocab, config.model_update_probe_size, config.seed)

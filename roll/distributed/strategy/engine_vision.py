@@ -6,8 +6,8 @@ images with the model directory's image processor (as roll's data loader did) an
 to the image's patch count itself. roll's prompt rows hold the expanded ids (what the trainer sees),
 so the engine's prompt collapses each run of image tokens back to one::
 
-    image_token = image_token_id(model_dir)               # config.json's image_token_id (None: text)
-    prompts = vllm_prompts(batch, prompt_token_lists(batch), image_token)   # one dict per row
+    tokens = vision_tokens(model_dir)                     # config.json's image/video tokens (None: text)
+    prompts = vllm_prompts(batch, prompt_token_lists(batch), tokens.image, tokens.video)  # a dict per row
 
 Videos go the same way: ``{"video": [frames [T, H, W, 3] uint8]}`` with each run of video tokens
 collapsed to one, and ``mm_processor_kwargs`` holding the frames' sampling ``fps`` (the processor's
@@ -21,6 +21,7 @@ trainer and the reference score the same tokens the engine conditioned on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from roll.core.batch import Batch
@@ -35,26 +36,26 @@ from roll.models.vision import (
 EXCLUDED_BIAS = -1.0e4
 
 
-def image_token_id(model_dir: str | None) -> int | None:
-    """The image token of a vision-language model directory (config.json ``image_token_id``);
-    None for a text model."""
+@dataclass(frozen=True)
+class VisionTokens:
+    """A model directory's vision tokens as the engine needs them (all None / {} for a text model):
+    the image and video tokens (config.json's ``image_token_id`` / ``video_token_id``) and vLLM's
+    ``logit_bias`` keeping the vision tokens out of responses, as roll's forward scores them
+    (``roll.models.vision.response_excluded_tokens``): a large finite bias (exp underflows to 0),
+    not -inf, which the engine would carry into its processed log-probs."""
+
+    image: int | None = None
+    video: int | None = None
+    bias: dict[int, float] = field(default_factory=dict)
+
+
+def vision_tokens(model_dir: str | None) -> VisionTokens:
+    """The ``VisionTokens`` of a model directory, from one read of its config.json."""
     config = config_json(model_dir)
-    return config.get("image_token_id") if is_vision_config(config) else None
-
-
-def video_token_id(model_dir: str | None) -> int | None:
-    """The video token of a vision-language model directory (config.json ``video_token_id``);
-    None for a text model or one without videos."""
-    config = config_json(model_dir)
-    return config.get("video_token_id") if is_vision_config(config) else None
-
-
-def excluded_token_bias(model_dir: str | None) -> dict[int, float]:
-    """vLLM's ``logit_bias`` keeping a vision-language model's vision tokens out of its responses,
-    as roll's forward scores them (``roll.models.vision.response_excluded_tokens``); {} for a text
-    model. A large finite bias (exp underflows to 0), not -inf, which the engine would carry into
-    its processed log-probs."""
-    return {token: EXCLUDED_BIAS for token in response_excluded_tokens(config_json(model_dir))}
+    if not is_vision_config(config):
+        return VisionTokens()
+    bias = {token: EXCLUDED_BIAS for token in response_excluded_tokens(config)}
+    return VisionTokens(config.get("image_token_id"), config.get("video_token_id"), bias)
 
 
 def vllm_prompts(

@@ -40,9 +40,9 @@ from roll.models.megatron.kv_generate import generate_tokens, make_stop_check
 from roll.models.megatron.runtime import (
     build_chunks,
     forward_log_probs,
-    is_vision_model,
     move_params,
 )
+from roll.models.vision import is_vision_config
 
 
 class MegatronInferStrategy:
@@ -87,7 +87,7 @@ class MegatronInferStrategy:
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (row i*n + j is sample j of prompt i), ``infer_batch_size``
         prompts at a time, padded to ``pipeline.response_length`` (``max_new_tokens`` without one)."""
-        if is_vision_model(self.hf_config):  # the pre-launch check refuses this layout first
+        if is_vision_config(self.hf_config):  # the pre-launch check refuses this layout first
             raise ValueError(
                 f"{self.ctx.role}: megatron_infer does not generate with a vision-language model "
                 "(its KV-cached loop takes no images); generate with vllm"

@@ -56,11 +56,10 @@ from roll.models.megatron.offload import StateOffloader
 from roll.models.megatron.runtime import (
     broadcast_metrics,
     build_chunks,
-    excluded_tokens,
     forward_log_probs,
-    is_vision_model,
 )
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
+from roll.models.vision import is_vision_config, response_excluded_tokens
 from roll.utils.lr_schedule import build_lr_lambda
 
 
@@ -145,7 +144,7 @@ class MegatronTrainStrategy:
         packed = self._prepare(micro_batches, loss_fn)
         temperature = batch_temperature(packed[0].batch)
         tp_group = ps.get_tensor_model_parallel_group()
-        vocab, excluded = self._vocab_size(), excluded_tokens(self.hf_config)
+        vocab, excluded = self._vocab_size(), response_excluded_tokens(self.hf_config)
 
         def loss_maker(mb: PackedMicroBatch, logits: torch.Tensor):
             outputs = response_logprobs(logits, mb, tp_group, temperature, vocab, excluded)
@@ -183,7 +182,7 @@ class MegatronTrainStrategy:
             seq_multiple_for(self.config),
             device,
             shape_sync_group(self.config),
-            packed=packing_enabled(self.config, is_vision_model(self.hf_config)),
+            packed=packing_enabled(self.config, is_vision_config(self.hf_config)),
         )
         for mb, weight in zip(packed, weights):
             mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count

@@ -61,12 +61,7 @@ from roll.distributed.strategy.engine_requests import (
     vllm_prompt_logprobs,
 )
 from roll.distributed.strategy.engine_startup import ENGINES, start_engine
-from roll.distributed.strategy.engine_vision import (
-    excluded_token_bias,
-    image_token_id,
-    video_token_id,
-    vllm_prompts,
-)
+from roll.distributed.strategy.engine_vision import VisionTokens, vision_tokens, vllm_prompts
 from roll.distributed.strategy.generation import (
     capped,
     prompt_token_lists,
@@ -90,8 +85,7 @@ class VLLMStrategy:
         self.llm: Any = None
         self.workers = VLLMWorkerCalls(None)  # calls into the TP workers (their engine: initialize)
         self.pad_token_id: int | None = None
-        self.image_token_id: int | None = None  # a vision-language model's (engine_vision)
-        self.excluded_bias: dict[int, float] = {}  # its vision tokens' logit_bias (engine_vision)
+        self.vision = VisionTokens()  # a vision-language model's tokens and logit_bias (engine_vision)
         self.weight_version: int | None = None
         self.registry = RequestRegistry()
         self._vllm: Any = None
@@ -113,9 +107,7 @@ class VLLMStrategy:
 
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
-        self.image_token_id = image_token_id(self.role_config.model_args.model_name_or_path)
-        self.video_token_id = video_token_id(self.role_config.model_args.model_name_or_path)
-        self.excluded_bias = excluded_token_bias(self.role_config.model_args.model_name_or_path)
+        self.vision = vision_tokens(self.role_config.model_args.model_name_or_path)
         self.workers = VLLMWorkerCalls(self.llm, serialize=self.config.tensor_parallel_size > 1)
         self._weights_stale = self.config.load_format == "dummy"
 
@@ -136,14 +128,12 @@ class VLLMStrategy:
             params = dataclasses.replace(params, seed=None)
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=False)
-        extra = {"logit_bias": self.excluded_bias} if self.excluded_bias else {}  # VL: engine_vision
+        extra = {"logit_bias": self.vision.bias} if self.vision.bias else {}  # VL: engine_vision
         requests = [
             (r.request_id, r.prompt_ids, self._sampling({**r.sampling, **extra}))
             for r in vllm_generate_requests(plan, prompts, params)
         ]
-        with_images = vllm_prompts(
-            batch, prompts, self.image_token_id, self.video_token_id
-        )  # None: text rows only
+        with_images = vllm_prompts(batch, prompts, self.vision.image, self.vision.video)  # None: text only
         if with_images is not None:  # one request per row, in row order
             requests = [(rid, prompt, sampling) for (rid, _, sampling), prompt in zip(requests, with_images)]
         collector = CompletionCollector(plan)

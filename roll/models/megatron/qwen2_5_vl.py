@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from roll.models.vision import token_types
+
 
 def _vision_class() -> Any:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -51,8 +53,8 @@ def mrope_positions(
         return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
     host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
     host.get_vision_position_ids = partial(Qwen2_5_VLModel.get_vision_position_ids, host)
-    token_types = (input_ids == hf_config.image_token_id).int()
-    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, token_types, image_grid_thw=image_grid_thw)
+    types = token_types(input_ids, hf_config)
+    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
     return positions
 
 

@@ -31,23 +31,9 @@ from roll.models.megatron.forward import (
 )
 from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
 from roll.models.microbatch import invert, split_by_tokens
+from roll.models.vision import is_vision_config, response_excluded_tokens
 
 logger = logging.getLogger("roll")
-
-
-def is_vision_model(hf_config: Any) -> bool:
-    """Whether the built model is a vision-language one (its rows carry images; padded rows only)."""
-    from roll.models.vision import is_vision_config
-
-    return is_vision_config(hf_config)
-
-
-def excluded_tokens(hf_config: Any) -> list[int]:
-    """Token ids a response must not hold (a vision-language model's vision tokens; [] for text):
-    their log-probs are scored as zero probability, as on every other strategy."""
-    from roll.models.vision import response_excluded_tokens
-
-    return response_excluded_tokens(hf_config)
 
 
 def build_chunks(
@@ -136,8 +122,8 @@ def forward_log_probs(
     and its vision tokens get zero probability, ``forward.response_logprobs``)."""
     from megatron.core import parallel_state as ps
 
-    vision = hf_config is not None and is_vision_model(hf_config)
-    excluded = excluded_tokens(hf_config) if hf_config is not None else []
+    vision = hf_config is not None and is_vision_config(hf_config)
+    excluded = response_excluded_tokens(hf_config) if hf_config is not None else []
 
     temperature = batch_temperature(batch)
     min_count = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1

@@ -165,7 +165,6 @@ class _Prestart:
         self.early: Early | None = None
         self.error: BaseException | None = None  # Ray, the reservation or the hosts did not start
         self.started = threading.Event()  # Ray, the reservation and the hosts are up (or failed)
-        self.ready = threading.Event()  # the workers too
         # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG), so the thread
         # lives on until Ray is shut down (``_stop``) or the process ends.
         self.release = threading.Event()
@@ -189,7 +188,6 @@ class _Prestart:
             except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
                 self.early.error = exc
             self.early.workers_done.set()
-        self.ready.set()
         self.release.wait()
 
     def take(self) -> Early:
@@ -243,7 +241,9 @@ def _stop(pending: _Prestart) -> None:
 
     from roll.distributed.scheduler.ray_shutdown import shutdown_ray
 
-    pending.ready.wait()  # the workers' start is not cut off midway: Ray's shutdown stops them
+    pending.started.wait()
+    if pending.early is not None:
+        pending.early.workers_done.wait()  # the workers' start is not cut off midway: Ray's shutdown stops them
     if pending.early is not None and ray.is_initialized():
         for host in pending.early.hosts:
             host.kill()

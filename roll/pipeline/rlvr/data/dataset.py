@@ -36,13 +36,14 @@ import json
 import logging
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import DataArgs
-from roll.pipeline.rlvr.data.video import VideoOptions, probe_video, read_video_r1_row, row_videos
+from roll.pipeline.rlvr.data.video import FramePlan, VideoOptions, probe_video, read_video_r1_row, row_videos
 from roll.pipeline.rlvr.data.vision import (
     REWARD_MODEL,
     content_text,
@@ -73,6 +74,7 @@ class PromptRow:
     pixels: tuple[int | None, int | None] | None = None  # its file's image_min/max_pixels
     videos: list[str] | None = None  # video paths (``data.video``), their frames decoded per batch
     video_options: VideoOptions | None = None  # its file's frame sampling
+    video_plans: list[FramePlan] | None = None  # each video's frames, probed once when the file loads
 
 
 @dataclass
@@ -216,9 +218,9 @@ def _check_encodable(name: str, text: str) -> None:
 def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
     """Good rows of one JSONL or parquet file; bad ones go to ``bad_rows``."""
     if path.suffix == ".parquet":
-        return _read_parquet(path, args, bad_rows)
-    if path.suffix == ".json" and path.read_bytes()[:64].lstrip().startswith(b"["):
-        return _read_json_list(path, args, bad_rows)
+        return _numbered_rows(iter_parquet(path), path, args, bad_rows)
+    if path.suffix == ".json" and _starts_a_list(path):
+        return _numbered_rows(_json_list(path), path, args, bad_rows)
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -237,9 +239,12 @@ def read_rows(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow
     return rows
 
 
-def _read_parquet(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
+def _numbered_rows(
+    numbered: Iterable[tuple[int, Any]], path: Path, args: DataArgs, bad_rows: list[BadRow]
+) -> list[RawRow]:
+    """Good rows of (number, row) pairs (a parquet file's, a JSON list's); bad ones to ``bad_rows``."""
     rows = []
-    for number, row in iter_parquet(path):
+    for number, row in numbered:
         try:
             rows.append(_raw_row(row, args, path.stem, number))
         except ValueError as exc:
@@ -247,19 +252,18 @@ def _read_parquet(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[Ra
     return rows
 
 
-def _read_json_list(path: Path, args: DataArgs, bad_rows: list[BadRow]) -> list[RawRow]:
-    """A ``.json`` file holding one list of rows (Video-R1's files); rows numbered from 1."""
+def _starts_a_list(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(64).lstrip().startswith(b"[")
+
+
+def _json_list(path: Path) -> Iterable[tuple[int, Any]]:
+    """(number from 1, row) of a ``.json`` file holding one list of rows (Video-R1's files)."""
     try:
         items = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError("data_args.file_name", f"{path}: not a JSON list of rows ({exc})") from None
-    rows = []
-    for number, row in enumerate(items, start=1):
-        try:
-            rows.append(_raw_row(row, args, path.stem, number))
-        except ValueError as exc:
-            bad_rows.append(BadRow(str(path), number, str(exc)))
-    return rows
+    return enumerate(items, start=1)
 
 
 def _raw_row(row: Any, args: DataArgs, default_tag: str, line: int) -> RawRow:
@@ -317,9 +321,10 @@ def load_prompt_files(
         video_options = VideoOptions.of(data_args)
         for row, text, ids in zip(rows, texts, ids_list, strict=True):
             source = f"{path}:{row.line}"
+            plans = None
             if row.images or row.videos:
                 key = f"{path_prefix}.file_name"
-                text, ids = _vision_prompt(text, row, processor, source, key, pixels, video_options)
+                text, ids, plans = _vision_prompt(text, row, processor, source, key, pixels, video_options)
             if len(ids) > prompt_length:
                 dataset.too_long.append(f"{source} ({len(ids)} tokens)")
                 continue
@@ -336,6 +341,7 @@ def load_prompt_files(
                     pixels if row.images else None,
                     row.videos,
                     video_options if row.videos else None,
+                    plans or None,
                 )  # fmt: skip
             )
     if data_args.max_samples is not None:
@@ -356,9 +362,9 @@ def _vision_prompt(
     key: str,
     pixels: tuple[int | None, int | None],
     video_options: VideoOptions,
-) -> tuple[str, list[int]]:
-    """(text with vision tokens, ids with each image's and video's tokens expanded) of a row with
-    images or videos."""
+) -> tuple[str, list[int], list[FramePlan]]:
+    """(text with vision tokens, ids with each image's and video's tokens expanded, each video's
+    frame plan) of a row with images or videos."""
     from roll.models.vision import with_image_tokens
 
     if processor is None:
@@ -374,7 +380,7 @@ def _vision_prompt(
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:
         raise ConfigError(key, f"{source}: {exc}") from None
-    return text, ids
+    return text, ids, plans
 
 
 def _log_summary(dataset: PromptDataset, prompt_length: int) -> None:

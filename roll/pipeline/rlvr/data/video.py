@@ -15,9 +15,9 @@ Frames (Qwen's ``qwen_vl_utils.fetch_video``, which ROLL calls): ``round(frames 
 video_fps)`` frames, at least 4, at most ``video_max_frames`` and the video's own count, rounded to
 an even number, evenly spaced from the first frame to the last; each resized to the same multiple
 of 28 pixels by Qwen's ``smart_resize`` within ``video_min_pixels`` and ``min(video_max_pixels,
-video_total_pixels / frames * 2)``. Decoded with PyAV (``pip install -e .[vision]``): once for the
-frame count and size when the file is loaded (they decide the prompt length), and again, frames and
-all, when a batch is built. A relative path is looked up under ``video_folder``, then beside the data
+video_total_pixels / frames * 2)``. Decoded with PyAV (``pip install -e .[vision]``): probed for the
+frame count and size when the file is loaded (they decide the prompt length; the row keeps the
+plan), and its planned frames decoded when a batch is built. A relative path is looked up under ``video_folder``, then beside the data
 file, then from the working directory.
 """
 
@@ -193,14 +193,14 @@ def probe_video(ref: str, source: str, index: int, options: VideoOptions) -> Fra
         return frame_plan(total, rate, stream.height, stream.width, options)
 
 
-def decode_video(ref: str, source: str, index: int, options: VideoOptions) -> tuple[list[Any], float]:
-    """(the sampled frames as RGB PIL images of the plan's size, the sampling fps) of one video."""
-    plan = probe_video(ref, source, index, options)
+def decode_video(ref: str, source: str, index: int, folder: str | None, plan: FramePlan) -> list[Any]:
+    """The frames of ``plan`` (``probe_video``'s, made when the file was loaded) as RGB PIL images of
+    the plan's size."""
     wanted: dict[int, int] = {}
     for i in plan.indices:
         wanted[i] = wanted.get(i, 0) + 1
     frames = []
-    with _open(video_path(ref, source, options.folder), source, index) as container:
+    with _open(video_path(ref, source, folder), source, index) as container:
         for number, frame in enumerate(container.decode(video=0)):
             if number in wanted:
                 image = frame.to_image().convert("RGB").resize((plan.width, plan.height), resample=3)
@@ -212,7 +212,7 @@ def decode_video(ref: str, source: str, index: int, options: VideoOptions) -> tu
             "data_args.file_name",
             f"{source}: video {index} ({ref!r}) decoded {len(frames)} of its {len(plan.indices)} sampled frames",
         )
-    return frames, plan.fps
+    return frames
 
 
 def read_video_r1_row(row: Any, default_tag: str) -> tuple[list[dict[str, str]], str, str, dict[str, Any]]:

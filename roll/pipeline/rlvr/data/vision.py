@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.core.batch import object_array
 from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS, VisionProcessor, pixel_kwargs
 
 REWARD_MODEL = "reward_model"
@@ -148,7 +149,7 @@ def with_vision_fields(batch: Any, processor: VisionProcessor | None) -> Any:
         return batch
     rows = list(batch.non_tensors.pop(VISION_ROWS))
     for key, values in vision_fields(rows, processor).items():
-        batch.non_tensors[key] = _objects(values)
+        batch.non_tensors[key] = object_array(values)
     return batch
 
 
@@ -160,12 +161,16 @@ def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], 
 
     from roll.pipeline.rlvr.data.video import decode_video
 
-    decoded = [decode_video(ref, row.source, i, row.video_options) for i, ref in enumerate(row.videos)]
-    mm = processor.video_inputs([frames for frames, _ in decoded], [fps for _, fps in decoded])
-    width, height = decoded[0][0][0].size
-    fps = [fps for _, fps in decoded]
+    folder = row.video_options.folder
+    videos = [
+        decode_video(ref, row.source, i, folder, plan)
+        for i, (ref, plan) in enumerate(zip(row.videos, row.video_plans))
+    ]
+    fps = [plan.fps for plan in row.video_plans]
+    mm = processor.video_inputs(videos, fps)
+    width, height = videos[0][0].size
     engine = {
-        "video": [np.stack([np.asarray(f) for f in frames]) for frames, _ in decoded],
+        "video": [np.stack([np.asarray(f) for f in frames]) for frames in videos],
         "mm_processor_kwargs": {
             "fps": fps[0] if len(fps) == 1 else fps,
             "min_pixels": height * width,
@@ -173,15 +178,6 @@ def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], 
         },
     }
     return mm, engine
-
-
-def _objects(values: list[Any]) -> Any:
-    import numpy as np
-
-    out = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        out[i] = value
-    return out
 
 
 def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, list[Any]]:
