@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from roll.models.vision import is_vision_config
+
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<index>\d+)\.(?P<part>\w+)\.weight$")
 _SOURCE = re.compile(r"^(?P<prefix>.*)experts\.\*\.(?P<part>\w+)\.weight$")
 _TARGET = re.compile(r"^(?P<prefix>.*)experts\.(?P<param>\w+)$")
@@ -59,7 +61,7 @@ class CheckpointNames:
         if not isinstance(model, PreTrainedModel):  # a value head's wrapper: never sent or exported
             return cls()
         stacks, renames = [], []
-        vision = getattr(model.config, "vision_config", None) is not None
+        vision = is_vision_config(model.config)
         for transform in get_model_conversion_mapping(model, add_legacy=False):
             ops = [type(op).__name__ for op in getattr(transform, "operations", [])]
             if not ops:

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from roll.configs.errors import ConfigError
+from roll.models.vision import is_vision_config
 
 logger = logging.getLogger("roll")
 # Files of a vision-language model's directory besides the tokenizer's that a run reads.
@@ -255,7 +256,7 @@ def write_random_checkpoint(
         )
     config = preset_config(preset, num_hidden_layers, **overrides)
     torch.manual_seed(seed)
-    vision = getattr(config, "vision_config", None) is not None
+    vision = is_vision_config(config)
     auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     with torch.device(device):
         model = auto.from_config(config, dtype=dtype)

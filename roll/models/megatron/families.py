@@ -22,6 +22,7 @@ from roll.configs.strategy_configs import MegatronConfig
 from roll.models.megatron import qwen3_next
 from roll.models.megatron import weight_mapping as wm
 from roll.models.megatron.hf_fields import head_dim, rope_parameters
+from roll.models.vision import is_vision_config
 
 MODEL_PATH = "model_args.model_name_or_path"
 STRATEGY_PATH = "strategy_args.strategy_config"
@@ -184,7 +185,7 @@ def language_config(hf_config: Any) -> Any:
     """The config of the language model: a vision-language config's ``text_config`` (Qwen2.5-VL
     keeps the text sizes there), else the config itself."""
     text = getattr(hf_config, "text_config", None)
-    return text if text is not None and getattr(hf_config, "vision_config", None) is not None else hf_config
+    return text if text is not None and is_vision_config(hf_config) else hf_config
 
 
 # Vision-language model types the Megatron strategies build, by config.json model_type: the family
