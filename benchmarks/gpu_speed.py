@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import re
@@ -525,19 +524,13 @@ def engines_not_installed(values: dict) -> list[str]:
     """The packages (the strategy table's ``requires``: vllm, sglang, megatron.core) that a config's
     roles need and this Python cannot import."""
     from roll.configs.strategies import get_strategy_spec
+    from roll.utils.preload import is_installed
 
     roles = [values.get(k) for k in ("actor_train", "actor_infer", "reference", "critic")]
     roles += list((values.get("rewards") or {}).values())
     names = {((r or {}).get("strategy_args") or {}).get("strategy_name") for r in roles} - {None}
     needed = {module for name in names for module in get_strategy_spec(name).requires}
-    return sorted(module for module in needed if not _importable(module))
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # the parent package is missing
-        return False
+    return sorted(module for module in needed if not is_installed(module))
 
 
 def select_runs(gpus: int, only: set[str]) -> list[SpeedRun]:

@@ -9,8 +9,6 @@ use). Each failure is one ``ConfigError`` naming the key.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from typing import Any
 
@@ -37,6 +35,7 @@ from roll.distributed.strategy.generation import sampling_temperature
 from roll.distributed.strategy.registry import implements
 from roll.models.logprobs import transformers_detects_packing
 from roll.pipeline.rewards.registry import get_reward_spec
+from roll.utils.preload import is_installed
 
 
 def check_role(name: str, role: RoleConfig, config: Any) -> None:
@@ -216,11 +215,7 @@ def engines_missing_here(config: Any) -> list[ConfigError]:
             continue
         spec = get_strategy_spec(role.strategy_args.strategy_name)
         for module in spec.requires:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except ImportError:  # the parent package is missing
-                found = False
-            if not found:
+            if not is_installed(module):
                 missing.append(
                     ConfigError(
                         f"{name}.strategy_args.strategy_name",

@@ -31,9 +31,15 @@ def preload(modules: Iterable[str]) -> threading.Thread | None:
 
 
 def _installed(name: str) -> bool:
+    return is_installed(name.split(".")[0])
+
+
+def is_installed(module: str) -> bool:
+    """Whether ``module`` (``vllm``, ``megatron.core``) can be imported here, found without importing
+    it (a dotted name imports its parent packages only)."""
     try:
-        return importlib.util.find_spec(name.split(".")[0]) is not None
-    except (ImportError, ValueError):
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
         return False
 
 
