@@ -201,6 +201,15 @@ VISION_FAMILIES: dict[str, Family] = {
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
     ),
+    # Qwen3-VL's language model: Qwen3 with interleaved multimodal RoPE and deepstack (roll.models.megatron.qwen3_vl).
+    "qwen3_vl": Family(
+        "qwen3_vl_text",
+        wm.QWEN3,
+        qk_layernorm=True,
+        mrope=True,
+        generates=False,
+        no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
+    ),
 }
 _LANGUAGE_FAMILIES = FAMILIES | {f.model_type: f for f in VISION_FAMILIES.values()}
 
@@ -348,11 +357,20 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
 def _vision_tensor_names(hf: Any) -> tuple[str, ...]:
     """The HF names of a vision-language model's vision tower tensors (``visual.*``), the same in the
     checkpoint and in roll's megatron model; () for a text model."""
-    if getattr(hf, "model_type", None) not in VISION_FAMILIES:
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in VISION_FAMILIES:
         return ()
+    if model_type in QWEN3_VL_TYPES:
+        from roll.models.megatron.qwen3_vl import vision_tensor_names as qwen3_vl_names
+
+        return qwen3_vl_names(hf)
     from roll.models.megatron.qwen2_5_vl import vision_tensor_names
 
     return vision_tensor_names(hf)
+
+
+# Qwen3-VL's model types: their megatron model is roll.models.megatron.qwen3_vl's (deepstack).
+QWEN3_VL_TYPES = ("qwen3_vl",)
 
 
 def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:
@@ -435,6 +453,10 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     ``MegatronConfig.validate`` checks the layout against the devices; this checks it against the
     model (layers per pipeline chunk, heads per TP rank, experts per EP rank, MoE-only options).
     """
+    if getattr(hf_config, "model_type", None) in QWEN3_VL_TYPES:
+        from roll.models.megatron import qwen3_vl
+
+        qwen3_vl.check_layout(hf_config, megatron_cfg, path)  # deepstack layers on the first stage
     hf_config = language_config(hf_config)
     family = get_family(hf_config)
     _check_supported(hf_config, family)

@@ -246,6 +246,10 @@ def _model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
     """The GPTModel class for ``hf_config`` and its extra constructor arguments."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if getattr(hf_config, "model_type", None) in families.QWEN3_VL_TYPES:
+        from roll.models.megatron.qwen3_vl import Qwen3VLGPTModel
+
+        return Qwen3VLGPTModel, {"hf_config": hf_config}
     if getattr(hf_config, "model_type", None) in families.VISION_FAMILIES:
         from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
 

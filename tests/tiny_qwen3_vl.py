@@ -1,0 +1,85 @@
+"""A tiny Qwen3-VL saved as a model directory (the tokenizer of tests/tiny_vl.py, a Qwen2-VL image
+processor with Qwen3-VL's 16-pixel patches), for the CPU tests and the GPU tests.
+
+    model_dir = build_tiny_qwen3_vl_dir(tmp / "model")    # config, random weights, tokenizer, image processor
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tiny_vl import VISION_TOKENS, build_tiny_vl_tokenizer
+from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+
+# 32 x 32 pixels per merged patch: images of 64 x 64 to 128 x 128 pixels give 4 to 16 image tokens.
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16
+
+
+def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
+    """4 decoder layers (head size 32, interleaved mrope over 16 frequencies), a 3-block tower whose
+    blocks 0 and 1 feed deepstack (added after decoder layers 0 and 1)."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    vision = {
+        "depth": 3,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": 128,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+    }
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_qwen3_vl_dir(path: Path, seed: int = 0, std: float | None = None) -> Path:
+    """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
+    out), the tokenizer and a Qwen2-VL image processor with 16-pixel patches in ``path``."""
+    from transformers import Qwen2VLImageProcessor
+
+    tok = build_tiny_vl_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(tiny_qwen3_vl_config(tok))
+    if std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, std)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16)
+    processor.save_pretrained(path)
+    return path
