@@ -31,6 +31,9 @@ MODELS = {
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
     "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
+    "Qwen/Qwen3-VL-4B-Thinking": "qwen3-vl-4b",
+    "Qwen/Qwen3-VL-32B-Thinking": "qwen3-vl-32b",
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3-vl-30b-a3b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -58,6 +61,20 @@ REFUSED: dict[str, str] = {
     VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
     # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
     "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
+    # ROLL's file gives its vLLM workers 4 devices for TP 2.
+    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB.yaml": "actor_infer.num_gpus_per_worker=4 (must equal "
+    "strategy_config.tensor_parallel_size (2))",
+    # Qwen3-VL-MoE's checkpoints stack each layer's experts transposed; roll's conversion does not.
+    **dict.fromkeys(
+        [
+            "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml",
+            "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB_sglang.yaml",
+            "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml",
+            "qwen3-vl-30BA3B-video-rlvr__video_r1_sglang.yaml",
+        ],
+        "model_name_or_path: vision-language model_type 'qwen3_vl_moe': its checkpoints store each layer's "
+        "experts stacked and transposed",
+    ),
 }
 
 
@@ -140,12 +157,12 @@ def write_video_r1_rows(path: Path, tags: list[str]) -> None:
 
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 37 and set(REFUSED) <= names
+    assert len(names) == 44 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
-    if name.startswith(("qwen2_5-vl", "qwen2.5-vl")):
+    if name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3-vl")) and "video" not in name:
         pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])
@@ -223,9 +240,9 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
             "ConfigError: rollout_dump.mode: 'dump' does not write or read vision-language rollouts",
         ),
         (
-            ["pretrain=Qwen/Qwen3-VL-4B"],
-            "ConfigError: actor_train.model_args.model_name_or_path: vision-language model_type 'qwen3_vl': "
-            "roll's vision-language RLVR runs qwen2_5_vl",
+            ["pretrain=zai-org/GLM-4.1V"],
+            "ConfigError: actor_train.model_args.model_name_or_path: vision-language model_type 'glm4v': "
+            "roll's vision-language RLVR runs qwen2_5_vl, qwen3_vl",
         ),
     ],
 )
@@ -236,15 +253,34 @@ def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
     on one line naming the key."""
     pytest.importorskip("pyarrow")
     monkeypatch.chdir(roll_workdir)
-    qwen3_vl = roll_workdir / "Qwen/Qwen3-VL-4B"
-    if not qwen3_vl.exists():
-        qwen3_vl.mkdir(parents=True)
+    glm = roll_workdir / "zai-org/GLM-4.1V"
+    if not glm.exists():
+        glm.mkdir(parents=True)
         config = json.loads((roll_workdir / "Qwen/Qwen2.5-VL-3B-Instruct/config.json").read_text())
-        (qwen3_vl / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl"}))
-        (qwen3_vl / "tokenizer.json").write_text("{}")
+        (glm / "config.json").write_text(json.dumps({**config, "model_type": "glm4v"}))
+        (glm / "tokenizer.json").write_text("{}")
     code = main(["--config_path", str(EXAMPLES), "--config_name", VL_FILE, "--dry_run", *overrides])
     errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(line), errors
+
+
+def test_qwen3_vl_video_rows_are_refused_before_launch(roll_workdir, monkeypatch, capsys):
+    """roll writes Qwen2-VL's video prompt; Qwen3-VL reads per-frame timestamps: one line."""
+    monkeypatch.chdir(roll_workdir)
+    overrides = [
+        "track_with=tensorboard",
+        "pretrain=Qwen/Qwen3-VL-4B-Thinking",
+        "actor_train.strategy_args={strategy_name: fsdp2_train}",
+        "reference.strategy_args={strategy_name: hf_infer}",
+        "actor_train.training_args.gradient_accumulation_steps=2",
+    ]
+    code = main(["--config_path", str(EXAMPLES), "--config_name", VIDEO_FILE, "--dry_run", *overrides])
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert code == 2 and errors == [
+        "ConfigError: actor_train.data_args.row_layout: video_r1 with model_type 'qwen3_vl': roll writes "
+        "Qwen2-VL's video prompt, without the per-frame timestamps Qwen3-VL reads; Qwen3-VL runs image rows "
+        "(videos: Qwen2.5-VL)"
+    ], errors
 
 
 def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir, monkeypatch, capsys):

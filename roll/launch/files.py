@@ -27,7 +27,12 @@ from roll.models.expert_parallel import check_experts, config_experts
 from roll.models.megatron.families import check_model_fits, get_family
 from roll.models.model_dir import check_model_dir, config_json
 from roll.models.ulysses import check_heads
-from roll.models.vision import VISION_MODEL_TYPES, check_vision_options, is_vision_model_dir
+from roll.models.vision import (
+    UNRUN_VISION_MODEL_TYPES,
+    VISION_MODEL_TYPES,
+    check_vision_options,
+    is_vision_model_dir,
+)
 from roll.pipeline.common.checkpoint import resolve_resume
 from roll.pipeline.rewards.registry import check_reward_machine, get_reward_spec
 from roll.pipeline.rewards.scoring import check_reward_kwargs
@@ -71,6 +76,7 @@ def check_files(config: RLVRConfig) -> None:
         resolve_resume(config)
     check_vision_dump(config)
     check_video_strategies(config)
+    check_qwen3_vl_videos(config)
     check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 
 
@@ -102,6 +108,12 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
 
 def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> None:
     model_type = config_json(role.model_args.model_name_or_path).get("model_type")
+    if model_type in UNRUN_VISION_MODEL_TYPES:
+        raise ConfigError(
+            f"{name}.model_args.model_name_or_path",
+            f"vision-language model_type {model_type!r}: {UNRUN_VISION_MODEL_TYPES[model_type]}; roll runs "
+            f"{', '.join(VISION_MODEL_TYPES)} (docs/vision_language.md)",
+        )
     if model_type not in VISION_MODEL_TYPES:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path",
@@ -163,6 +175,20 @@ def check_video_strategies(config: RLVRConfig) -> None:
                 "takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
                 "(reference: hf_infer) with vllm rollouts",
             )
+
+
+def check_qwen3_vl_videos(config: RLVRConfig) -> None:
+    """Video-R1 rows become Qwen2-VL's video prompt (one run of video tokens per video); Qwen3-VL
+    expects a timestamp before each frame's tokens, which roll does not write."""
+    if config.actor_train.data_args.row_layout != "video_r1":
+        return
+    model_type = config_json(config.actor_train.model_args.model_name_or_path).get("model_type")
+    if model_type == "qwen3_vl":
+        raise ConfigError(
+            "actor_train.data_args.row_layout",
+            "video_r1 with model_type 'qwen3_vl': roll writes Qwen2-VL's video prompt, without the "
+            "per-frame timestamps Qwen3-VL reads; Qwen3-VL runs image rows (videos: Qwen2.5-VL)",
+        )
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:

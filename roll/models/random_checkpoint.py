@@ -95,6 +95,46 @@ def _qwen2_5_vl(
     )
 
 
+def _qwen3_vl(
+    text: dict[str, Any], vision: dict[str, Any], tied: bool, moe: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """A Qwen3-VL preset: the published text sizes (``text``) and tower (``vision``: depth, width,
+    MLP width, deepstack blocks); what every size shares (16-pixel patches, interleaved mrope over
+    [24, 20, 20] frequencies, 256K positions, the token ids) is filled in here."""
+    text = dict(
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        **text,
+    )
+    vision = dict(
+        num_heads=16,
+        in_channels=3,
+        out_hidden_size=text["hidden_size"],
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+        **vision,
+    )
+    tokens = dict(
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+    )
+    name = "Qwen3VLMoeConfig" if moe else "Qwen3VLConfig"
+    return name, dict(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=tied)
+
+
 # Values of the published config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen2.5-7B, ...).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": (
@@ -185,6 +225,47 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # num_hidden_layers, token ids) live in text_config.
     "qwen2.5-vl-3b": _qwen2_5_vl(2048, 11008, 36, 16, 2, 151936, tied=True),
     "qwen2.5-vl-7b": _qwen2_5_vl(3584, 18944, 28, 28, 4, 152064, tied=False),
+    # Qwen/Qwen3-VL-4B-Thinking's, Qwen/Qwen3-VL-32B-Thinking's and Qwen/Qwen3-VL-30B-A3B-Instruct's
+    # config.json (ROLL's qwen3-vl files; the Instruct and Thinking editions share the shapes).
+    "qwen3-vl-4b": _qwen3_vl(
+        dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+        ),
+        dict(depth=24, hidden_size=1024, intermediate_size=4096, deepstack_visual_indexes=[5, 11, 17]),
+        tied=True,
+    ),
+    "qwen3-vl-32b": _qwen3_vl(
+        dict(
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_hidden_layers=64,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+        ),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]),
+        tied=False,
+    ),
+    "qwen3-vl-30b-a3b": _qwen3_vl(
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]),
+        tied=False,
+        moe=True,
+    ),
     # The Qwen3-MoE architecture at test size (CPU tests of the scale run's code paths).
     "tiny-qwen3-moe": (
         "Qwen3MoeConfig",
