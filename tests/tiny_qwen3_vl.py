@@ -63,9 +63,13 @@ def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
     )
 
 
-def build_tiny_qwen3_vl_dir(path: Path, seed: int = 0, std: float | None = None) -> Path:
+def build_tiny_qwen3_vl_dir(
+    path: Path, seed: int = 0, std: float | None = None, full_processor: bool = False
+) -> Path:
     """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
-    out), the tokenizer and a Qwen2-VL image processor with 16-pixel patches in ``path``."""
+    out), the tokenizer and a Qwen2-VL image processor with 16-pixel patches in ``path``;
+    ``full_processor`` also loads and saves ``AutoProcessor`` (``Qwen3VLProcessor``, whose video
+    processor needs torchvision), as vLLM loads it."""
     from transformers import Qwen2VLImageProcessor
 
     tok = build_tiny_vl_tokenizer()
@@ -82,4 +86,8 @@ def build_tiny_qwen3_vl_dir(path: Path, seed: int = 0, std: float | None = None)
     tok.save_pretrained(path)
     processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16)
     processor.save_pretrained(path)
+    if full_processor:
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(path).save_pretrained(path)
     return path

@@ -1,0 +1,52 @@
+"""The ``vllm`` strategy with images on a tiny Qwen3-VL (tests/tiny_qwen3_vl.py: 16-pixel patches,
+deepstack, interleaved mrope) on a real vLLM engine on CUDA (skipped without vLLM, torchvision or a
+GPU): roll's data path builds the prompts (Orsta-layout rows -> the image processor -> the Batch's
+``multi_modal_data``), vLLM takes one image token per image plus the PIL images
+(``engine_vision.vllm_prompts``), and the engine's sampled-token log-probs equal transformers'
+forward with the pixel values (bf16 tolerance, tests/engine_gpu.py).
+
+    pytest tests/test_vllm_qwen3_vl_gpu.py -m gpu     # vLLM, torchvision on PYTHONPATH, 1 GPU
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("torchvision")  # Qwen3VLProcessor's video processor, which vLLM loads
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_gpu import assert_close, make_strategy  # noqa: E402
+from test_vllm_vl_gpu import hf_sampled_logprobs, hf_vl, vl_prompts  # noqa: E402
+from tiny_qwen3_vl import build_tiny_qwen3_vl_dir  # noqa: E402
+from tiny_vl import detection_rows, math_rows  # noqa: E402
+
+from roll.core.sampling import SamplingParams  # noqa: E402
+
+
+def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path) -> None:
+    model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1)
+    rows = detection_rows(tmp_path / "images", 4) + math_rows(tmp_path / "images", 2)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    engine = make_strategy(
+        "vllm",
+        model,
+        gpu_memory_utilization=0.25,
+        enforce_eager=True,
+        engine_kwargs={"limit_mm_per_prompt": {"image": 1, "video": 0}},
+    )
+    prompts = vl_prompts(tmp_path, model)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    assert torch.equal(out["prompts"][::2], prompts["prompts"]) and out["response_mask"].sum() > 0
+    want = hf_sampled_logprobs(hf_vl(model), out)
+    assert_close(out["infer_logprobs"], want, out["response_mask"], "Qwen3-VL generate with images")
