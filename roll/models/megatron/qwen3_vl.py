@@ -1,7 +1,8 @@
-"""Qwen3-VL and Qwen3-VL-MoE on megatron-core: transformers' vision tower in front of a GPTModel.
+"""Qwen3-VL on megatron-core: transformers' vision tower in front of a GPTModel.
 
-The language model is megatron-core's GPTModel as for Qwen3 (q/k norms; Qwen3-VL-MoE: Qwen3-MoE's
-routed experts, EP as usual) with two things of Qwen3-VL's own:
+The language model is megatron-core's GPTModel as for Qwen3 (q/k norms) with two things of
+Qwen3-VL's own (Qwen3-VL-MoE is refused before launch: its checkpoints stack each layer's experts
+transposed, which the weight conversion does not carry yet):
 
 - **interleaved multimodal RoPE**: each rotary frequency takes its position from one axis, in the
   order T H W T H W ... (``mrope_section`` says how many frequencies H and W take; the rest, and the
@@ -18,8 +19,9 @@ routed experts, EP as usual) with two things of Qwen3-VL's own:
 
 The vision tower (patch embedding, blocks, merger and the deepstack mergers) is transformers' own
 module, held whole on every rank of the first pipeline stage as ``visual`` (the checkpoint's name).
-Rope positions come from transformers' ``get_rope_index``. Padded rows and images only: video rows
-are refused (``check_no_videos``), as are packed rows and context parallelism.
+Rope positions come from transformers' ``get_rope_index``. Padded rows and images only: a batch with
+videos stops the forward with one line (Video-R1 rows are refused before launch), as do packed
+rows; context parallelism is refused before launch.
 
 >>> model = Qwen3VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
