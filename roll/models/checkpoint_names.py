@@ -12,8 +12,11 @@ receiver holding them loads each expert's tensor into its slice of the stack::
     for name, tensor in names.to_checkpoint(model.state_dict().items()): ...   # per-expert views
     view = names.module_view(targets, "model.layers.0.mlp.experts.3.up_proj.weight")   # or None
 
-Dense models have no conversion: both directions pass names through. A conversion other than
-stacked experts and plain renames is refused when the mapping is read (``ValueError`` naming it).
+Dense models have no conversion: both directions pass names through. Qwen3-VL-MoE's checkpoints
+hold the stacks themselves, transposed (transformers converts with ``Transpose`` only); roll's wire
+still names each expert, as for Qwen3-MoE (vLLM's Qwen3-VL-MoE loader takes both), so its module
+stack maps onto the per-expert names of ``_TRANSPOSED_PARTS``. A conversion other than stacked
+experts and plain renames is refused when the mapping is read (``ValueError`` naming it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<index>\d+)\.(?P<part>\w+)\.w
 _SOURCE = re.compile(r"^(?P<prefix>.*)experts\.\*\.(?P<part>\w+)\.weight$")
 _TARGET = re.compile(r"^(?P<prefix>.*)experts\.(?P<param>\w+)$")
 _PLAIN = re.compile(r"^[\w.]+$")
+# A module stack that the checkpoint stores transposed (``Transpose(1, 2)``): its parts along dim 1,
+# as the wire names them (Qwen3-VL-MoE's [E, 2I, H] gate_up_proj: each expert's gate rows, then up).
+_TRANSPOSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,8 @@ def _renames(transform: Any, vision: bool = False) -> list[tuple[str, str]]:
 def _stack(transform: Any, ops: list[str]) -> ExpertStack:
     """A converter that stacks experts (MergeModulelist on dim 0), concatenating several parts of
     each on dim 1 (Concatenate) when it has several sources."""
+    if ops == ["Transpose"]:
+        return _transposed_stack(transform)
     sources = [_SOURCE.match(p) for p in transform.source_patterns]
     target = _TARGET.match(transform.target_patterns[0]) if len(transform.target_patterns) == 1 else None
     dims = [getattr(op, "dim", None) for op in transform.operations]
@@ -145,3 +153,17 @@ def _stack(transform: Any, ops: list[str]) -> ExpertStack:
             "roll's model update translates only stacked experts"
         )
     return ExpertStack(target["param"], tuple(s["part"] for s in sources))
+
+
+def _transposed_stack(transform: Any) -> ExpertStack:
+    """A stack the checkpoint stores transposed under the module's own name (Qwen3-VL-MoE's
+    ``mlp.experts.gate_up_proj``): on the wire, each expert's parts of ``_TRANSPOSED_PARTS``."""
+    (source,), (target,) = transform.source_patterns, transform.target_patterns
+    match = _TARGET.match(target)
+    dims = [(getattr(op, "dim0", None), getattr(op, "dim1", None)) for op in transform.operations]
+    if source != target or match is None or match["param"] not in _TRANSPOSED_PARTS or dims != [(1, 2)]:
+        raise ValueError(
+            f"transformers transposes {transform.source_patterns} -> {transform.target_patterns}: roll's "
+            f"model update translates only transposed expert stacks {sorted(_TRANSPOSED_PARTS)}"
+        )
+    return ExpertStack(match["param"], _TRANSPOSED_PARTS[match["param"]])

@@ -5,6 +5,11 @@ TP shard of each tensor, via safetensors ``get_slice``), fuses them (``weight_ma
 copies them into the parameters in place. Every parameter is filled exactly once and every
 checkpoint tensor is claimed by the model's table, else ``CheckpointError`` names the tensor/file.
 
+A checkpoint storing each layer's experts stacked and transposed (Qwen3-VL-MoE,
+``stacked_experts``) is read expert by expert from slices of the stacks; the export names each
+expert (the model update's wire, which vLLM takes) and ``save_hf_checkpoint`` writes the stacks
+over all experts (rank 0 holds a stack's pieces until every EP rank's part has arrived).
+
 Export (``export_hf_weights``) is collective: every rank of the model's process groups must iterate
 it (it gathers TP shards onto TP rank 0). Which ranks yield what, with ``gather=True``
 (``export_roles()`` tells a rank its part):
@@ -41,6 +46,7 @@ from safetensors import safe_open
 from roll.core.errors import CheckpointError
 from roll.models.megatron import lora
 from roll.models.megatron import weight_mapping as wm
+from roll.models.megatron.stacked_experts import Stacker
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +114,21 @@ class _Checkpoint:
         self.files = (
             {wm.module_name(info, n): f for n, f in self.files.items()} if info is not None else self.files
         )
+        # Experts stored stacked (``stacked_experts``): each expert's part is a slice of its stack.
+        self.slots: dict[str, Any] = {}
+        self.stack_files: dict[str, str] = {}
+        if info is not None and info.stacked is not None:
+            self.files = self._expand_stacks(info.stacked)
+
+    def _expand_stacks(self, stacked: Any) -> dict[str, str]:
+        files = {}
+        for name, file in self.files.items():
+            for expanded in stacked.expand(name):
+                files[expanded] = file
+                if expanded != name:
+                    self.slots[expanded] = stacked.slot(expanded)
+                    self.stack_files[name] = file
+        return files
 
     def _open(self, file: str) -> Any:
         if file not in self.handles:
@@ -128,10 +149,19 @@ class _Checkpoint:
     def shape(self, name: str) -> list[int]:
         if name not in self.files:
             raise CheckpointError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        return list(self._slice(name).get_shape())
+        shape = list(self._slice(name).get_shape())
+        if name not in self.slots:
+            return shape
+        try:
+            self.slots[name].transposed(shape)
+        except ValueError as err:
+            raise CheckpointError(f"{self.where(name)}: stacked {self.slots[name].stored} {err}") from err
+        return self.slots[name].shape()
 
     def _slice(self, name: str) -> Any:
-        return self._open(self.files[name]).get_slice(self.stored.get(name, name))
+        name = self.slots[name].stored if name in self.slots else name
+        file = self.stack_files[name] if name in self.stack_files else self.files[name]
+        return self._open(file).get_slice(self.stored.get(name, name))
 
     def meta(self, name: str, shape: list[int]) -> torch.Tensor:
         """An empty ``meta`` tensor of ``shape`` and of the dtype ``name`` has in the file."""
@@ -143,6 +173,8 @@ class _Checkpoint:
     def read(self, name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """The whole tensor (``dim`` None) or rows/columns [start, stop) of dim 0/1."""
         sliced = self._slice(name)
+        if name in self.slots:
+            return self.slots[name].read(sliced, list(sliced.get_shape()), dim, start, stop)
         if dim is None:
             return sliced[:]
         return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
@@ -430,11 +462,18 @@ def _write_parts(parts: Iterator[dict[str, torch.Tensor]], out: Path, info: wm.C
     files: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
     total = 0
+    # Experts stored stacked: a stack is written with the part that completes it (its experts come
+    # from every EP rank's part, so rank 0 holds a stack's pieces until the last one arrives).
+    stacker = Stacker(info.stacked) if info.stacked is not None else None
     for i, part in enumerate(parts):
         clash = sorted(seen & set(part))
         if clash:
             raise RuntimeError(f"HF tensors exported by two ranks: {clash[:8]}")
         seen.update(part)
+        if stacker is not None:
+            part = dict(stacker.add(part.items()))
+            if not part:
+                continue
         file = f"part-{i:05d}.safetensors"
         save_file({n: t.contiguous() for n, t in part.items()}, out / file, metadata={"format": "pt"})
         files.append((file, list(part)))
@@ -442,6 +481,8 @@ def _write_parts(parts: Iterator[dict[str, torch.Tensor]], out: Path, info: wm.C
     missing = sorted(wm.expected_hf_names(info) - seen)
     if missing:
         raise RuntimeError(f"export is missing HF tensors: {missing[:8]}")
+    if stacker is not None:
+        stacker.check_done()
     weight_map = {}
     for i, (file, names) in enumerate(files):
         final = SINGLE_FILE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from roll.models.megatron import hf_io
 from roll.models.megatron import weight_mapping as wm
+from roll.models.megatron.stacked_experts import StackedNames, Stacker
 
 # Size suffixes: decimal (KB, MB, GB, TB, as transformers' max_shard_size) and binary (KiB ... TiB).
 _UNITS = {"": 1, "B": 1} | {f"{p}B": 1000 ** (i + 1) for i, p in enumerate("KMGT")}
@@ -85,17 +86,32 @@ def _entries(chunks: list[Any], where: str) -> list[_Entry]:
     return list(entries.values())
 
 
-def plan_parts(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
-    """Consecutive entries grouped into parts of at most ``max_bytes`` (one entry at least)."""
+def plan_parts(
+    entries: list[_Entry], max_bytes: int, stacked: StackedNames | None = None
+) -> list[list[_Entry]]:
+    """Consecutive entries grouped into parts of at most ``max_bytes`` (one entry at least); the
+    entries of one stacked expert tensor (``stacked``) stay in one part, which may exceed it."""
     parts: list[list[_Entry]] = []
     size = 0
+    previous = None
     for entry in entries:
-        if not parts or size + entry.nbytes > max_bytes:
+        stack = _stack_of(entry, stacked)
+        if not parts or (size + entry.nbytes > max_bytes and (stack is None or stack != previous)):
             parts.append([])
             size = 0
+        previous = stack
         parts[-1].append(entry)
         size += entry.nbytes
     return parts
+
+
+def _stack_of(entry: _Entry, stacked: StackedNames | None) -> str | None:
+    """The stacked tensor ``entry``'s HF tensors belong to (one stack: a fused gate/up parameter
+    of one expert is two parts of the same stack), or None."""
+    if stacked is None:
+        return None
+    slot = stacked.slot(entry.weight.hf[0])
+    return None if slot is None else slot.stored
 
 
 def part_file(index: int, count: int) -> str:
@@ -134,6 +150,10 @@ def _write_part(part: list[_Entry], values: dict[str, torch.Tensor], info: Any, 
         hf = hf_io._hf_tensors(entry.weight, values.pop(entry.weight.mcore), info, gather=False)
         # A fused parameter's HF tensors are views of one buffer: safetensors wants them apart.
         tensors.update((n, t.clone() if len(hf) > 1 else t.contiguous()) for n, t in zip(entry.weight.hf, hf))
+    if info.stacked is not None:
+        stacker = Stacker(info.stacked)
+        tensors = dict(stacker.add(tensors.items()))
+        stacker.check_done()  # plan_parts keeps each stack in one part
     save_file(tensors, path, metadata={"format": "pt"})
 
 
@@ -144,11 +164,15 @@ def _check_complete(parts: list[list[_Entry]], info: wm.ConversionInfo) -> None:
         raise RuntimeError(f"export is missing HF tensors {missing[:8]} or repeats some")
 
 
-def _write_index(parts: list[list[_Entry]], out: Path) -> None:
+def _write_index(parts: list[list[_Entry]], out: Path, stacked: StackedNames | None = None) -> None:
     if len(parts) == 1:
         return
+    stored = stacked.stored_name if stacked is not None else (lambda name: name)
     weight_map = {
-        name: part_file(i, len(parts)) for i, part in enumerate(parts) for e in part for name in e.weight.hf
+        stored(name): part_file(i, len(parts))
+        for i, part in enumerate(parts)
+        for e in part
+        for name in e.weight.hf
     }
     total = sum(e.nbytes for part in parts for e in part)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -163,7 +187,7 @@ def export_to_hf(
     ``chunks``: the TP = PP = EP = 1 model on ``meta`` (one chunk). Collective over the default
     group; returns the parts (what each holds)."""
     info = hf_io.unwrap(chunks[0]).roll_hf_info
-    parts = plan_parts(_entries(chunks, str(mcore_dir)), max_shard_bytes)
+    parts = plan_parts(_entries(chunks, str(mcore_dir)), max_shard_bytes, info.stacked)
     _check_complete(parts, info)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
@@ -176,5 +200,5 @@ def export_to_hf(
             _write_part(part, values, info, out / part_file(index, len(parts)))
         del values
     if rank == 0:
-        _write_index(parts, out)
+        _write_index(parts, out, info.stacked)
     return parts

@@ -133,7 +133,7 @@ class HFSource:
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
         self.info = hf_io.unwrap(chunks[0]).roll_hf_info
-        self.ckpt = hf_io._Checkpoint(hf_dir, stack)
+        self.ckpt = hf_io._Checkpoint(hf_dir, stack, self.info)
         hf_io._check_checkpoint_names(self.ckpt, self.info)
         self.items: dict[tuple[str, tuple[int, ...]], tuple[wm.BoundWeight, torch.Tensor, View]] = {}
         checked = set()

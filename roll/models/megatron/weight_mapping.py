@@ -24,7 +24,9 @@ The fused layouts split every HF tensor into ``tp`` equal contiguous pieces alon
 (``gdn_conv``: each of its three sections), so a rank reads only its pieces (``read_ranges``) and
 fuses them (``fuse``); export unfuses each rank's shard into pieces, concatenates the pieces of
 all ranks and joins them into HF tensors (``unfuse``, ``join``). Expert parameters use the
-expert-TP group.
+expert-TP group. The tables name each expert's tensors; a checkpoint that stores them stacked and
+transposed (Qwen3-VL-MoE, ``ConversionInfo.stacked``) is read and written through
+``stacked_experts``.
 
 Megatron names differ by backend; ``MegatronNaming.detect`` reads them off the built model:
 TransformerEngine fuses the layer norms into the next linear (``linear_qkv.layer_norm_weight``) and
@@ -45,6 +47,7 @@ import torch
 
 from roll.models.megatron import hybrid_layouts as hybrid
 from roll.models.megatron.hybrid_layouts import LinearHeads
+from roll.models.megatron.stacked_experts import Stack, StackedNames
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = "replicated", "column", "row", "vocab", "qkv", "gate_up"
 QKV_GATED, GDN_IN, GDN_CONV = "qkv_gated", "gdn_in", "gdn_conv"
@@ -130,6 +133,9 @@ class ConversionInfo:
     # A vision-language model's vision tower tensors (``visual.*``): held whole on every rank of the
     # first pipeline stage under the same name as in the HF checkpoint (replicated).
     vision_names: tuple[str, ...] = ()
+    # Checkpoints storing each layer's experts stacked and transposed (Qwen3-VL-MoE): the tables'
+    # per-expert tensors are slices of those (``stacked_experts``); None: stored per expert.
+    stacked: StackedNames | None = None
 
     def skipped(self, hf_name: str) -> bool:
         """Whether ``hf_name`` belongs to one of the ``extra_layers`` or ``skipped_prefixes``."""
@@ -222,6 +228,11 @@ QWEN3 = LayerTables(dense=_ATTENTION + _QK_NORM + _DENSE_MLP)
 QWEN3_MOE = LayerTables(
     dense=_ATTENTION + _QK_NORM + _DENSE_MLP,
     moe=_ATTENTION + _QK_NORM + _moe_mlp("mlp", "gate_proj", "up_proj", "down_proj"),
+)
+# Qwen3-VL-MoE's checkpoints: each layer's experts stacked and transposed (the tables are QWEN3_MOE's).
+QWEN3_VL_MOE_STACKS = (
+    Stack("gate_up_proj", ("gate_proj", "up_proj")),
+    Stack("down_proj", ("down_proj",), out_is_hidden=True),
 )
 # Mixtral's experts: w1 = gate, w3 = up, w2 = down.
 MIXTRAL = LayerTables(dense=None, moe=_ATTENTION + _moe_mlp("block_sparse_moe", "w1", "w3", "w2"))
