@@ -5,6 +5,9 @@ GPU): roll's data path builds the prompts (Orsta-layout rows -> the image proces
 (``engine_vision.vllm_prompts``), and the engine's sampled-token log-probs equal transformers'
 forward with the pixel values (bf16 tolerance, tests/engine_gpu.py).
 
+The Qwen3-VL-MoE case loads the released layout (each layer's experts stacked and transposed), which
+vLLM's loader transposes; roll's save writes that layout and its model update each expert's name.
+
     pytest tests/test_vllm_qwen3_vl_gpu.py -m gpu     # vLLM, torchvision on PYTHONPATH, 1 GPU
 """
 
@@ -28,14 +31,18 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
 from test_vllm_vl_gpu import hf_sampled_logprobs, hf_vl, vl_prompts  # noqa: E402
-from tiny_qwen3_vl import build_tiny_qwen3_vl_dir  # noqa: E402
+from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 from tiny_vl import detection_rows, math_rows  # noqa: E402
 
 from roll.core.sampling import SamplingParams  # noqa: E402
 
 
-def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path) -> None:
-    model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe: bool) -> None:
+    """``moe``: Qwen3-VL-MoE, its checkpoint in the released layout (stacked, transposed experts)."""
+    model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1, moe=moe)
+    if moe:
+        released_layout(model)
     rows = detection_rows(tmp_path / "images", 4) + math_rows(tmp_path / "images", 2)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     engine = make_strategy(

@@ -2,6 +2,7 @@
 processor with Qwen3-VL's 16-pixel patches), for the CPU tests and the GPU tests.
 
     model_dir = build_tiny_qwen3_vl_dir(tmp / "model")    # config, random weights, tokenizer, image processor
+    moe_dir = build_tiny_qwen3_vl_dir(tmp / "moe", moe=True)    # Qwen3-VL-MoE: 4 experts in every layer
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 from tiny_vl import VISION_TOKENS, build_tiny_vl_tokenizer
-from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+from transformers import AutoModelForImageTextToText, Qwen3VLConfig, Qwen3VLMoeConfig
 
 # 32 x 32 pixels per merged patch: images of 64 x 64 to 128 x 128 pixels give 4 to 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16
@@ -63,8 +64,27 @@ def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
     )
 
 
+def tiny_qwen3_vl_moe_config(tok) -> Qwen3VLMoeConfig:
+    """The tiny Qwen3-VL with every decoder layer a MoE layer: 4 experts of size 32, top 2."""
+    dense = tiny_qwen3_vl_config(tok).to_dict()
+    text = {
+        **dense["text_config"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,  # 2I != H: the stacks are not square
+        "decoder_sparse_step": 1,
+    }
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=dense["vision_config"],
+        tie_word_embeddings=True,
+        **{k: dense[k] for k in keys},
+    )
+
+
 def build_tiny_qwen3_vl_dir(
-    path: Path, seed: int = 0, std: float | None = None, full_processor: bool = False
+    path: Path, seed: int = 0, std: float | None = None, full_processor: bool = False, moe: bool = False
 ) -> Path:
     """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
     out), the tokenizer and a Qwen2-VL image processor with 16-pixel patches in ``path``;
@@ -74,7 +94,8 @@ def build_tiny_qwen3_vl_dir(
 
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_qwen3_vl_config(tok))
+    config = (tiny_qwen3_vl_moe_config if moe else tiny_qwen3_vl_config)(tok)
+    model = AutoModelForImageTextToText.from_config(config)
     if std is not None:
         with torch.no_grad():
             for param in model.parameters():
@@ -90,4 +111,18 @@ def build_tiny_qwen3_vl_dir(
         from transformers import AutoProcessor
 
         AutoProcessor.from_pretrained(path).save_pretrained(path)
+    return path
+
+
+def released_layout(path: Path) -> Path:
+    """Rewrite transformers 5's save (the modules' [E, 2I, H] / [E, H, I]) as Qwen's released
+    checkpoints store the stacks: transposed."""
+    from safetensors.torch import load_file, save_file
+
+    stacks = ("gate_up_proj", "down_proj")
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.rpartition(".")[2] in stacks]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
     return path

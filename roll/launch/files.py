@@ -183,10 +183,10 @@ def check_qwen3_vl_videos(config: RLVRConfig) -> None:
     if config.actor_train.data_args.row_layout != "video_r1":
         return
     model_type = config_json(config.actor_train.model_args.model_name_or_path).get("model_type")
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         raise ConfigError(
             "actor_train.data_args.row_layout",
-            "video_r1 with model_type 'qwen3_vl': roll writes Qwen2-VL's video prompt, without the "
+            f"video_r1 with model_type {model_type!r}: roll writes Qwen2-VL's video prompt, without the "
             "per-frame timestamps Qwen3-VL reads; Qwen3-VL runs image rows (videos: Qwen2.5-VL)",
         )
 

@@ -64,14 +64,9 @@ VISION_INPUT_KEYS = (
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 # The vision-language model types roll has run (CPU tests; docs/vision_language.md).
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Vision-language model types roll knows but does not run yet, and why (the launch check's line).
-UNRUN_VISION_MODEL_TYPES = {
-    "qwen3_vl_moe": (
-        "its checkpoints store each layer's experts stacked and transposed (mlp.experts.gate_up_proj "
-        "[E, H, 2I]), which roll's weight conversion and model update do not carry yet"
-    ),
-}
+UNRUN_VISION_MODEL_TYPES: dict[str, str] = {}
 
 
 # (min_pixels, max_pixels) of an image's resize; None (or a None bound): the image processor's.

@@ -22,17 +22,21 @@ pytest.importorskip("megatron.core")
 
 from gloo_ranks import spawn_ranks  # noqa: E402
 from test_megatron_vl_gpu import BF16_MEAN_DIFF, FP32_MAX_DIFF, _worker  # noqa: E402
-from tiny_qwen3_vl import build_tiny_qwen3_vl_dir  # noqa: E402
+from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 from vl_cases import hf_log_probs, vl_batch  # noqa: E402
 
 
 @pytest.mark.gpu
-def test_megatron_qwen3_vl_log_probs_match_transformers_on_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_megatron_qwen3_vl_log_probs_match_transformers_on_cuda(tmp_path: Path, moe: bool) -> None:
+    """``moe``: Qwen3-VL-MoE (4 experts, top 2) from the released layout (stacked, transposed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1)
+    model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1, moe=moe)
+    if moe:
+        released_layout(model)
     batch = vl_batch(model, tmp_path)
     torch.save(batch, tmp_path / "batch.pt")
     spawn_ranks(_worker, 1, str(model))

@@ -62,6 +62,8 @@ class Family:
     )
     # Multimodal rotary positions (Qwen2.5-VL's mrope: 3-D position ids, ``mrope_section``).
     mrope: bool = False
+    # Its checkpoints store each layer's experts stacked and transposed (weight_mapping.Stack).
+    stacked_experts: tuple[wm.Stack, ...] = ()
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -128,6 +130,21 @@ def _deepseek_v3_kwargs(hf: Any) -> dict[str, Any]:
         "moe_ffn_hidden_size": hf.moe_intermediate_size,
         "moe_shared_expert_intermediate_size": hf.moe_intermediate_size * hf.n_shared_experts,
         "moe_layer_freq": [int(i >= dense_layers) for i in range(hf.num_hidden_layers)],
+    }
+
+
+def _qwen3_vl_moe_kwargs(hf: Any) -> dict[str, Any]:
+    """Qwen3-MoE's experts and layer pattern; Qwen3-VL-MoE's router always renormalises the top-k
+    weights (its config has no ``norm_topk_prob``)."""
+    step, dense_layers = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+    pattern = [
+        int(i not in dense_layers and hf.num_experts > 0 and (i + 1) % step == 0)
+        for i in range(hf.num_hidden_layers)
+    ]
+    return {
+        **_router_kwargs(hf.num_experts, hf.num_experts_per_tok, renormalize=True),
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_layer_freq": pattern,
     }
 
 
@@ -209,6 +226,18 @@ VISION_FAMILIES: dict[str, Family] = {
         mrope=True,
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
+    ),
+    # Qwen3-VL-MoE's language model: Qwen3-MoE with Qwen3-VL's mrope and deepstack; its checkpoints
+    # stack each layer's experts, transposed (roll.models.megatron.stacked_experts).
+    "qwen3_vl_moe": Family(
+        "qwen3_vl_moe_text",
+        wm.QWEN3_MOE,
+        qk_layernorm=True,
+        moe_kwargs=_qwen3_vl_moe_kwargs,
+        mrope=True,
+        generates=False,
+        no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
+        stacked_experts=wm.QWEN3_VL_MOE_STACKS,
     ),
 }
 _LANGUAGE_FAMILIES = FAMILIES | {f.model_type: f for f in VISION_FAMILIES.values()}
@@ -351,6 +380,13 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
         linear_layers=linear if any(linear) else (),
         skipped_prefixes=family.skipped_prefixes,
         vision_names=vision,
+        stacked=(
+            wm.StackedNames(
+                family.stacked_experts, moe["num_moe_experts"], hf.hidden_size, moe["moe_ffn_hidden_size"]
+            )
+            if family.stacked_experts
+            else None
+        ),
     )
 
 
@@ -370,7 +406,7 @@ def _vision_tensor_names(hf: Any) -> tuple[str, ...]:
 
 
 # Qwen3-VL's model types: their megatron model is roll.models.megatron.qwen3_vl's (deepstack).
-QWEN3_VL_TYPES = ("qwen3_vl",)
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:

@@ -1,8 +1,8 @@
 """Qwen3-VL on megatron-core: transformers' vision tower in front of a GPTModel.
 
-The language model is megatron-core's GPTModel as for Qwen3 (q/k norms) with two things of
-Qwen3-VL's own (Qwen3-VL-MoE is refused before launch: its checkpoints stack each layer's experts
-transposed, which the weight conversion does not carry yet):
+The language model is megatron-core's GPTModel as for Qwen3 (q/k norms), or for Qwen3-MoE
+(Qwen3-VL-MoE: megatron's MoE layers, EP; its checkpoints stack each layer's experts transposed,
+which ``stacked_experts`` reads and writes), with two things of Qwen3-VL's own:
 
 - **interleaved multimodal RoPE**: each rotary frequency takes its position from one axis, in the
   order T H W T H W ... (``mrope_section`` says how many frequencies H and W take; the rest, and the
@@ -39,7 +39,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from roll.configs.errors import ConfigError
 from roll.models.vision import token_types
 
-MODEL_TYPES = ("qwen3_vl",)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def _classes(hf_config: Any) -> tuple[Any, Any]:
