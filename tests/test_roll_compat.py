@@ -100,7 +100,7 @@ def test_fsdp2_keys_map_onto_fsdp2_config():
                 "actor_infer": {
                     "num_gpus_per_worker": 2,
                     "strategy_args": {
-                        "strategy_name": "vllm",
+                        "strategy_name": "sglang",
                         "strategy_config": {"tensor_parallel_size": 4},
                     },
                 }
@@ -202,3 +202,19 @@ def test_roll_only_keys_are_unknown_to_roll_own_sections():
 
     with pytest.raises(ConfigError, match="type: unknown key; valid keys: output_dir, max_to_keep"):
         build_dataclass(CheckpointConfig, {"type": "file_system"})
+
+
+def test_vllm_workers_span_their_tensor_parallel_size_whatever_num_gpus_per_worker_says(capsys):
+    """ROLL's WorkerConfig sets a vllm worker's num_gpus_per_worker to TP x PP (ROLL's
+    qwen3-vl-30BA3B rlvr_megatron_80GB file gives 4 for TP 2): dropped with a note."""
+    raw = {
+        "actor_infer": {
+            "num_gpus_per_worker": 4,
+            "strategy_args": {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 2}},
+        }
+    }
+    out = translate_roll_keys(raw)["actor_infer"]
+    assert "num_gpus_per_worker" not in out and out["strategy_args"]["strategy_config"] == {
+        "tensor_parallel_size": 2
+    }
+    assert "actor_infer.num_gpus_per_worker: 4 dropped" in capsys.readouterr().err

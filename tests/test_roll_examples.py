@@ -61,20 +61,19 @@ REFUSED: dict[str, str] = {
     VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
     # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
     "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
-    # ROLL's file gives its vLLM workers 4 devices for TP 2.
-    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB.yaml": "actor_infer.num_gpus_per_worker=4 (must equal "
-    "strategy_config.tensor_parallel_size (2))",
-    # Qwen3-VL-MoE's checkpoints stack each layer's experts transposed; roll's conversion does not.
+    # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
+    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml": "context_parallel_size: 2 does not run with a "
+    "vision-language model",
+    # roll's SGLang engine takes no image inputs.
     **dict.fromkeys(
         [
-            "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml",
             "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB_sglang.yaml",
-            "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml",
             "qwen3-vl-30BA3B-video-rlvr__video_r1_sglang.yaml",
         ],
-        "model_name_or_path: vision-language model_type 'qwen3_vl_moe': its checkpoints store each layer's "
-        "experts stacked and transposed",
+        "sglang does not run vision-language models in roll",
     ),
+    # roll's Megatron vision-language models take images only.
+    "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml": "megatron_train does not run video rows in roll",
 }
 
 
