@@ -164,6 +164,6 @@ def _transposed_stack(transform: Any) -> ExpertStack:
     if source != target or match is None or match["param"] not in _TRANSPOSED_PARTS or dims != [(1, 2)]:
         raise ValueError(
             f"transformers transposes {transform.source_patterns} -> {transform.target_patterns}: roll's "
-            f"model update translates only transposed expert stacks {sorted(_TRANSPOSED_PARTS)}"
+            f"model update translates only stacked experts (transposed: {sorted(_TRANSPOSED_PARTS)})"
         )
     return ExpertStack(match["param"], _TRANSPOSED_PARTS[match["param"]])
