@@ -301,8 +301,12 @@ def test_start_clusters_waits_for_the_wave_the_prestart_started_and_runs_the_res
     monkeypatch.setattr(prestart, "take_prestart", lambda config: early)
     monkeypatch.setattr(start, "check_worker_nodes", lambda run: None)
     waited = []
-    monkeypatch.setattr(cluster_module, "get_all", lambda *results: waited.append(results) or [[1.5]] * len(results))
-    run = SimpleNamespace(config=cfg, plan=plan, clusters={}, colocated={"actor_train", "actor_infer", "reference"})
+    monkeypatch.setattr(
+        cluster_module, "get_all", lambda *results: waited.append(results) or [[1.5]] * len(results)
+    )
+    run = SimpleNamespace(
+        config=cfg, plan=plan, clusters={}, colocated={"actor_train", "actor_infer", "reference"}
+    )
     run.model = lambda name: run.clusters[name]
     timer = StageTimer()
     start.start_clusters(run, timer)
