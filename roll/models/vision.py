@@ -64,7 +64,7 @@ VISION_INPUT_KEYS = (
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 # The vision-language model types roll has run (CPU tests; docs/vision_language.md).
-VISION_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
 
 
 # (min_pixels, max_pixels) of an image's resize; None (or a None bound): the image processor's.

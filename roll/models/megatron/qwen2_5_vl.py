@@ -117,6 +117,9 @@ class Qwen2_5_VLGPTModel(GPTModel):
         return torch.where(image.unsqueeze(-1), full, words).contiguous()  # pipeline sends need contiguous
 
 
+MODEL_CLASS = Qwen2_5_VLGPTModel  # families.VISION_MODULES' entry point
+
+
 def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | None, path: str) -> int:
     """``model_args.freeze_module_prefix`` on megatron_train: ROLL's / transformers' module names
     (``model.visual``, ``model.visual.merger``, or ``visual...``) freeze that part of the tower on
