@@ -31,6 +31,10 @@ MODELS = {
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
     "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
+    "Qwen/Qwen3.5-27B": "qwen3.5-27b",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
+    "Qwen/Qwen3.5-122B-A10B": "qwen3.5-122b-a10b",
+    "Qwen/Qwen3.5-397B-A17B": "qwen3.5-397b-a17b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -58,6 +62,14 @@ REFUSED: dict[str, str] = {
     VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
     # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
     "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
+    # ROLL's own experiment tracker (as the video file).
+    "qwen3.5-35BA3-rlvr_megatron__rlvr_megatron_ppu.yaml": "ConfigError: track_with: expected one of "
+    "['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
+    # Megatron's pipeline layout string; behind it context parallelism (4), which neither Gated
+    # DeltaNet layers nor a vision-language model's padded rows run with.
+    "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "strategy_config.pipeline_model_parallel_layout="
+    "'E|(tt|)*30,L', reference.strategy_args.strategy_config.pipeline_model_parallel_layout='E|(tt|)*30,L' "
+    "(remove it; roll places layers on pipeline stages evenly",
 }
 
 
@@ -140,12 +152,12 @@ def write_video_r1_rows(path: Path, tags: list[str]) -> None:
 
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 37 and set(REFUSED) <= names
+    assert len(names) == 42 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
-    if name.startswith(("qwen2_5-vl", "qwen2.5-vl")):
+    if name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3")):
         pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])

@@ -17,6 +17,7 @@ are not supported: the strategies run vision-language models on padded rows.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -130,10 +131,13 @@ def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | Non
 
     if not prefixes:
         return 0
-    names = [p.removeprefix("model.") for p in prefixes]
+    # ROLL's mcore_adapter names Qwen3.5's / Qwen3-VL's tower "vision_model"; roll's is "visual".
+    names = [re.sub(r"^vision_model(\.|$)", r"visual\1", p.removeprefix("model.")) for p in prefixes]
     for prefix, name in zip(prefixes, names):
         if name != "visual" and not name.startswith("visual."):
             raise ConfigError(
-                path, f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual...) only"
+                path,
+                f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual... or ROLL's "
+                "vision_model...) only",
             )
     return sum(freeze_prefixes(c, names, path) for c in chunks if getattr(c, "pre_process", False))
