@@ -79,9 +79,12 @@ def tiny_qwen3_5_config(tok, moe: bool) -> object:
     )
 
 
-def build_tiny_qwen3_5_dir(path: Path, moe: bool, seed: int = 0, std: float = 0.1, mtp: bool = False) -> Path:
+def build_tiny_qwen3_5_dir(
+    path: Path, moe: bool, seed: int = 0, std: float = 0.1, mtp: bool = False, full_processor: bool = False
+) -> Path:
     """Random weights N(mean, ``std``): zero-centred norms around 0, the gated norm, A_log and
-    dt_bias around 1, the rest around 0 (log-probs spread out); tokenizer and image processor."""
+    dt_bias around 1, the rest around 0 (log-probs spread out); tokenizer and image processor;
+    ``full_processor`` also saves ``AutoProcessor``'s files (what vLLM loads; needs torchvision)."""
     from transformers import Qwen2VLImageProcessor
 
     tok = build_tiny_vl_tokenizer()
@@ -98,6 +101,10 @@ def build_tiny_qwen3_5_dir(path: Path, moe: bool, seed: int = 0, std: float = 0.
     model.save_pretrained(path)
     tok.save_pretrained(path)
     Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    if full_processor:
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(path).save_pretrained(path)
     if mtp:
         tensors = load_file(path / "model.safetensors")
         tensors |= {name: torch.randn(shape) for name, shape in MTP.items()}

@@ -202,3 +202,15 @@ def test_bad_config_values_are_refused_by_key() -> None:
         with pytest.raises(ConfigError, match=key):
             families.transformer_kwargs(config)
     assert qwen3_5.mrope_section(_text_config(rope_parameters={"rope_theta": 1e4})) == [11, 11, 10]
+
+
+def test_rolls_vision_model_prefix_freezes_the_tower() -> None:
+    """ROLL's qwen3.5 files freeze ``vision_model`` (mcore_adapter's name of the tower)."""
+    from roll.models.megatron.qwen2_5_vl import freeze_vision_tower
+
+    chunk = torch.nn.Module()
+    chunk.pre_process, chunk.visual, chunk.decoder = True, torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert freeze_vision_tower([chunk], ["vision_model"], "actor_train.model_args.freeze_module_prefix") == 2
+    assert not chunk.visual.weight.requires_grad and chunk.decoder.weight.requires_grad
+    with pytest.raises(ConfigError, match="vision_model"):
+        freeze_vision_tower([chunk], ["decoder"], "actor_train.model_args.freeze_module_prefix")
