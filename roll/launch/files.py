@@ -106,7 +106,7 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
         raise ConfigError(
             f"{name}.model_args.model_name_or_path",
             f"vision-language model_type {model_type!r}: roll's vision-language RLVR runs "
-            f"{', '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL; docs/vision_language.md)",
+            f"{', '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL, Qwen3.5; docs/vision_language.md)",
         )
     if strategy is not None and not get_strategy_spec(strategy).runs_vision:
         runs = [s.name for s in STRATEGIES.values() if s.runs_vision]
