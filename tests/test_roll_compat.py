@@ -100,7 +100,7 @@ def test_fsdp2_keys_map_onto_fsdp2_config():
                 "actor_infer": {
                     "num_gpus_per_worker": 2,
                     "strategy_args": {
-                        "strategy_name": "vllm",
+                        "strategy_name": "sglang",
                         "strategy_config": {"tensor_parallel_size": 4},
                     },
                 }
@@ -112,6 +112,23 @@ def test_fsdp2_keys_map_onto_fsdp2_config():
 def test_conflicting_roll_keys_are_refused(raw, words):
     with pytest.raises(ConfigError, match=words):
         translate_roll_keys(raw)
+
+
+def test_a_vllm_workers_devices_are_its_tensor_parallel_size_as_in_roll(capsys):
+    """ROLL's WorkerConfig sets a vLLM worker's num_gpus_per_worker to TP x PP whatever the file says
+    (ROLL's qwen3.5-27B file writes 2 with tensor_parallel_size 4): dropped with a note."""
+    config = {"tensor_parallel_size": 4}
+    raw = {
+        "actor_infer": {
+            "num_gpus_per_worker": 2,
+            "strategy_args": {"strategy_name": "vllm", "strategy_config": config},
+        }
+    }
+    out = translate_roll_keys(raw)
+    assert out["actor_infer"] == {
+        "strategy_args": {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 4}}
+    }
+    assert "num_gpus_per_worker: 2 dropped" in capsys.readouterr().err
 
 
 def test_roll_keys_at_their_off_value_are_dropped():
