@@ -62,6 +62,11 @@ class Family:
     )
     # Multimodal rotary positions (Qwen2.5-VL's mrope: 3-D position ids, ``mrope_section``).
     mrope: bool = False
+    # A vision-language model whose forward takes packed (thd) rows, so sequence packing, token
+    # budgets and context parallelism (roll.models.megatron.packed_vision); else padded rows only.
+    packed_vision: bool = False
+    # A vision-language model whose forward takes videos (pixel_values_videos, video_grid_thw).
+    videos: bool = False
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -210,6 +215,8 @@ VISION_FAMILIES: dict[str, Family] = {
         wm.QWEN2,
         qkv_bias=True,
         mrope=True,
+        packed_vision=True,
+        videos=True,
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
     ),
@@ -254,6 +261,13 @@ def vision_module(hf_config: Any) -> Any:
 
 
 _LANGUAGE_FAMILIES = FAMILIES | {f.model_type: f for f in VISION_FAMILIES.values()}
+
+
+def padded_rows_only(hf_config: Any) -> bool:
+    """Whether ``hf_config``'s model runs on padded rows only: a vision-language model whose family
+    has no ``packed_vision`` (its rope positions and vision features come from padded rows)."""
+    family = VISION_FAMILIES.get(getattr(hf_config, "model_type", None))
+    return is_vision_config(hf_config) and not (family is not None and family.packed_vision)
 
 
 def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
