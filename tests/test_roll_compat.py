@@ -197,6 +197,19 @@ def test_roll_keys_roll_does_its_own_way_are_dropped_with_a_note(capsys):
         assert key in err, key
 
 
+def test_roll_ml_tracker_becomes_tensorboard_with_a_note(capsys):
+    """ROLL's internal tracker (its video file's ``track_with: ml_tracker``) writes TensorBoard."""
+    kwargs = {"project": "video-r1", "tags": ["roll"]}
+    raw = translate_roll_keys({"track_with": "ml_tracker", "tracker_kwargs": kwargs})
+    assert raw == {"track_with": "tensorboard", "tracker_kwargs": kwargs}
+    assert "track_with: 'ml_tracker' (ROLL's internal tracker) -> 'tensorboard'" in capsys.readouterr().err
+    assert translate_roll_keys({"track_with": "wandb"}) == {"track_with": "wandb"}  # roll's own: kept
+    assert (
+        load_config(HERE / "megatron_multi_reward.yaml", ["track_with=ml_tracker"]).track_with
+        == "tensorboard"
+    )
+
+
 @pytest.mark.parametrize(
     "raw, words",
     [

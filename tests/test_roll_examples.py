@@ -58,15 +58,8 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # ROLL's own experiment tracker; with track_with=tensorboard it stops on Megatron (test below)
-    VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
-    # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
-    "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
-    # ROLL's own experiment tracker (as the video file).
-    "qwen3.5-35BA3-rlvr_megatron__rlvr_megatron_ppu.yaml": "ConfigError: track_with: expected one of "
-    "['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
-    # Megatron's pipeline layout string; behind it context parallelism (4), which neither Gated
-    # DeltaNet layers nor a vision-language model's padded rows run with.
+    # Megatron's pipeline layout string; behind it context parallelism (4), which Gated DeltaNet
+    # layers do not run with.
     "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "strategy_config.pipeline_model_parallel_layout="
     "'E|(tt|)*30,L', reference.strategy_args.strategy_config.pipeline_model_parallel_layout='E|(tt|)*30,L' "
     "(remove it; roll places layers on pipeline stages evenly",
@@ -208,14 +201,6 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
         ),
         (
             [
-                "actor_train.strategy_args.strategy_name=megatron_train",
-                "actor_train.strategy_args.strategy_config={sequence_packing: true}",
-            ],
-            "ConfigError: actor_train.strategy_args.strategy_config.sequence_packing: true does not run with a "
-            "vision-language model",
-        ),
-        (
-            [
                 "actor_infer.strategy_args.strategy_name=sglang",
                 "actor_infer.strategy_args.strategy_config={}",
             ],
@@ -259,38 +244,18 @@ def test_vision_language_layouts_roll_has_not_run_are_refused_before_launch(
     assert code == 2 and len(errors) == 1 and errors[0].startswith(line), errors
 
 
-def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir, monkeypatch, capsys):
-    """ROLL's video file: VideoR1RewardWorker and its Video-R1 row reader map; its Megatron trainer
-    stops on context parallelism, then (CP 1) on video rows, which roll's Megatron Qwen2.5-VL does
-    not take; with fsdp2_train / hf_infer (and its vllm rollouts) it dry-runs (gradient
+def test_video_r1_dry_runs_on_megatron_and_on_fsdp2(roll_workdir, monkeypatch, capsys):
+    """ROLL's video file: ``ml_tracker`` -> tensorboard, VideoR1RewardWorker and its Video-R1 row reader
+    map, and its Megatron trainer and reference (TP 2 + SP x CP 2, video rows on packed rows)
+    dry-run with its vllm rollouts; with fsdp2_train / hf_infer it dry-runs too (gradient
     accumulation 2: ROLL's 8 on Megatron's DP 4 is 2 on fsdp2's DP 16)."""
     monkeypatch.chdir(roll_workdir)
-    args = [
-        "--config_path",
-        str(EXAMPLES),
-        "--config_name",
-        VIDEO_FILE,
-        "--dry_run",
-        "track_with=tensorboard",
-    ]
-    assert main(args) == 2
-    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
-    assert len(errors) == 1 and errors[0].startswith(
-        "ConfigError: actor_train.strategy_args.strategy_config.context_parallel_size: 2 does not run with "
-        "a vision-language model"
-    ), errors
-    cp1 = [
-        f"{role}.strategy_args.strategy_config.context_parallel_size=1"
-        for role in ("actor_train", "reference")
-    ]
-    cp1.append("actor_train.training_args.gradient_accumulation_steps=4")  # DP 8 at CP 1: still 64 samples
-    assert main(args + cp1) == 2
-    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
-    assert errors == [
-        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run video rows in roll "
-        "(its Qwen2.5-VL takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
-        "(reference: hf_infer) with vllm rollouts"
-    ]
+    args = ["--config_path", str(EXAMPLES), "--config_name", VIDEO_FILE, "--dry_run"]
+    code = main(args)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "track_with: 'ml_tracker' (ROLL's internal tracker) -> 'tensorboard'" in out.err
+    assert "megatron_train" in out.out and "CP=2" in out.out, out.out
     overrides = [
         "actor_train.strategy_args={strategy_name: fsdp2_train}",
         "reference.strategy_args={strategy_name: hf_infer}",
@@ -305,3 +270,34 @@ def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir,
         in out.err
     )
     assert "actor_infer            vllm" in out.out and "fsdp2_train        16" in out.out
+
+
+def test_video_r1_stops_on_a_megatron_family_without_packed_rows_or_videos(roll_workdir, monkeypatch, capsys):
+    """A vision-language family whose Megatron forward takes padded rows with images only (as
+    Qwen2.5-VL's did) stops ROLL's video file on context parallelism, then (CP 1) on its video rows."""
+    import dataclasses
+
+    from roll.models.megatron import families
+
+    family = dataclasses.replace(families.VISION_FAMILIES["qwen2_5_vl"], packed_vision=False, videos=False)
+    monkeypatch.setitem(families.VISION_FAMILIES, "qwen2_5_vl", family)
+    monkeypatch.chdir(roll_workdir)
+    args = ["--config_path", str(EXAMPLES), "--config_name", VIDEO_FILE, "--dry_run"]
+    assert main(args) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "ConfigError: actor_train.strategy_args.strategy_config.context_parallel_size: 2 does not run with "
+        "qwen2_5_vl on Megatron"
+    ), errors
+    cp1 = [
+        f"{role}.strategy_args.strategy_config.context_parallel_size=1"
+        for role in ("actor_train", "reference")
+    ]
+    cp1.append("actor_train.training_args.gradient_accumulation_steps=4")  # DP 8 at CP 1: still 64 samples
+    assert main(args + cp1) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert errors == [
+        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run video rows with "
+        "qwen2_5_vl in roll (its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
+        "fsdp2_train (reference: hf_infer) with vllm rollouts"
+    ]

@@ -112,6 +112,8 @@ REWARD_WORKERS = {
 }
 # ROLL's data_args.custom_data_kwargs_func (the function that reads its rows) -> roll's row_layout.
 DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1"}
+# ROLL's track_with values that roll writes with one of its own trackers.
+TRACKERS = {"ml_tracker": "tensorboard"}  # ROLL's internal experiment tracker
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
 
@@ -138,6 +140,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
             if isinstance(reward.get("strategy_args"), dict):
                 map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
+    _map_tracker(raw, notes)
     _map_rpc_timeout(raw, problems, notes)
     _map_reward_system_config(raw, problems, notes)
     for path, section in sections.items():
@@ -159,6 +162,17 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for note in notes:
         print(note if note.startswith("WARNING: ") else f"roll: {note}", file=sys.stderr)
     return raw
+
+
+def _map_tracker(raw: dict[str, Any], notes: list[str]) -> None:
+    """``track_with: ml_tracker`` (ROLL's internal tracker, not public) -> ``tensorboard``."""
+    value = raw.get("track_with")
+    if isinstance(value, str) and value in TRACKERS:
+        raw["track_with"] = TRACKERS[value]
+        notes.append(
+            f"track_with: {value!r} (ROLL's internal tracker) -> {TRACKERS[value]!r} "
+            "(TensorBoard reads tracker_kwargs.log_dir only)"
+        )
 
 
 def _sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -6,8 +6,8 @@ and a text row (``vl_cases.vl_video_batch``).
   packed rows (DP=2; TP=2 + SP; PP=2), context parallelism 2 (rows, and a token budget), and a
   megatron_infer reference at CP=2;
 - one train step's reduced gradients (the vision tower's included) on packed rows at CP=2 equal the
-  padded path's at DP=2 (both ranks given the same rows), and a real step at CP=2 moves the tower
-  and the language model.
+  padded path's at DP=2 (both ranks given the same rows), and a real step at CP=2 (full recompute,
+  distributed optimizer, as ROLL's video file) moves the tower and the language model.
 """
 
 from __future__ import annotations
@@ -79,8 +79,19 @@ def check_gradients(path: str, scratch: Path) -> list[str]:
     return bad
 
 
+# ROLL's video file's trainer options (at TP 1 here): full recompute, the distributed optimizer.
+VIDEO_FILE_OPTIONS = {
+    **CP2,
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+    "use_distributed_optimizer": True,
+    "overlap_grad_reduce": True,
+}
+
+
 def check_train_step(path: str, scratch: Path) -> list[str]:
-    strategy = train_strategy(path, CP2)
+    strategy = train_strategy(path, VIDEO_FILE_OPTIONS)
     batch = torch.load(scratch / "batch.pt", weights_only=False)
     before = raw_params(strategy)
     metrics = strategy.train_step(batch.split(3), pg_loss)
