@@ -4,7 +4,8 @@ and a text row (``vl_cases.vl_video_batch``).
 
 - log-probs equal transformers' (its 3-D rope positions of images and videos): padded rows (DP=2),
   packed rows (DP=2; TP=2 + SP; PP=2), context parallelism 2 (rows, and a token budget), and a
-  megatron_infer reference at CP=2;
+  megatron_infer reference at CP=2; on four ranks (marked slow) TP=2 + SP x CP=2, ROLL's video
+  file's layout;
 - one train step's reduced gradients (the vision tower's included) on packed rows at CP=2 equal the
   padded path's at DP=2 (both ranks given the same rows), and a real step at CP=2 (full recompute,
   distributed optimizer, as ROLL's video file) moves the tower and the language model.
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 pytest.importorskip("megatron.core")
 pytest.importorskip("av")  # PyAV decodes the videos (the [vision] extra)
 
+from cuda_on_cpu import cuda_hidden  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from test_packing_cpu import capture_grads, compare  # noqa: E402
 from two_rank_training import megatron_rank, pg_loss, raw_params, run_two_ranks, train_strategy  # noqa: E402
 from vl_cases import hf_log_probs, save_tiny_vl, vl_video_batch  # noqa: E402
@@ -44,6 +47,8 @@ SCORING = {
     "cp2": ("megatron_train", CP2, {}),
     "cp2 budget": ("megatron_train", CP2, {"infer_max_tokens_per_microbatch": 1400}),
     "infer cp2": ("megatron_infer", CP2, {}),
+    # four ranks (the slow test): ROLL's video file's layout, TP 2 + SP x CP 2
+    "tp2_sp cp2": ("megatron_train", {**CP2, "tensor_model_parallel_size": 2, "sequence_parallel": True}, {}),
 }
 
 
@@ -108,6 +113,8 @@ def check_train_step(path: str, scratch: Path) -> list[str]:
 def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
     with megatron_rank(rank, world_size, port, scratch) as bad:
         for name in SCORING:
+            if name == "tp2_sp cp2":
+                continue
             bad += check_log_probs(path, Path(scratch), name)
             dist.barrier()
         bad += check_gradients(path, Path(scratch))
@@ -115,10 +122,30 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
         bad += check_train_step(path, Path(scratch))
 
 
-def test_megatron_qwen2_5_vl_packed_context_parallel_and_videos(tmp_path: Path) -> None:
+def _four_rank_worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:
+    with megatron_rank(rank, world_size, port, scratch) as bad:
+        bad += check_log_probs(path, Path(scratch), "tp2_sp cp2")
+
+
+def _save_case(tmp_path: Path) -> Path:
     model = save_tiny_vl(tmp_path / "model")
     batch = vl_video_batch(model, tmp_path)
     torch.save(batch, tmp_path / "batch.pt")
     torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    return model
+
+
+@pytest.mark.slow  # four processes on two cores
+def test_megatron_qwen2_5_vl_video_rows_at_tp2_sp_by_cp2(tmp_path: Path) -> None:
+    """ROLL's video file's trainer layout, TP 2 + SP x CP 2, on four gloo ranks."""
+    model = _save_case(tmp_path)
+    with cuda_hidden():
+        spawn_ranks(_four_rank_worker, 4, str(model), str(tmp_path))
+    bad = [f"rank {r}: {x}" for r in range(4) for x in (tmp_path / f"rank{r}.txt").read_text().splitlines()]
+    assert not bad, "\n".join(bad)
+
+
+def test_megatron_qwen2_5_vl_packed_context_parallel_and_videos(tmp_path: Path) -> None:
+    model = _save_case(tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)
