@@ -114,6 +114,23 @@ def test_conflicting_roll_keys_are_refused(raw, words):
         translate_roll_keys(raw)
 
 
+def test_a_vllm_workers_devices_are_its_tensor_parallel_size_as_in_roll(capsys):
+    """ROLL's WorkerConfig sets a vLLM worker's num_gpus_per_worker to TP x PP whatever the file says
+    (ROLL's qwen3.5-27B file writes 2 with tensor_parallel_size 4): dropped with a note."""
+    config = {"tensor_parallel_size": 4}
+    raw = {
+        "actor_infer": {
+            "num_gpus_per_worker": 2,
+            "strategy_args": {"strategy_name": "vllm", "strategy_config": config},
+        }
+    }
+    out = translate_roll_keys(raw)
+    assert out["actor_infer"] == {
+        "strategy_args": {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 4}}
+    }
+    assert "num_gpus_per_worker: 2 dropped" in capsys.readouterr().err
+
+
 def test_roll_keys_at_their_off_value_are_dropped():
     raw = {
         "difficulty_loss_weight": False,
@@ -178,6 +195,19 @@ def test_roll_keys_roll_does_its_own_way_are_dropped_with_a_note(capsys):
     err = capsys.readouterr().err
     for key in ("logging_dir", "actor_train.data_args.preprocessing_num_workers", "num_train_epochs"):
         assert key in err, key
+
+
+def test_roll_ml_tracker_becomes_tensorboard_with_a_note(capsys):
+    """ROLL's internal tracker (its video file's ``track_with: ml_tracker``) writes TensorBoard."""
+    kwargs = {"project": "video-r1", "tags": ["roll"]}
+    raw = translate_roll_keys({"track_with": "ml_tracker", "tracker_kwargs": kwargs})
+    assert raw == {"track_with": "tensorboard", "tracker_kwargs": kwargs}
+    assert "track_with: 'ml_tracker' (ROLL's internal tracker) -> 'tensorboard'" in capsys.readouterr().err
+    assert translate_roll_keys({"track_with": "wandb"}) == {"track_with": "wandb"}  # roll's own: kept
+    assert (
+        load_config(HERE / "megatron_multi_reward.yaml", ["track_with=ml_tracker"]).track_with
+        == "tensorboard"
+    )
 
 
 @pytest.mark.parametrize(

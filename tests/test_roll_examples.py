@@ -34,6 +34,10 @@ MODELS = {
     "Qwen/Qwen3-VL-4B-Thinking": "qwen3-vl-4b",
     "Qwen/Qwen3-VL-32B-Thinking": "qwen3-vl-32b",
     "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3-vl-30b-a3b",
+    "Qwen/Qwen3.5-27B": "qwen3.5-27b",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
+    "Qwen/Qwen3.5-122B-A10B": "qwen3.5-122b-a10b",
+    "Qwen/Qwen3.5-397B-A17B": "qwen3.5-397b-a17b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -57,13 +61,6 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # ROLL's own experiment tracker; with track_with=tensorboard it stops on Megatron (test below)
-    VIDEO_FILE: "ConfigError: track_with: expected one of ['tensorboard', 'wandb', 'none'], got 'ml_tracker'",
-    # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
-    "qwen2.5-vl-7B-rlvr__rlvr_megatron.yaml": "context_parallel_size: 2 does not run with a vision-language model",
-    # roll's context parallelism splits packed rows; a vision-language model runs on padded rows.
-    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml": "context_parallel_size: 2 does not run with a "
-    "vision-language model",
     # roll's SGLang engine takes no image inputs.
     **dict.fromkeys(
         [
@@ -72,8 +69,14 @@ REFUSED: dict[str, str] = {
         ],
         "sglang does not run vision-language models in roll",
     ),
-    # roll's Megatron vision-language models take images only.
-    "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml": "megatron_train does not run video rows in roll",
+    # Qwen3-VL on Megatron runs padded rows with images: no context parallelism, no videos.
+    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml": "context_parallel_size",
+    "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml": "video",
+    # Megatron's pipeline layout string; behind it context parallelism (4), which Gated DeltaNet
+    # layers do not run with.
+    "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "strategy_config.pipeline_model_parallel_layout="
+    "'E|(tt|)*30,L', reference.strategy_args.strategy_config.pipeline_model_parallel_layout='E|(tt|)*30,L' "
+    "(remove it; roll places layers on pipeline stages evenly",
 }
 
 
@@ -156,12 +159,12 @@ def write_video_r1_rows(path: Path, tags: list[str]) -> None:
 
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 44 and set(REFUSED) <= names
+    assert len(names) == 49 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
-    if name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3-vl")) and "video" not in name:
+    if name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3", "qwen3-vl")) and "video" not in name:
         pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])
@@ -209,14 +212,6 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
             ],
             "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with model_type "
             "'qwen2_5_vl' (its KV-cached loop takes no images; generate with vllm",
-        ),
-        (
-            [
-                "actor_train.strategy_args.strategy_name=megatron_train",
-                "actor_train.strategy_args.strategy_config={sequence_packing: true}",
-            ],
-            "ConfigError: actor_train.strategy_args.strategy_config.sequence_packing: true does not run with a "
-            "vision-language model",
         ),
         (
             [
@@ -282,38 +277,18 @@ def test_qwen3_vl_video_rows_are_refused_before_launch(roll_workdir, monkeypatch
     ], errors
 
 
-def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir, monkeypatch, capsys):
-    """ROLL's video file: VideoR1RewardWorker and its Video-R1 row reader map; its Megatron trainer
-    stops on context parallelism, then (CP 1) on video rows, which roll's Megatron Qwen2.5-VL does
-    not take; with fsdp2_train / hf_infer (and its vllm rollouts) it dry-runs (gradient
+def test_video_r1_dry_runs_on_megatron_and_on_fsdp2(roll_workdir, monkeypatch, capsys):
+    """ROLL's video file: ``ml_tracker`` -> tensorboard, VideoR1RewardWorker and its Video-R1 row reader
+    map, and its Megatron trainer and reference (TP 2 + SP x CP 2, video rows on packed rows)
+    dry-run with its vllm rollouts; with fsdp2_train / hf_infer it dry-runs too (gradient
     accumulation 2: ROLL's 8 on Megatron's DP 4 is 2 on fsdp2's DP 16)."""
     monkeypatch.chdir(roll_workdir)
-    args = [
-        "--config_path",
-        str(EXAMPLES),
-        "--config_name",
-        VIDEO_FILE,
-        "--dry_run",
-        "track_with=tensorboard",
-    ]
-    assert main(args) == 2
-    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
-    assert len(errors) == 1 and errors[0].startswith(
-        "ConfigError: actor_train.strategy_args.strategy_config.context_parallel_size: 2 does not run with "
-        "a vision-language model"
-    ), errors
-    cp1 = [
-        f"{role}.strategy_args.strategy_config.context_parallel_size=1"
-        for role in ("actor_train", "reference")
-    ]
-    cp1.append("actor_train.training_args.gradient_accumulation_steps=4")  # DP 8 at CP 1: still 64 samples
-    assert main(args + cp1) == 2
-    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
-    assert errors == [
-        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run video rows in roll "
-        "(its Qwen2.5-VL takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
-        "(reference: hf_infer) with vllm rollouts"
-    ]
+    args = ["--config_path", str(EXAMPLES), "--config_name", VIDEO_FILE, "--dry_run"]
+    code = main(args)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "track_with: 'ml_tracker' (ROLL's internal tracker) -> 'tensorboard'" in out.err
+    assert "megatron_train" in out.out and "CP=2" in out.out, out.out
     overrides = [
         "actor_train.strategy_args={strategy_name: fsdp2_train}",
         "reference.strategy_args={strategy_name: hf_infer}",
@@ -328,3 +303,34 @@ def test_video_r1_stops_on_megatron_and_dry_runs_on_fsdp2_and_vllm(roll_workdir,
         in out.err
     )
     assert "actor_infer            vllm" in out.out and "fsdp2_train        16" in out.out
+
+
+def test_video_r1_stops_on_a_megatron_family_without_packed_rows_or_videos(roll_workdir, monkeypatch, capsys):
+    """A vision-language family whose Megatron forward takes padded rows with images only (as
+    Qwen2.5-VL's did) stops ROLL's video file on context parallelism, then (CP 1) on its video rows."""
+    import dataclasses
+
+    from roll.models.megatron import families
+
+    family = dataclasses.replace(families.VISION_FAMILIES["qwen2_5_vl"], packed_vision=False, videos=False)
+    monkeypatch.setitem(families.VISION_FAMILIES, "qwen2_5_vl", family)
+    monkeypatch.chdir(roll_workdir)
+    args = ["--config_path", str(EXAMPLES), "--config_name", VIDEO_FILE, "--dry_run"]
+    assert main(args) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "ConfigError: actor_train.strategy_args.strategy_config.context_parallel_size: 2 does not run with "
+        "qwen2_5_vl on Megatron"
+    ), errors
+    cp1 = [
+        f"{role}.strategy_args.strategy_config.context_parallel_size=1"
+        for role in ("actor_train", "reference")
+    ]
+    cp1.append("actor_train.training_args.gradient_accumulation_steps=4")  # DP 8 at CP 1: still 64 samples
+    assert main(args + cp1) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert errors == [
+        "ConfigError: actor_train.strategy_args.strategy_name: megatron_train does not run video rows with "
+        "qwen2_5_vl in roll (its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
+        "fsdp2_train (reference: hf_infer) with vllm rollouts"
+    ]

@@ -75,6 +75,11 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
+    "*.strategy_args.strategy_config.pipeline_model_parallel_layout": Unsupported(
+        "remove it; roll places layers on pipeline stages evenly, or with num_layers_in_first_pipeline_stage / "
+        "num_layers_in_last_pipeline_stage and account_for_embedding_in_pipeline_split / "
+        "account_for_loss_in_pipeline_split"
+    ),
     "checkpoint_config.type": Unsupported(
         "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
         (None, "file_system"),
@@ -92,6 +97,7 @@ DROPPED: dict[str, str] = {
     "*.training_args.num_train_epochs": _EPOCHS,
     "*.data_args.video_resize_chunk_frames": "roll resizes the sampled frames of one video at a time",
     "rewards.*.training_args.num_train_epochs": _EPOCHS,
+    "profiler_output_dir": "roll writes per-stage timings to metrics.jsonl (ROLL: its profiler's trace directory)",
 }
 
 # ROLL reward worker class name -> roll reward_fn. Classes not listed are refused.
@@ -106,6 +112,8 @@ REWARD_WORKERS = {
 }
 # ROLL's data_args.custom_data_kwargs_func (the function that reads its rows) -> roll's row_layout.
 DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1"}
+# ROLL's track_with values that roll writes with one of its own trackers.
+TRACKERS = {"ml_tracker": "tensorboard"}  # ROLL's internal experiment tracker
 # ROLL role keys that become reward_kwargs of the mapped reward function.
 REWARD_KWARGS = {"reward_type": ("code_sandbox", "ifeval", "multiple_choice")}
 
@@ -132,6 +140,7 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
             _map_reward_worker(reward, f"rewards.{name}", problems, notes)
             if isinstance(reward.get("strategy_args"), dict):
                 map_strategy(reward, f"rewards.{name}.strategy_args", problems, notes)
+    _map_tracker(raw, notes)
     _map_rpc_timeout(raw, problems, notes)
     _map_reward_system_config(raw, problems, notes)
     for path, section in sections.items():
@@ -153,6 +162,17 @@ def translate_roll_keys(raw: dict[str, Any], source: str = "") -> dict[str, Any]
     for note in notes:
         print(note if note.startswith("WARNING: ") else f"roll: {note}", file=sys.stderr)
     return raw
+
+
+def _map_tracker(raw: dict[str, Any], notes: list[str]) -> None:
+    """``track_with: ml_tracker`` (ROLL's internal tracker, not public) -> ``tensorboard``."""
+    value = raw.get("track_with")
+    if isinstance(value, str) and value in TRACKERS:
+        raw["track_with"] = TRACKERS[value]
+        notes.append(
+            f"track_with: {value!r} (ROLL's internal tracker) -> {TRACKERS[value]!r} "
+            "(TensorBoard reads tracker_kwargs.log_dir only)"
+        )
 
 
 def _sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -145,6 +145,7 @@ MEGATRON_PASSTHROUGH = (
     "masked_softmax_fusion",
     "bias_dropout_fusion",
     "moe_shared_expert_overlap",
+    "cross_entropy_loss_fusion",  # megatron's fused loss; roll computes log-probs itself (no effect)
 )
 
 

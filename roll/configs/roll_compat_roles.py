@@ -85,14 +85,17 @@ def _map_num_gpus_per_worker(role: dict[str, Any], path: str, problems: Problems
             )
         return
     config = _options_dict(args)
+    if args.get("strategy_name") == "vllm" and "tensor_parallel_size" in config:
+        # ROLL sets a vLLM worker's devices to tensor_parallel_size x pipeline_parallel_size,
+        # whatever num_gpus_per_worker says (its WorkerConfig); so does roll.
+        if config["tensor_parallel_size"] * config.get("pipeline_parallel_size", 1) != value:
+            notes.append(
+                f"{path}: {value!r} dropped; ROLL and roll give a vLLM worker tensor_parallel_size x "
+                f"pipeline_parallel_size devices ({config['tensor_parallel_size']})"
+            )
+        return
     tp = config.setdefault("tensor_parallel_size", value)
-    if tp != value and args.get("strategy_name") == "vllm":
-        # ROLL's WorkerConfig.__post_init__ sets a vllm worker's num_gpus_per_worker to
-        # tensor_parallel_size x pipeline_parallel_size, whatever the file says.
-        notes.append(
-            f"{path}: {value} dropped; a vllm worker spans its tensor_parallel_size ({tp}), as in ROLL"
-        )
-    elif tp != value:
+    if tp != value:
         problems.add(f"{path}={value!r}", f"must equal strategy_config.tensor_parallel_size ({tp})")
     else:
         notes.append(f"{path}: {value} -> strategy_config.tensor_parallel_size: {value}")

@@ -24,7 +24,7 @@ from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangCon
 from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.expert_parallel import check_experts, config_experts
-from roll.models.megatron.families import check_model_fits, get_family
+from roll.models.megatron.families import VISION_FAMILIES, check_model_fits, get_family
 from roll.models.model_dir import check_model_dir, config_json
 from roll.models.ulysses import check_heads
 from roll.models.vision import (
@@ -94,7 +94,8 @@ FREEZES_MODULES = ("fsdp2_train", "megatron_train")
 def check_vision_layout(name: str, role: RoleConfig) -> None:
     """``freeze_module_prefix`` only where fsdp2_train applies it, and a vision-language model
     (config.json with a ``vision_config``) only of a type roll has run, on strategies that pass it
-    images (``StrategySpec.runs_vision``), with what its forward needs (no packing, no Ulysses)."""
+    images (``StrategySpec.runs_vision``), with what its forward needs (fsdp2: no packing, no
+    Ulysses; Megatron: packing and CP where the family's forward takes packed rows)."""
     strategy = role.strategy_args.strategy_name if role.strategy_args is not None else None
     path = role.model_args.model_name_or_path
     if is_vision_model_dir(path):
@@ -118,7 +119,7 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
         raise ConfigError(
             f"{name}.model_args.model_name_or_path",
             f"vision-language model_type {model_type!r}: roll's vision-language RLVR runs "
-            f"{', '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL, Qwen3-VL; docs/vision_language.md)",
+            f"{', '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL, Qwen3-VL, Qwen3.5; docs/vision_language.md)",
         )
     if strategy is not None and not get_strategy_spec(strategy).runs_vision:
         runs = [s.name for s in STRATEGIES.values() if s.runs_vision]
@@ -139,13 +140,14 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
     cfg = strategy_options(role)
     if isinstance(cfg, FSDP2Config):
         check_vision_options(name, cfg.sequence_packing is True, cfg.ulysses_size)
-    if isinstance(cfg, MegatronConfig):
+    family = VISION_FAMILIES.get(model_type)
+    if isinstance(cfg, MegatronConfig) and not (family is not None and family.packed_vision):
         check_vision_options(name, cfg.sequence_packing is True, 1)
         if cfg.context_parallel_size > 1:
             raise ConfigError(
                 f"{name}.strategy_args.strategy_config.context_parallel_size",
-                f"{cfg.context_parallel_size} does not run with a vision-language model (roll's context "
-                "parallelism splits packed rows; a vision-language model runs on padded rows); set it to 1",
+                f"{cfg.context_parallel_size} does not run with {model_type} on Megatron (roll's context "
+                "parallelism splits packed rows; its forward runs on padded rows); set it to 1",
             )
 
 
@@ -164,16 +166,20 @@ def check_vision_dump(config: RLVRConfig) -> None:
 
 def check_video_strategies(config: RLVRConfig) -> None:
     """Video-R1 rows (``data_args.row_layout: video_r1``, ROLL's video files) only where roll's
-    forwards pass videos: the Megatron strategies take images only."""
+    forwards pass videos: on the Megatron strategies, model families with ``Family.videos``."""
     if config.actor_train.data_args.row_layout != "video_r1":
         return
     for name, role in config.roles().items():
-        if isinstance(strategy_options(role), MegatronConfig):
+        if not isinstance(strategy_options(role), MegatronConfig):
+            continue
+        model_type = config_json(role.model_args.model_name_or_path).get("model_type")
+        family = VISION_FAMILIES.get(model_type)
+        if family is None or not family.videos:
             raise ConfigError(
                 f"{name}.strategy_args.strategy_name",
-                f"{role.strategy_args.strategy_name} does not run video rows in roll (its Qwen2.5-VL "
-                "takes images only; data_args.row_layout: video_r1 reads videos); use fsdp2_train "
-                "(reference: hf_infer) with vllm rollouts",
+                f"{role.strategy_args.strategy_name} does not run video rows with {model_type} in roll "
+                "(its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
+                "fsdp2_train (reference: hf_infer) with vllm rollouts",
             )
 
 

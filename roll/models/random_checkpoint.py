@@ -94,6 +94,66 @@ def _qwen2_5_vl(
         text_config=text, vision_config=vision, **tokens, tie_word_embeddings=tied
     )
 
+def _qwen3_5(
+    hidden: int, layers: int, heads: int, value_heads: int, moe: tuple[int, int, int] | None, **sizes: Any
+) -> tuple[str, dict[str, Any]]:
+    """A Qwen3.5 preset (Qwen/Qwen3.5-27B, -35B-A3B, -122B-A10B, -397B-A17B): what the published
+    config.json files share (2 KV heads of 256 but the 27B's 4, 16 linear key heads of 128, every
+    4th layer full attention, partial interleaved mrope, the 27-block vision tower of 1152) with one
+    model's sizes; ``moe``: (experts, top-k, expert width, the shared expert's the same)."""
+    text: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=248044,
+    )
+    text.update(sizes)
+    if moe is not None:
+        experts, top_k, width = moe
+        text.update(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+        )
+    vision = dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        in_channels=3,
+        out_hidden_size=hidden,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+    )
+    tokens = dict(
+        image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054
+    )
+    class_name = "Qwen3_5MoeConfig" if moe is not None else "Qwen3_5Config"
+    return class_name, dict(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=False)
+
 
 def _qwen3_vl(
     text: dict[str, Any], vision: dict[str, Any], tied: bool, moe: bool = False
@@ -266,6 +326,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         tied=False,
         moe=True,
     ),
+    # Qwen3.5 (ROLL's qwen3.5-* files): Qwen/Qwen3.5-27B, -35B-A3B, -122B-A10B, -397B-A17B.
+    "qwen3.5-27b": _qwen3_5(5120, 64, 24, 48, None, intermediate_size=17408, num_key_value_heads=4),
+    "qwen3.5-35b-a3b": _qwen3_5(2048, 40, 16, 32, (256, 8, 512)),
+    "qwen3.5-122b-a10b": _qwen3_5(3072, 48, 32, 64, (256, 8, 1024)),
+    "qwen3.5-397b-a17b": _qwen3_5(4096, 60, 32, 64, (512, 10, 1024)),
     # The Qwen3-MoE architecture at test size (CPU tests of the scale run's code paths).
     "tiny-qwen3-moe": (
         "Qwen3MoeConfig",

@@ -64,7 +64,7 @@ VISION_INPUT_KEYS = (
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 # The vision-language model types roll has run (CPU tests; docs/vision_language.md).
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Vision-language model types roll knows but does not run yet, and why (the launch check's line).
 UNRUN_VISION_MODEL_TYPES: dict[str, str] = {}
 

@@ -42,6 +42,7 @@ from roll.core.loss import LossFn
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
 from roll.models.megatron import dist_checkpoint, lora, parallel
+from roll.models.megatron.families import padded_rows_only
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
@@ -59,7 +60,7 @@ from roll.models.megatron.runtime import (
     forward_log_probs,
 )
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
-from roll.models.vision import is_vision_config, response_excluded_tokens
+from roll.models.vision import response_excluded_tokens
 from roll.utils.lr_schedule import build_lr_lambda
 
 
@@ -182,7 +183,7 @@ class MegatronTrainStrategy:
             seq_multiple_for(self.config),
             device,
             shape_sync_group(self.config),
-            packed=packing_enabled(self.config, is_vision_config(self.hf_config)),
+            packed=packing_enabled(self.config, padded_rows_only(self.hf_config)),
         )
         for mb, weight in zip(packed, weights):
             mb.loss_scale = weight * len(packed)  # the schedule divides by the micro-batch count

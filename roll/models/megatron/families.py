@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
-from roll.models.megatron import qwen3_next
+from roll.models.megatron import qwen3_5, qwen3_next
 from roll.models.megatron import weight_mapping as wm
 from roll.models.megatron.hf_fields import head_dim, rope_parameters
 from roll.models.vision import is_vision_config
@@ -64,6 +64,11 @@ class Family:
     mrope: bool = False
     # Its checkpoints store each layer's experts stacked and transposed (weight_mapping.Stack).
     stacked_experts: tuple[wm.Stack, ...] = ()
+    # A vision-language model whose forward takes packed (thd) rows, so sequence packing, token
+    # budgets and context parallelism (roll.models.megatron.packed_vision); else padded rows only.
+    packed_vision: bool = False
+    # A vision-language model whose forward takes videos (pixel_values_videos, video_grid_thw).
+    videos: bool = False
 
     def tables_for(self, hf: Any) -> wm.LayerTables:
         return self.tables_fn(hf) if self.tables_fn is not None else self.tables
@@ -154,6 +159,18 @@ def _qwen3_next_moe(hf: Any) -> dict[str, Any]:
     return _qwen3_moe_kwargs(hf) | qwen3_next.shared_expert_kwargs(hf)
 
 
+def _qwen3_5_moe(hf: Any) -> dict[str, Any]:
+    """Qwen3.5-MoE: every layer routed (softmax, top-k, renormalised: its router always divides by
+    the top-k sum) plus Qwen3-Next's gated shared expert."""
+    qwen3_5.check_moe(hf)
+    return {
+        **_router_kwargs(hf.num_experts, hf.num_experts_per_tok, renormalize=True),
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_layer_freq": [1] * hf.num_hidden_layers,
+        **qwen3_next.shared_expert_kwargs(hf),
+    }
+
+
 def _deepseek_v3_mla(hf: Any) -> dict[str, Any]:
     from roll.models.megatron import deepseek
 
@@ -215,6 +232,8 @@ VISION_FAMILIES: dict[str, Family] = {
         wm.QWEN2,
         qkv_bias=True,
         mrope=True,
+        packed_vision=True,
+        videos=True,
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen2.5-VL files do",
     ),
@@ -239,8 +258,56 @@ VISION_FAMILIES: dict[str, Family] = {
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
         stacked_experts=wm.QWEN3_VL_MOE_STACKS,
     ),
+    # Qwen3.5 / Qwen3.5-MoE's language models: Qwen3-Next's hybrid layers (split Gated DeltaNet
+    # projections), interleaved multimodal RoPE (roll.models.megatron.qwen3_5).
+    "qwen3_5": Family(
+        "qwen3_5_text",
+        wm.QWEN3_5,
+        qk_layernorm=True,
+        arch_kwargs=qwen3_5.arch_kwargs,
+        check_layout=qwen3_next.check_layout,
+        skipped_prefixes=qwen3_5.SKIPPED_PREFIXES,
+        generates=False,
+        mrope=True,
+    ),
+    "qwen3_5_moe": Family(
+        "qwen3_5_moe_text",
+        wm.QWEN3_5_MOE,
+        qk_layernorm=True,
+        moe_kwargs=_qwen3_5_moe,
+        arch_kwargs=qwen3_5.arch_kwargs,
+        check_layout=qwen3_next.check_layout,
+        skipped_prefixes=qwen3_5.SKIPPED_PREFIXES,
+        generates=False,
+        mrope=True,
+    ),
 }
+# The module of each vision-language model type's megatron-core model: its ``vision_tensor_names``
+# (hf_config) and ``MODEL_CLASS`` (a GPTModel subclass taking ``hf_config=``); imported when used.
+VISION_MODULES: dict[str, str] = {
+    "qwen2_5_vl": "roll.models.megatron.qwen2_5_vl",
+    "qwen3_5": "roll.models.megatron.qwen3_5_model",
+    "qwen3_5_moe": "roll.models.megatron.qwen3_5_model",
+    "qwen3_vl": "roll.models.megatron.qwen3_vl",
+    "qwen3_vl_moe": "roll.models.megatron.qwen3_vl",
+}
+
+
+def vision_module(hf_config: Any) -> Any:
+    """The imported ``VISION_MODULES`` module of a vision-language config."""
+    import importlib
+
+    return importlib.import_module(VISION_MODULES[hf_config.model_type])
+
+
 _LANGUAGE_FAMILIES = FAMILIES | {f.model_type: f for f in VISION_FAMILIES.values()}
+
+
+def padded_rows_only(hf_config: Any) -> bool:
+    """Whether ``hf_config``'s model runs on padded rows only: a vision-language model whose family
+    has no ``packed_vision`` (its rope positions and vision features come from padded rows)."""
+    family = VISION_FAMILIES.get(getattr(hf_config, "model_type", None))
+    return is_vision_config(hf_config) and not (family is not None and family.packed_vision)
 
 
 def get_family(hf_config: Any, path: str = MODEL_PATH) -> Family:
@@ -269,14 +336,14 @@ def rope_kwargs(hf: Any) -> dict[str, Any]:
     hf = language_config(hf)
     rope = rope_parameters(hf)
     kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
-    if get_family(hf).mrope:
-        return {**kwargs, "position_embedding_type": "mrope"}  # mrope_section: transformer_kwargs
     if get_family(hf).mla_kwargs is not None:
         return kwargs  # multi-latent attention applies its own RoPE (checked by its mla_kwargs)
-    # RoPE on the first part of each head only (Qwen3-Next's partial_rotary_factor).
+    # RoPE on the first part of each head only (Qwen3-Next's and Qwen3.5's partial_rotary_factor).
     percent = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     if percent is not None and float(percent) != 1.0:
         kwargs["rotary_percent"] = float(percent)
+    if get_family(hf).mrope:
+        return {**kwargs, "position_embedding_type": "mrope"}  # mrope_section: transformer_kwargs
     if rope["rope_type"] == "default":
         return kwargs
     if rope["rope_type"] == "llama3" and all(float(rope.get(k, -1)) == v for k, v in _LLAMA3_FIXED.items()):
@@ -324,7 +391,9 @@ def transformer_kwargs(hf: Any) -> dict[str, Any]:
     kwargs = {
         "num_layers": hf.num_hidden_layers,
         "hidden_size": hf.hidden_size,
-        "ffn_hidden_size": hf.intermediate_size,
+        # None (megatron's default) for a model whose layers are all MoE and which has no dense
+        # width (Qwen3.5-MoE's config has no intermediate_size).
+        "ffn_hidden_size": getattr(hf, "intermediate_size", None),
         "num_attention_heads": hf.num_attention_heads,
         "num_query_groups": hf.num_key_value_heads,
         "kv_channels": head_dim(hf),
@@ -339,8 +408,8 @@ def transformer_kwargs(hf: Any) -> dict[str, Any]:
         "attention_dropout": float(getattr(hf, "attention_dropout", 0.0) or 0.0),
         "init_method_std": getattr(hf, "initializer_range", 0.02),
     }
-    if family.mrope:
-        kwargs["mrope_section"] = list(rope_parameters(hf)["mrope_section"])
+    if family.mrope:  # Qwen3.5's arch_kwargs give it where config.json may leave it out
+        kwargs["mrope_section"] = list(rope_parameters(hf).get("mrope_section", ()))
     if family.moe_kwargs is not None:
         kwargs.update(family.moe_kwargs(hf))
     if family.mla_kwargs is not None:
@@ -396,17 +465,7 @@ def _vision_tensor_names(hf: Any) -> tuple[str, ...]:
     model_type = getattr(hf, "model_type", None)
     if model_type not in VISION_FAMILIES:
         return ()
-    if model_type in QWEN3_VL_TYPES:
-        from roll.models.megatron.qwen3_vl import vision_tensor_names as qwen3_vl_names
-
-        return qwen3_vl_names(hf)
-    from roll.models.megatron.qwen2_5_vl import vision_tensor_names
-
-    return vision_tensor_names(hf)
-
-
-# Qwen3-VL's model types: their megatron model is roll.models.megatron.qwen3_vl's (deepstack).
-QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+    return vision_module(hf).vision_tensor_names(hf)
 
 
 def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:
@@ -489,10 +548,10 @@ def check_model_fits(hf_config: Any, megatron_cfg: MegatronConfig, path: str = S
     ``MegatronConfig.validate`` checks the layout against the devices; this checks it against the
     model (layers per pipeline chunk, heads per TP rank, experts per EP rank, MoE-only options).
     """
-    if getattr(hf_config, "model_type", None) in QWEN3_VL_TYPES:
-        from roll.models.megatron import qwen3_vl
-
-        qwen3_vl.check_layout(hf_config, megatron_cfg, path)  # deepstack layers on the first stage
+    if getattr(hf_config, "model_type", None) in VISION_MODULES:
+        vision_check = getattr(vision_module(hf_config), "check_layout", None)
+        if vision_check is not None:  # e.g. Qwen3-VL: its deepstack layers on the first stage
+            vision_check(hf_config, megatron_cfg, path)
     hf_config = language_config(hf_config)
     family = get_family(hf_config)
     _check_supported(hf_config, family)

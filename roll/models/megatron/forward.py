@@ -56,7 +56,8 @@ class PackedMicroBatch:
     packed_seq_params: Any = None  # megatron PackedSeqParams (qkv_format "thd") when packed
     loss_scale: float = 1.0  # what the training loss is multiplied by
     cp_owned: torch.Tensor | None = None  # [B, R] context parallelism: this rank holds window[i, t]
-    # Extra model inputs: a vision-language model's pixel_values / image_grid_thw of the rows.
+    # Extra model inputs: a vision-language model's images / videos of the rows (and, packed, the
+    # whole packed row: packed_vision.py).
     model_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -100,19 +101,14 @@ def _shift_one(batch: Batch, seq_len: int, rows: int, device: torch.device) -> P
 
 
 def _vision_inputs(batch: Batch, filler_rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """The rows' images (``roll.models.vision.MULTI_MODAL_INPUTS``), filler rows' included (they
-    repeat a row of the batch, image tokens and all); {} for rows without images."""
+    """The rows' images and videos (``roll.models.vision.MULTI_MODAL_INPUTS``), filler rows'
+    included (they repeat a row of the batch, vision tokens and all); {} for rows without them."""
     from roll.models.vision import MULTI_MODAL_INPUTS, forward_kwargs
 
     if MULTI_MODAL_INPUTS not in batch:
         return {}
     rows = list(batch[MULTI_MODAL_INPUTS])
-    kwargs = forward_kwargs({MULTI_MODAL_INPUTS: rows + [rows[i] for i in filler_rows]}, device)
-    if "pixel_values_videos" in kwargs:  # refused before launch for ROLL's video files too
-        raise ValueError(
-            "the Megatron strategies take images only; rows with videos run on fsdp2_train / hf_infer"
-        )
-    return kwargs
+    return forward_kwargs({MULTI_MODAL_INPUTS: rows + [rows[i] for i in filler_rows]}, device)
 
 
 def _pack_one(
@@ -128,6 +124,9 @@ def _pack_one(
         where[local] = torch.arange(len(local))
         input_ids, position_ids = input_ids[:, local], position_ids[:, local]
         owned, window = (where[window] >= 0).to(device), where[window].clamp(min=0)
+    vision = _vision_inputs(batch, [], device)
+    if vision:  # the whole row: a vision-language model's positions and features (packed_vision.py)
+        vision["packed_input_ids"] = row.input_ids.to(device)
     cu_seqlens = row.cu_seqlens.to(device)
     params = PackedSeqParams(
         qkv_format="thd",
@@ -146,6 +145,7 @@ def _pack_one(
         batch=batch.to(device),
         packed_seq_params=params,
         cp_owned=owned,
+        model_kwargs=vision,
     )
 
 
@@ -194,16 +194,17 @@ def pack_micro_batches(
     return [_shift_one(b, seq_len, rows, device) for b in batches]
 
 
-def packing_enabled(megatron_cfg: Any, vision: bool = False) -> bool:
+def packing_enabled(megatron_cfg: Any, padded_only: bool = False) -> bool:
     """``sequence_packing``, or when null: on where something needs it (context parallelism, which
     runs on packed rows only, or a token budget) and the attention path is exact with it (the
     plain-torch spec with SDPA core attention); padded rows otherwise. On an H200 at the
     Qwen2.5-1.5B shape padded rows were as fast as packed ones on a ragged RL batch and 9% faster
     on full-length rows (benchmarks/packing.py, docs/packing.md): packing saves memory, not time,
-    at RL response lengths. A vision-language model (``vision``) always runs on padded rows."""
+    at RL response lengths. A model whose forward takes padded rows only (``padded_only``: a
+    vision-language family without ``Family.packed_vision``) always runs on padded rows."""
     from roll.models.megatron.layer_spec import HAVE_TE
 
-    if vision:  # 3-D rope positions per padded row (qwen2_5_vl.py); the pre-launch check refuses true
+    if padded_only:  # the pre-launch check refuses sequence_packing: true and CP for it
         return False
     if megatron_cfg.sequence_packing is not None:
         return bool(megatron_cfg.sequence_packing)

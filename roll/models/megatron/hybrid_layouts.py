@@ -12,11 +12,13 @@ layout          HF rows                                             megatron row
 ``gdn_in``      in_proj_qkvz: per key head [q; k; r v; r z];        [q_r; k_r; v_r; z_r; beta_r; alpha_r]
                 in_proj_ba: per key head [r beta; r alpha]           (``GatedDeltaNet.in_proj``)
 ``gdn_conv``    conv1d: [q (nk dk); k (nk dk); v (nv dv)]           [q_r; k_r; v_r] (``GatedDeltaNet.conv1d``)
+``gdn_in_split`` Qwen3.5's in_proj_qkv [q; k; v] (as conv1d),       [q_r; k_r; v_r; z_r; beta_r; alpha_r]
+                in_proj_z [nv dv], in_proj_b [nv], in_proj_a [nv]    (``GatedDeltaNet.in_proj``)
 ==============  ==================================================  ===========================================
 
 A rank's heads are contiguous in both, so ``qkv_gated`` and ``gdn_in`` read a contiguous block of
-every HF tensor; ``gdn_conv`` reads the rank's block of each of its three sections
-(``sections``).
+every HF tensor; ``gdn_conv`` (and ``gdn_in_split``'s in_proj_qkv) reads the rank's block of each
+of its three sections (``conv_ranges``).
 
 >>> fuse_gdn_in([qkvz_rows, ba_rows], LinearHeads(2, 4, 8, 12))      # this rank's in_proj weight
 """
@@ -117,3 +119,34 @@ def unfuse_gdn_conv(shard: torch.Tensor, heads: LinearHeads) -> list[torch.Tenso
     sections = heads.conv_sections()
     scale = sum(sections) // shard.shape[0]  # the TP size
     return list(shard.split([rows // scale for rows in sections], dim=0))
+
+
+# ------------------------------------------------------ Qwen3.5's split Gated DeltaNet projections
+def split_in_ranges(
+    length: int, heads: LinearHeads, tp_size: int, tp_rank: int
+) -> list[tuple[int, int]] | None:
+    """``gdn_in_split``: the blocks of Qwen3.5's in_proj_qkv that TP rank ``tp_rank`` reads (its
+    block of each of the q, k, v sections, as for conv1d); None for in_proj_z / _b / _a (one
+    contiguous block, the caller's plain split), which a length other than q+k+v tells apart."""
+    if length != sum(heads.conv_sections()):
+        return None
+    return conv_ranges(length, heads, tp_size, tp_rank)
+
+
+def _split_in_sizes(heads: LinearHeads, scale: int) -> list[int]:
+    """Rows of q, k, v, z, beta, alpha in megatron's in_proj of one of ``scale`` TP ranks."""
+    q, k, v = (rows // scale for rows in heads.conv_sections())
+    return [q, k, v, v, heads.value_heads // scale, heads.value_heads // scale]
+
+
+def unfuse_gdn_in_split(shard: torch.Tensor, heads: LinearHeads) -> list[torch.Tensor]:
+    """This rank's in_proj as its [q, k, v, z, beta, alpha] blocks (``join_gdn_in_split`` puts the
+    ranks' blocks back together as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+    scale = sum(_split_in_sizes(heads, 1)) // shard.shape[0]  # the TP size
+    return list(shard.split(_split_in_sizes(heads, scale), dim=0))
+
+
+def join_gdn_in_split(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[in_proj_qkv, in_proj_z, in_proj_b, in_proj_a] from the whole q, k, v, z, beta, alpha."""
+    q, k, v, z, b, a = pieces
+    return [torch.cat([q, k, v], dim=0), z, b, a]

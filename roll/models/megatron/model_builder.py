@@ -195,7 +195,7 @@ def build_model_chunks(
     spec_fn = layer_spec_fn or default_layer_spec_fn()
     info = families.conversion_info(hf_config, megatron_cfg)
     model_kwargs = families.rope_kwargs(hf_config)
-    gpt_class, class_kwargs = _model_class(hf_config)  # GPTModel, or Qwen2.5-VL's with its vision tower
+    gpt_class, class_kwargs = _model_class(hf_config)  # GPTModel, or a VL model's with its vision tower
     max_positions = families.language_config(hf_config).max_position_embeddings
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -246,12 +246,6 @@ def _model_class(hf_config: Any) -> tuple[type, dict[str, Any]]:
     """The GPTModel class for ``hf_config`` and its extra constructor arguments."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    if getattr(hf_config, "model_type", None) in families.QWEN3_VL_TYPES:
-        from roll.models.megatron.qwen3_vl import Qwen3VLGPTModel
-
-        return Qwen3VLGPTModel, {"hf_config": hf_config}
     if getattr(hf_config, "model_type", None) in families.VISION_FAMILIES:
-        from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
-
-        return Qwen2_5_VLGPTModel, {"hf_config": hf_config}
+        return families.vision_module(hf_config).MODEL_CLASS, {"hf_config": hf_config}
     return GPTModel, {}

@@ -1,22 +1,26 @@
 """Qwen2.5-VL on megatron-core: transformers' vision tower in front of a GPTModel language model.
 
-The language model is megatron-core's GPTModel as for Qwen2 (TP / PP / SP as usual) with
+The language model is megatron-core's GPTModel as for Qwen2 (TP / PP / SP / CP as usual) with
 multimodal RoPE (``position_embedding_type="mrope"``, the HF config's ``mrope_section``). The vision
 tower and merger are transformers' own module, built from ``vision_config`` and held whole on every
-rank of the first pipeline stage (as ``visual``, the HF checkpoint's name). Its image embeddings
-replace the word embeddings at the image-token positions and enter the decoder as ``decoder_input``.
+rank of the first pipeline stage (as ``visual``, the HF checkpoint's name). Its image and video
+embeddings replace the word embeddings at the image- and video-token positions and enter the
+decoder as ``decoder_input``.
 
-Every stage computes the 3-D rope positions of its rows from ``input_ids`` and ``image_grid_thw``
-(``mrope_positions``, transformers' own ``get_rope_index``): rows start at column 0 (roll's shifted
-layout, ``forward.py``), so trailing padding never moves a real token's position. Packed rows (thd)
-are not supported: the strategies run vision-language models on padded rows.
+Every stage computes the 3-D rope positions of its rows (``mrope_positions``, transformers' own
+``get_rope_index``, from the ids, the images' and videos' grids and the videos' seconds per temporal
+patch). Padded rows start at column 0 (roll's shifted layout, ``forward.py``), so trailing padding
+never moves a real token's position; packed (thd) rows, context parallelism included, get each
+sequence's positions the same way from the whole packed row (``packed_vision.py``).
 
 >>> model = Qwen2_5_VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
+>>> logits = model(local_ids, None, None, packed_seq_params=thd, packed_input_ids=row, pixel_values=pv, ...)
 """
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +28,13 @@ from typing import Any
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from roll.models.megatron.packed_vision import (
+    keep_whole_row,
+    local_columns,
+    packed_mrope_positions,
+    text_positions,
+    with_vision_features,
+)
 from roll.models.vision import token_types
 
 
@@ -41,33 +52,48 @@ def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
 
 
 def mrope_positions(
-    input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, hf_config: Any
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    hf_config: Any,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[3, B, S] Qwen2.5-VL rope positions (temporal, height, width) of rows whose tokens start at
-    column 0: text tokens count up on all three axes, an image's tokens take its grid coordinates.
-    ``image_grid_thw`` holds the rows' images in row order (None: text rows)."""
+    column 0: text tokens count up on all three axes, an image's or video's tokens take its grid
+    coordinates (a video's temporal ones spaced by ``tokens_per_second`` x its seconds per temporal
+    patch). The grids hold the rows' images / videos in row order (None: none)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    if image_grid_thw is None or not len(image_grid_thw):
+    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
     host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
     host.get_vision_position_ids = partial(Qwen2_5_VLModel.get_vision_position_ids, host)
     types = token_types(input_ids, hf_config)
-    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
+    positions, _ = Qwen2_5_VLModel.get_rope_index(
+        host,
+        input_ids,
+        types,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts,
+    )
     return positions
 
 
 class Qwen2_5_VLGPTModel(GPTModel):
     """GPTModel with Qwen2.5-VL's vision tower on the first pipeline stage (see the module docstring).
 
-    ``forward`` takes GPTModel's arguments plus ``pixel_values`` [patches, D] and ``image_grid_thw``
-    [images, 3] of the rows' images in row order; 2-D ``position_ids`` are replaced by the 3-D ones.
+    ``forward`` takes GPTModel's arguments plus the rows' vision inputs in row order
+    (``pixel_values`` [patches, D], ``image_grid_thw`` [images, 3], ``pixel_values_videos``,
+    ``video_grid_thw`` [videos, 3], ``second_per_grid_ts`` [videos]) and, on packed rows, the whole
+    packed row ``packed_input_ids`` [1, T]; the given ``position_ids`` are replaced by the 3-D ones.
     """
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
         super().__init__(config, transformer_layer_spec, **kwargs)
         self.roll_vl_config = hf_config
+        keep_whole_row(self.rotary_pos_emb)
         if self.pre_process:
             tower = _vision_class()._from_config(hf_config.vision_config)
             self.visual = tower.to(
@@ -83,38 +109,55 @@ class Qwen2_5_VLGPTModel(GPTModel):
         *args: Any,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
+        packed_input_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if kwargs.get("packed_seq_params") is not None:
-            raise ValueError("Qwen2.5-VL runs on padded rows; packed (thd) rows are not supported")
-        position_ids = mrope_positions(input_ids, image_grid_thw, self.roll_vl_config)
-        if self.pre_process and decoder_input is None and pixel_values is not None:
-            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+        row_positions = partial(
+            mrope_positions,
+            image_grid_thw=image_grid_thw,
+            hf_config=self.roll_vl_config,
+            video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts,
+        )
+        rows, local, packed = input_ids, None, kwargs.get("packed_seq_params")
+        if packed is None:
+            if self.config.context_parallel_size > 1:
+                raise ValueError("context parallelism runs Qwen2.5-VL on packed rows only")
+            position_ids = row_positions(input_ids)
+        elif packed_input_ids is None:  # no vision inputs in this micro-batch
+            position_ids = text_positions(packed.cu_seqlens_q, int(packed.cu_seqlens_q[-1]))
+        else:
+            rows, local = packed_input_ids, local_columns(packed.cu_seqlens_q)
+            position_ids = packed_mrope_positions(rows, packed.cu_seqlens_q, row_positions)
+        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
+        parts = [p for p in parts if p[1] is not None]
+        if self.pre_process and decoder_input is None and parts:
+            decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
-    def _embed_with_images(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    def _embed_with_vision(
+        self,
+        input_ids: torch.Tensor,
+        rows: torch.Tensor,
+        local: torch.Tensor | None,
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """[s, b, h] (this rank's sequence share under SP) word embeddings with the image tokens'
-        replaced by the vision tower's output."""
-        from megatron.core import tensor_parallel
-
+        """[s, b, h] (this rank's tokens; its sequence share under SP) word embeddings with the image
+        and video tokens' replaced by the vision tower's output (images and videos in two calls, as
+        transformers runs them)."""
         words = self.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
-        features = self.visual(
-            pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw
-        ).pooler_output
-        image = input_ids == self.roll_vl_config.image_token_id  # [b, s]: features in row order
-        if int(image.sum()) != features.shape[0]:
-            raise ValueError(
-                f"{int(image.sum())} image tokens in the rows for {features.shape[0]} image features"
-            )
-        full = words.new_zeros(image.shape + (words.shape[-1],))
-        full = full.masked_scatter(image.unsqueeze(-1), features.to(words.dtype)).transpose(0, 1).contiguous()
-        image = image.transpose(0, 1).contiguous()  # [s, b, h] / [s, b], as the decoder takes them
-        if self.config.sequence_parallel:  # this rank's share, as the embedding scattered the words
-            full = tensor_parallel.scatter_to_sequence_parallel_region(full)
-            image = tensor_parallel.scatter_to_sequence_parallel_region(image.float()).bool()
-        return torch.where(image.unsqueeze(-1), full, words).contiguous()  # pipeline sends need contiguous
+        features = [
+            (token, self.visual(pixels.to(self.config.params_dtype), grid_thw=grid).pooler_output)
+            for token, pixels, grid in parts
+        ]
+        return with_vision_features(words, rows, features, local, self.config.sequence_parallel)
+
+
+MODEL_CLASS = Qwen2_5_VLGPTModel  # families.VISION_MODULES' entry point
 
 
 def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | None, path: str) -> int:
@@ -127,10 +170,13 @@ def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | Non
 
     if not prefixes:
         return 0
-    names = [p.removeprefix("model.") for p in prefixes]
+    # ROLL's mcore_adapter names Qwen3.5's / Qwen3-VL's tower "vision_model"; roll's is "visual".
+    names = [re.sub(r"^vision_model(\.|$)", r"visual\1", p.removeprefix("model.")) for p in prefixes]
     for prefix, name in zip(prefixes, names):
         if name != "visual" and not name.startswith("visual."):
             raise ConfigError(
-                path, f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual...) only"
+                path,
+                f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual... or ROLL's "
+                "vision_model...) only",
             )
     return sum(freeze_prefixes(c, names, path) for c in chunks if getattr(c, "pre_process", False))

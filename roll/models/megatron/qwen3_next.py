@@ -33,10 +33,10 @@ LINEAR, FULL = "linear_attention", "full_attention"
 SKIPPED_PREFIXES = ("mtp.",)
 
 
-def _refuse(key: str, value: Any, why: str) -> ConfigError:
+def _refuse(key: str, value: Any, why: str, model_type: str = "qwen3_next") -> ConfigError:
     return ConfigError(
         MODEL_PATH,
-        f"config.json {key}={value!r} is not supported for qwen3_next by the Megatron strategies: {why}",
+        f"config.json {key}={value!r} is not supported for {model_type} by the Megatron strategies: {why}",
     )
 
 
@@ -59,17 +59,24 @@ def linear_layers(hf: Any) -> tuple[bool, ...]:
     return tuple(t == LINEAR for t in layer_types(hf))
 
 
-def unsupported(hf: Any) -> None:
-    """ConfigError naming the first config.json key whose value roll's Qwen3-Next does not run."""
+def check_hybrid(hf: Any, model_type: str = "qwen3_next") -> None:
+    """ConfigError naming the first config.json key of the hybrid attention (layer types, linear
+    heads) that roll's Gated DeltaNet layers do not run; Qwen3.5 shares them."""
     types = layer_types(hf)
     if len(types) != hf.num_hidden_layers or set(types) - {LINEAR, FULL}:
-        raise _refuse("layer_types", types, f"one of {LINEAR!r} / {FULL!r} per layer is expected")
+        raise _refuse("layer_types", types, f"one of {LINEAR!r} / {FULL!r} per layer is expected", model_type)
     if hf.linear_num_value_heads % hf.linear_num_key_heads:
         raise _refuse(
             "linear_num_value_heads",
             hf.linear_num_value_heads,
             f"must be a multiple of linear_num_key_heads={hf.linear_num_key_heads}",
+            model_type,
         )
+
+
+def unsupported(hf: Any) -> None:
+    """ConfigError naming the first config.json key whose value roll's Qwen3-Next does not run."""
+    check_hybrid(hf)
     if not hf.num_experts:
         raise _refuse(
             "num_experts", hf.num_experts, "roll builds Qwen3-Next's MoE layers only (num_experts > 0)"
@@ -93,6 +100,12 @@ def shared_expert_kwargs(hf: Any) -> dict[str, Any]:
 def arch_kwargs(hf: Any) -> dict[str, Any]:
     """The TransformerConfig kwargs of the hybrid attention and the zero-centred norms."""
     unsupported(hf)
+    return hybrid_kwargs(hf)
+
+
+def hybrid_kwargs(hf: Any) -> dict[str, Any]:
+    """The TransformerConfig kwargs of the Gated DeltaNet / gated attention layers and the
+    zero-centred norms (checked by ``check_hybrid``)."""
     return {
         "experimental_attention_variant": "gated_delta_net",
         "linear_attention_freq": [int(x) for x in linear_layers(hf)],

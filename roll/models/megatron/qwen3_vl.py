@@ -222,3 +222,6 @@ def check_layout(hf_config: Any, cfg: Any, path: str) -> None:
             f"vision tower's deepstack features after the first {needed}, which must sit there beside the "
             "tower (fewer stages, or a larger num_layers_in_first_pipeline_stage)",
         )
+
+
+MODEL_CLASS = Qwen3VLGPTModel  # families.VISION_MODULES' entry point

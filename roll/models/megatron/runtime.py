@@ -19,6 +19,7 @@ from roll.core.batch import Batch
 from roll.core.worker_context import WorkerContext
 from roll.models.logprobs import batch_temperature
 from roll.models.megatron import thd_rope
+from roll.models.megatron.families import padded_rows_only
 from roll.models.megatron.forward import (
     PackedMicroBatch,
     pack_micro_batches,
@@ -31,7 +32,7 @@ from roll.models.megatron.forward import (
 )
 from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
 from roll.models.microbatch import invert, split_by_tokens
-from roll.models.vision import is_vision_config, response_excluded_tokens
+from roll.models.vision import response_excluded_tokens
 
 logger = logging.getLogger("roll")
 
@@ -117,12 +118,13 @@ def forward_log_probs(
     """{"log_probs", "entropy"} [B, R] (CPU, fp32) at the batch's temperature, on every rank.
 
     Micro-batches of ``micro_batch_size`` rows, or formed by ``infer_max_tokens_per_microbatch``
-    tokens when set; packed rows when ``packing_enabled`` (never for a vision-language model,
-    told by ``hf_config``: its rows carry their images, ``forward.PackedMicroBatch.model_kwargs``,
-    and its vision tokens get zero probability, ``forward.response_logprobs``)."""
+    tokens when set; packed rows when ``packing_enabled`` (``hf_config`` tells a vision-language
+    model: its rows carry their images and videos, ``forward.PackedMicroBatch.model_kwargs``, some
+    families run padded rows only, ``families.padded_rows_only``, and its vision tokens get zero
+    probability, ``forward.response_logprobs``)."""
     from megatron.core import parallel_state as ps
 
-    vision = hf_config is not None and is_vision_config(hf_config)
+    padded_only = hf_config is not None and padded_rows_only(hf_config)
     excluded = response_excluded_tokens(hf_config) if hf_config is not None else []
 
     temperature = batch_temperature(batch)
@@ -134,7 +136,11 @@ def forward_log_probs(
     else:
         micro = split_for_pipeline(batch, micro_batch_size, min_count)
     packed = pack_micro_batches(
-        micro, seq_multiple_for(cfg), _device(), shape_sync_group(cfg), packed=packing_enabled(cfg, vision)
+        micro,
+        seq_multiple_for(cfg),
+        _device(),
+        shape_sync_group(cfg),
+        packed=packing_enabled(cfg, padded_only),
     )
     tp_group = ps.get_tensor_model_parallel_group()
 

@@ -16,9 +16,10 @@ layout          TP dim   Megatron parameter of TP rank r
 ``qkv_gated``   0        ``qkv`` with each group's output gates after its q heads (Qwen3-Next)
 ``gdn_in``      0        Gated DeltaNet's in_proj [q; k; v; z; beta; alpha] of rank r's heads
 ``gdn_conv``    0        Gated DeltaNet's conv1d [q; k; v] of rank r's heads (three blocks of HF rows)
+``gdn_in_split`` 0       ``gdn_in`` from Qwen3.5's four projections (in_proj_qkv in three blocks)
 ==============  =======  ==========================================================================
 
-The last three are Qwen3-Next's (``hybrid_layouts`` has their row orders).
+The last four are Qwen3-Next's and Qwen3.5's (``hybrid_layouts`` has their row orders).
 
 The fused layouts split every HF tensor into ``tp`` equal contiguous pieces along the TP dim
 (``gdn_conv``: each of its three sections), so a rank reads only its pieces (``read_ranges``) and
@@ -51,6 +52,7 @@ from roll.models.megatron.stacked_experts import Stack, StackedNames
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = "replicated", "column", "row", "vocab", "qkv", "gate_up"
 QKV_GATED, GDN_IN, GDN_CONV = "qkv_gated", "gdn_in", "gdn_conv"
+GDN_IN_SPLIT = "gdn_in_split"
 # Dim of the HF tensors (and of the Megatron parameter) split across TP ranks.
 TP_DIM: dict[str, int | None] = {
     REPLICATED: None,
@@ -62,6 +64,7 @@ TP_DIM: dict[str, int | None] = {
     QKV_GATED: 0,
     GDN_IN: 0,
     GDN_CONV: 0,
+    GDN_IN_SPLIT: 0,
 }
 
 HF_LAYER = "model.layers.{layer}."
@@ -314,6 +317,28 @@ QWEN3_NEXT = LayerTables(
     linear=LayerTables(dense=_GATED_DELTA_NET + _DENSE_MLP, moe=_GATED_DELTA_NET + _QWEN3_NEXT_MOE),
 )
 
+# Qwen3.5 (``qwen3_5_text`` / ``qwen3_5_moe_text``): Qwen3-Next's layers with the Gated DeltaNet
+# input projection stored as four tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, each in
+# head order, no per-key-head interleave); the dense model has a plain MLP in every layer, the MoE
+# model routed experts and the gated shared expert in every layer.
+_GATED_DELTA_NET_SPLIT = (
+    *_INPUT_NORM,
+    WeightSpec(
+        "self_attention.in_proj.weight",
+        tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+        GDN_IN_SPLIT,
+    ),
+    *_GATED_DELTA_NET[2:],
+)
+QWEN3_5 = LayerTables(
+    dense=_GATED_ATTENTION + _DENSE_MLP, linear=LayerTables(dense=_GATED_DELTA_NET_SPLIT + _DENSE_MLP)
+)
+QWEN3_5_MOE = LayerTables(
+    dense=None,
+    moe=_GATED_ATTENTION + _QWEN3_NEXT_MOE,
+    linear=LayerTables(dense=None, moe=_GATED_DELTA_NET_SPLIT + _QWEN3_NEXT_MOE),
+)
+
 EMBEDDING = WeightSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)
 FINAL_NORM = WeightSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)
 OUTPUT = WeightSpec("output_layer.weight", ("lm_head.weight",), VOCAB)
@@ -439,6 +464,10 @@ def read_ranges(
     ``tp_rank`` reads, one piece each (one block but for ``gdn_conv``)."""
     if layout == GDN_CONV:
         return hybrid.conv_ranges(length, _linear(heads), tp_size, tp_rank)
+    if layout == GDN_IN_SPLIT and (
+        ranges := hybrid.split_in_ranges(length, _linear(heads), tp_size, tp_rank)
+    ):
+        return ranges
     return [shard_range(layout, length, tp_size, tp_rank, padded_length)]
 
 
@@ -454,7 +483,7 @@ def fuse(layout: str, pieces: list[torch.Tensor], heads: HeadLayout) -> torch.Te
         return hybrid.fuse_qkv_gated(pieces, heads.head_dim, heads.heads_per_group)
     if layout == GDN_IN:
         return hybrid.fuse_gdn_in(pieces, _linear(heads))
-    if layout == GDN_CONV:
+    if layout in (GDN_CONV, GDN_IN_SPLIT):
         return torch.cat(pieces, dim=0)
     if layout == QKV:
         q, k, v = pieces
@@ -480,6 +509,8 @@ def unfuse(layout: str, shard: torch.Tensor, heads: HeadLayout) -> list[torch.Te
         return hybrid.unfuse_gdn_in(shard, _linear(heads))
     if layout == GDN_CONV:
         return hybrid.unfuse_gdn_conv(shard, _linear(heads))
+    if layout == GDN_IN_SPLIT:
+        return hybrid.unfuse_gdn_in_split(shard, _linear(heads))
     if layout == QKV:
         q_rows = heads.heads_per_group * heads.head_dim
         per_group, rest = q_rows + 2 * heads.head_dim, shard.shape[1:]
@@ -495,4 +526,6 @@ def join(layout: str, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """The HF tensors from their pieces (each concatenated over the TP ranks already)."""
     if layout == GDN_CONV:
         return [torch.cat(pieces, dim=0)]
+    if layout == GDN_IN_SPLIT:
+        return hybrid.join_gdn_in_split(pieces)
     return pieces

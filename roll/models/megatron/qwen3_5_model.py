@@ -1,0 +1,131 @@
+"""Qwen3.5's modules on megatron-core (``roll.models.megatron.qwen3_5`` says what they reproduce):
+a GPTModel with transformers' vision tower on the first pipeline stage and interleaved multimodal rope.
+
+>>> model = Qwen3_5GPTModel(config, block_spec, hf_config=hf, vocab_size=..., position_embedding_type="mrope", ...)
+>>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
+
+
+def interleaved_axes(section: list[int], frequencies: int) -> torch.Tensor:
+    """[frequencies] axis (0 time, 1 height, 2 width) of each rotary frequency, as transformers'
+    Qwen3-VL / Qwen3.5 ``recomposition_frequencies`` assigns them."""
+    axes = torch.zeros(frequencies, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : section[axis] * 3 : 3] = axis
+    return axes
+
+
+class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+    """megatron-core's ``MultimodalRotaryEmbedding`` with interleaved axes (see the module
+    docstring); same constructor, same ``forward(position_ids [3, B, S], mrope_section)`` and output
+    [S, B, 1, rotary dim] (each frequency twice, halves layout: ``rotary_interleaved`` False)."""
+
+    def forward(
+        self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None
+    ) -> torch.Tensor:
+        if self.rotary_interleaved:
+            raise ValueError("Qwen3.5's rope rotates halves; rotary_interleaved must be False")
+        seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        if self.seq_len_interpolation_factor is not None:
+            seq = seq / self.seq_len_interpolation_factor
+        freqs = seq.float().unsqueeze(-1) * self.inv_freq.float()  # [3, B, S, F]
+        axes = interleaved_axes(mrope_section, freqs.shape[-1]).to(freqs.device)
+        freqs = freqs.gather(0, axes.view(1, 1, 1, -1).expand(1, *freqs.shape[1:])).squeeze(0)  # [B, S, F]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :].transpose(0, 1).contiguous()
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1:
+            raise ValueError("Qwen3.5 runs without context parallelism")
+        return emb
+
+
+def mrope_positions(
+    input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, hf_config: Any
+) -> torch.Tensor:
+    """[3, B, S] rope positions of rows starting at column 0 (images only): transformers' Qwen2-VL
+    ``get_rope_index``, which Qwen3.5's extends only for videos."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    from roll.models.vision import token_types
+
+    if image_grid_thw is None or not len(image_grid_thw):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
+    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
+    host.get_vision_position_ids = lambda *a, **k: Qwen2VLModel.get_vision_position_ids(host, *a, **k)
+    types = token_types(input_ids, hf_config)
+    positions, _ = Qwen2VLModel.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
+    return positions
+
+
+# ---------------------------------------------------------------------------- vision tower
+def _vision_class() -> Any:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    return Qwen3_5VisionModel
+
+
+def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
+    """The vision tower's parameter names in roll's model (``visual.*``; transformers' module and
+    the checkpoint have them under ``model.visual.``, ``weight_mapping.module_name``)."""
+    with torch.device("meta"):
+        tower = _vision_class()._from_config(hf_config.vision_config)
+    return tuple(f"visual.{name}" for name, _ in tower.named_parameters())
+
+
+class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
+    """GPTModel with Qwen3.5's vision tower on the first pipeline stage and interleaved mrope.
+
+    ``forward`` takes GPTModel's arguments plus ``pixel_values`` [patches, D] and ``image_grid_thw``
+    [images, 3] of the rows' images in row order; 2-D ``position_ids`` are replaced by the 3-D ones.
+    The image embedding (``_embed_with_images``) is Qwen2.5-VL's.
+    """
+
+    def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
+        GPTModel.__init__(self, config, transformer_layer_spec, **kwargs)
+        self.roll_vl_config = hf_config
+        self.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=kwargs.get("rotary_percent", 1.0),
+            rotary_interleaved=config.rotary_interleaved,
+            seq_len_interpolation_factor=kwargs.get("seq_len_interpolation_factor"),
+            rotary_base=kwargs.get("rotary_base", 10000),
+        )
+        if self.pre_process:
+            tower = _vision_class()._from_config(hf_config.vision_config)
+            self.visual = tower.to(
+                device=self.embedding.word_embeddings.weight.device, dtype=config.params_dtype
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        decoder_input: torch.Tensor | None = None,
+        *args: Any,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if kwargs.get("packed_seq_params") is not None:
+            raise ValueError("Qwen3.5 runs on padded rows; packed (thd) rows are not supported")
+        if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_grid_thw") is not None:
+            raise ValueError("Qwen3.5 on the Megatron strategies takes images only, not videos")
+        position_ids = mrope_positions(input_ids, image_grid_thw, self.roll_vl_config)
+        if self.pre_process and decoder_input is None and pixel_values is not None:
+            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+        return GPTModel.forward(self, input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+
+MODEL_CLASS = Qwen3_5GPTModel  # families.VISION_MODULES' entry point
