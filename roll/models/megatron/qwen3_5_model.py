@@ -88,7 +88,7 @@ class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
 
     ``forward`` takes GPTModel's arguments plus ``pixel_values`` [patches, D] and ``image_grid_thw``
     [images, 3] of the rows' images in row order; 2-D ``position_ids`` are replaced by the 3-D ones.
-    The image embedding (``_embed_with_images``) is Qwen2.5-VL's.
+    The image embedding (``_embed_with_vision``) is Qwen2.5-VL's.
     """
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
@@ -124,7 +124,8 @@ class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
             raise ValueError("Qwen3.5 on the Megatron strategies takes images only, not videos")
         position_ids = mrope_positions(input_ids, image_grid_thw, self.roll_vl_config)
         if self.pre_process and decoder_input is None and pixel_values is not None:
-            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+            parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+            decoder_input = self._embed_with_vision(input_ids, input_ids, None, parts)
         return GPTModel.forward(self, input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 
