@@ -131,17 +131,21 @@ def test_megatron_qwen3_5_scores_round_trips_and_trains(tmp_path: Path, moe: boo
 
 
 # ------------------------------------------------------------------------------------ fast
-def test_interleaved_axes_match_transformers() -> None:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+def test_interleaved_rotary_angles_equal_transformers_on_part_of_each_head() -> None:
+    """Qwen3.5's rope: interleaved axes ([3, 3, 2] frequencies) rotating the first half of each head
+    (``partial_rotary_factor``); roll's angles equal transformers' cos/sin."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
 
-    from roll.models.megatron.qwen3_5_model import interleaved_axes
+    from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 
-    for section in ([11, 11, 10], [3, 3, 2], [24, 20, 20]):
-        frequencies = sum(section)
-        freq = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 1, frequencies).clone()
-        host = type("Host", (), {"mrope_section": section})()
-        want = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(host, freq)[0, 0, :frequencies].long()
-        assert torch.equal(interleaved_axes(section, frequencies), want), section
+    text = _text_config()
+    hf = Qwen3_5MoeTextRotaryEmbedding(text)
+    positions = torch.randint(0, 50, (3, 2, 9))
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions)  # [b, s, rotary dim]
+    emb = InterleavedMRoPE(hf.inv_freq)(positions, text.rope_parameters["mrope_section"])  # [s, b, 1, d]
+    assert emb.shape[-1] == cos.shape[-1] == 16  # half of head_dim 32
+    assert torch.allclose(emb[:, :, 0].transpose(0, 1).cos(), cos, atol=1e-6)
+    assert torch.allclose(emb[:, :, 0].transpose(0, 1).sin(), sin, atol=1e-6)
 
 
 def test_gdn_in_split_round_trips_over_tp() -> None:

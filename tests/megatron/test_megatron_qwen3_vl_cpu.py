@@ -99,7 +99,7 @@ def test_megatron_qwen3_vl_scores_round_trips_and_trains(tmp_path: Path) -> None
 def test_interleaved_rotary_angles_equal_transformers() -> None:
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
-    from roll.models.megatron.qwen3_vl import InterleavedMRoPE
+    from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 
     text = tiny_qwen3_vl_config(build_tiny_vl_tokenizer()).text_config
     hf = Qwen3VLTextRotaryEmbedding(text)

@@ -10,7 +10,7 @@ What differs from Qwen3-Next (``roll.models.megatron.qwen3_next``), and how roll
 - rope: multimodal (3-D positions from the image grids, transformers' ``get_rope_index``) with the
   frequencies *interleaved* over the axes (frequency i belongs to height when i % 3 == 1 and
   i < 3 * mrope_section[1], to width when i % 3 == 2 and i < 3 * mrope_section[2], else to time),
-  on the first ``partial_rotary_factor`` of each head: ``qwen3_5_model.InterleavedMultimodalRotaryEmbedding``
+  on the first ``partial_rotary_factor`` of each head: ``interleaved_mrope.InterleavedMRoPE``
   (megatron-core 0.16.1's mrope takes contiguous sections only);
 - the dense model (Qwen3.5-27B) has a plain SwiGLU MLP in every layer; the MoE model routes every
   layer (softmax, top-k, always renormalised) and adds Qwen3-Next's sigmoid-gated shared expert;

@@ -11,42 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
-
-
-def interleaved_axes(section: list[int], frequencies: int) -> torch.Tensor:
-    """[frequencies] axis (0 time, 1 height, 2 width) of each rotary frequency, as transformers'
-    Qwen3-VL / Qwen3.5 ``recomposition_frequencies`` assigns them."""
-    axes = torch.zeros(frequencies, dtype=torch.long)
-    for axis in (1, 2):
-        axes[axis : section[axis] * 3 : 3] = axis
-    return axes
-
-
-class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
-    """megatron-core's ``MultimodalRotaryEmbedding`` with interleaved axes (see the module
-    docstring); same constructor, same ``forward(position_ids [3, B, S], mrope_section)`` and output
-    [S, B, 1, rotary dim] (each frequency twice, halves layout: ``rotary_interleaved`` False)."""
-
-    def forward(
-        self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None
-    ) -> torch.Tensor:
-        if self.rotary_interleaved:
-            raise ValueError("Qwen3.5's rope rotates halves; rotary_interleaved must be False")
-        seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
-        if self.seq_len_interpolation_factor is not None:
-            seq = seq / self.seq_len_interpolation_factor
-        freqs = seq.float().unsqueeze(-1) * self.inv_freq.float()  # [3, B, S, F]
-        axes = interleaved_axes(mrope_section, freqs.shape[-1]).to(freqs.device)
-        freqs = freqs.gather(0, axes.view(1, 1, 1, -1).expand(1, *freqs.shape[1:])).squeeze(0)  # [B, S, F]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :].transpose(0, 1).contiguous()
-        group = cp_group if cp_group is not None else self.cp_group
-        if group is not None and group.size() > 1:
-            raise ValueError("Qwen3.5 runs without context parallelism")
-        return emb
 
 
 def mrope_positions(
@@ -94,13 +62,7 @@ class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
         GPTModel.__init__(self, config, transformer_layer_spec, **kwargs)
         self.roll_vl_config = hf_config
-        self.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=kwargs.get("rotary_percent", 1.0),
-            rotary_interleaved=config.rotary_interleaved,
-            seq_len_interpolation_factor=kwargs.get("seq_len_interpolation_factor"),
-            rotary_base=kwargs.get("rotary_base", 10000),
-        )
+        self.rotary_pos_emb = InterleavedMRoPE(self.rotary_pos_emb.inv_freq)  # on rotary_percent of each head
         if self.pre_process:
             tower = _vision_class()._from_config(hf_config.vision_config)
             self.visual = tower.to(

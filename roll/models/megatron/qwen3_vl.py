@@ -7,7 +7,7 @@ which ``stacked_experts`` reads and writes), with two things of Qwen3-VL's own:
 - **interleaved multimodal RoPE**: each rotary frequency takes its position from one axis, in the
   order T H W T H W ... (``mrope_section`` says how many frequencies H and W take; the rest, and the
   tail, are T's). megatron-core 0.16's ``MultimodalRotaryEmbedding`` only has the sectioned layout
-  of Qwen2-VL (all T's frequencies, then H's, then W's), so ``InterleavedMRoPE`` replaces it.
+  of Qwen2-VL (all T's frequencies, then H's, then W's), so ``interleaved_mrope.InterleavedMRoPE`` replaces it.
 - **deepstack**: the vision tower also returns features of some of its inner blocks
   (``deepstack_visual_indexes``); the k-th is added to the hidden states after decoder layer k at
   the visual-token positions. The features ride to the layers as the decoder's ``context`` argument
@@ -37,6 +37,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.configs.errors import ConfigError
+from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 from roll.models.vision import token_types
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
@@ -79,29 +80,6 @@ def mrope_positions(
     types = token_types(input_ids, hf_config)
     positions, _ = model_class.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
     return positions
-
-
-class InterleavedMRoPE(torch.nn.Module):
-    """Qwen3-VL's rotary angles [s, b, 1, head_dim] from 3-D positions [3, b, s]: frequency i takes
-    the H position when i % 3 == 1 and i < 3 * mrope_section[1], the W position when i % 3 == 2 and
-    i < 3 * mrope_section[2], the T position otherwise; the angles are repeated for the two halves of
-    the head (megatron's non-interleaved rotation, transformers' ``rotate_half``)."""
-
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        super().__init__()
-        self.inv_freq = inv_freq  # not a buffer, as megatron's rotary modules keep it
-
-    def forward(
-        self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None
-    ) -> torch.Tensor:
-        inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float32)
-        freqs = position_ids[..., None].float() * inv_freq  # [3, b, s, d/2]
-        angles = freqs[0].clone()
-        for axis in (1, 2):
-            picked = slice(axis, mrope_section[axis] * 3, 3)
-            angles[..., picked] = freqs[axis, ..., picked]
-        emb = torch.cat((angles, angles), dim=-1)  # [b, s, d]
-        return emb[..., None, :].transpose(0, 1).contiguous()
 
 
 class Qwen3VLGPTModel(GPTModel):
