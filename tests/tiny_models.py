@@ -55,6 +55,32 @@ def tiny_qwen2_config(tie_word_embeddings: bool = True, num_hidden_layers: int =
     )
 
 
+def tiny_qwen3_moe_config(**overrides) -> Any:
+    """A tiny Qwen3-MoE (8 experts, top-2, q/k norms, untied): the family of the 4-GPU MoE examples."""
+    from transformers import Qwen3MoeConfig
+
+    shape = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+    )
+    return Qwen3MoeConfig(**{**shape, **overrides})
+
+
 def tiny_qwen3_next_config(**overrides) -> Any:
     """A tiny Qwen3-Next (layers: Gated DeltaNet, full attention, Gated DeltaNet with a dense MLP,
     full attention; 2 key / 4 value linear heads; 4 experts top-2 plus a gated shared expert)."""
