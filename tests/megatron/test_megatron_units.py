@@ -202,6 +202,49 @@ def test_grouped_experts_match_the_loop_and_router_needs_no_te(megatron_world) -
     assert logits.shape == (3, 2, 4) and logits.dtype == torch.float32
 
 
+def _expert_tp_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    """Expert-TP = TP = 2: the grouped experts take the grouped path on each rank's shards and
+    match the per-expert loop (outputs and a weight's gradient)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import compat
+
+    with process_group(rank, world_size, port):
+        ps.initialize_model_parallel(2, 1)
+        compat.apply()
+        config = _config(tensor_model_parallel_size=2, **_moe_kwargs())
+        experts = []
+        for grouped in (True, False):
+            torch.manual_seed(0)
+            spec = layer_spec.build_layer_spec(config, MegatronConfig(moe_grouped_gemm=grouped), 4)
+            model = GPTModel(config, spec, vocab_size=64, max_sequence_length=32)
+            experts.append(model.decoder.layers[0].mlp.experts)
+        experts[1].load_state_dict(experts[0].state_dict())
+        gen = torch.Generator().manual_seed(1)
+        hidden = torch.randn(10, 32, generator=gen)
+        tokens, probs = torch.tensor([3, 0, 5, 2]), torch.rand(10, generator=gen)
+        grouped = experts[0]._can_group(hidden)
+        outs = [e(hidden, tokens, probs)[0] for e in experts]
+        grads = [
+            torch.autograd.grad(o.pow(2).sum(), e.local_experts[2].linear_fc1.weight)[0]
+            for o, e in zip(outs, experts)
+        ]
+        ps.destroy_model_parallel()
+        if rank == 0:
+            torch.save({"grouped": grouped, "outs": outs, "grads": grads}, out)
+
+
+def test_grouped_experts_serve_expert_tensor_parallel(tmp_path: Path) -> None:
+    out = str(tmp_path / "etp.pt")
+    spawn_ranks(_expert_tp_worker, 2, out)
+    got = torch.load(out)
+    assert got["grouped"], "expert-TP experts fell back to the per-expert loop"
+    torch.testing.assert_close(got["outs"][0], got["outs"][1])
+    torch.testing.assert_close(got["grads"][0], got["grads"][1])
+
+
 @pytest.mark.parametrize(
     ("cfg", "key"),
     [
