@@ -94,11 +94,14 @@ def test_fixed_seed_draws_the_same_tokens(tp: int, tmp_path: Path) -> None:
     assert out["tokens"] == GOLDEN[f"tp{tp}"], out["tokens"]
 
 
-def test_attention_mask_decode_rows_match_the_full_mask() -> None:
+def test_decode_mask_is_the_blocked_keys_with_the_query_itself_open() -> None:
+    """The identity the loop's kept-up-to-date decode mask relies on: for a query at column q,
+    attention_mask's row is "not a real token", except q itself."""
     valid = torch.tensor([[False, True, True, False, True], [True, True, True, True, True]])
     for q in range(5):
-        full = attention_mask(valid, 0)[:, :, q : q + 1, : q + 1]
-        assert torch.equal(attention_mask(valid[:, : q + 1], q), full)
+        blocked = ~valid[:, : q + 1]
+        blocked[:, q] = False
+        assert torch.equal(blocked[:, None, None, :], attention_mask(valid[:, : q + 1], q))
 
 
 if __name__ == "__main__":  # print the goldens of this checkout

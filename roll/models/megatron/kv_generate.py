@@ -60,6 +60,18 @@ def _last_logits(chunks: list[torch.nn.Module], ids, positions, mask, context) -
     return payloads[0]["logits"] if payloads else None
 
 
+def _shared_sample(sampled: tuple[torch.Tensor, torch.Tensor] | None, rows: int, device: torch.device):
+    """(token ids [N] long, log-probs [N] fp32) as the last stage's TP rank 0 drew them, on every
+    rank of this model-parallel replica (one broadcast of both; none without TP or PP)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1:
+        return sampled[0], sampled[1].float()
+    picked = None if sampled is None else torch.stack([sampled[0].float(), sampled[1].float()])
+    picked = _share(picked, (2, rows), device)
+    return picked[0].long(), picked[1]
+
+
 def _share(tensor: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The last stage's TP-rank-0 fp32 tensor, on every rank of this model-parallel replica."""
     from megatron.core import parallel_state as ps
@@ -139,27 +151,33 @@ def generate_tokens(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long, device=device)
     logps = torch.zeros(rows, params.max_new_tokens, dtype=torch.float32, device=device)
+    positions = torch.arange(total, device=device).expand(rows, -1)
+    # Decode steps' masks, kept up to date instead of rebuilt: True = a key later queries must not
+    # see (left padding, a finished row's padding). A step's own column stays False until its
+    # forward is done, so the query sees itself (attention_mask's k == q) whatever its row's state.
+    blocked = ~valid
+    blocked[:, width:] = False
     start, cur = 0, width
     for step in range(params.max_new_tokens):
-        ids, positions = tokens[:, start:cur], torch.arange(start, cur, device=device).expand(rows, -1)
-        logits = _last_logits(chunks, ids, positions, attention_mask(valid[:, :cur], start), context)
+        mask = attention_mask(valid[:, :cur], start) if step == 0 else blocked[:, None, None, :cur]
+        logits = _last_logits(chunks, tokens[:, start:cur], positions[:, start:cur], mask, context)
         context.sequence_len_offset += cur - start
         if step == 0:
             context.enable_decode_mode()
-        picked = None
+        else:
+            torch.logical_not(valid[:, start], out=blocked[:, start])
+        sampled = None
         if logits is not None:
-            nxt, logp = sample_next(
+            sampled = sample_next(
                 logits[:, :vocab_size], params, tokens[:, :cur], valid[:, :cur], step, eos_ids
             )
-            picked = torch.stack([nxt.float(), logp.float()])
-        picked = _share(picked, (2, rows), device)
-        nxt, logp = picked[0].long(), picked[1].float()
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        nxt, logp = _shared_sample(sampled, rows, device)
+        nxt = nxt.masked_fill(done, pad_id)
         tokens[:, cur], valid[:, cur], logps[:, step] = nxt, ~done, logp
         finished = ~done & torch.isin(nxt, eos)
         if stop_check is not None:
             finished |= ~done & stop_check(tokens[:, width : cur + 1], step + 1)
-        lengths = torch.where(finished, torch.full_like(lengths, step + 1), lengths)
+        lengths.masked_fill_(finished, step + 1)
         done |= finished
         start, cur = cur, cur + 1
         if _all_done(done, sync_group):
