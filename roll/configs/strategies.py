@@ -90,6 +90,10 @@ class StrategySpec:
     # pixel inputs in the forward, or images sent to the engine); roll.launch.files refuses the
     # others before launch for such a model.
     runs_vision: bool = False
+    # The vision-language model types (config.json's ``model_type``) a ``runs_vision`` strategy has
+    # been checked with, where that is fewer than roll.models.vision.VISION_MODEL_TYPES; None: all
+    # of them. roll.launch.files refuses the others before launch; one entry adds a type.
+    vision_model_types: tuple[str, ...] | None = None
     # Environment every GPU worker of a run that has a role of this strategy gets (under the run's
     # and the role's ``system_envs``, which win). SGLang's ``Engine`` sets NCCL_CUMEM_ENABLE=0 in
     # its worker's process unless it is set, and NCCL's peer-to-peer transport between a process
@@ -199,6 +203,8 @@ STRATEGIES: dict[str, StrategySpec] = {
             sizes_from_free_memory=True,
             preload=("sglang",),
             run_env=(("NCCL_CUMEM_ENABLE", "0"),),
+            runs_vision=True,  # images and videos as processor output (sglang_vision)
+            vision_model_types=("qwen2_5_vl",),
         ),
     )
 }

@@ -128,6 +128,7 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
             f"{strategy} does not run vision-language models in roll (no image inputs; ROLL builds them "
             f"with mcore_adapter); use one of {', '.join(runs)}",
         )
+    check_vision_model_type(name, strategy, model_type)
     for key, value, why in (
         ("model_type", role.model_args.model_type, "a value head on a vision-language model (critic)"),
         ("lora_rank", role.model_args.lora_rank, "LoRA adapters on a vision-language model"),
@@ -149,6 +150,24 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
                 f"{cfg.context_parallel_size} does not run with {model_type} on Megatron (roll's context "
                 "parallelism splits packed rows; its forward runs on padded rows); set it to 1",
             )
+
+
+def check_vision_model_type(name: str, strategy: str | None, model_type: str) -> None:
+    """A strategy that has run fewer vision-language model types than roll (``StrategySpec.
+    vision_model_types``: SGLang's) refuses the others."""
+    spec = get_strategy_spec(strategy) if strategy is not None else None
+    allowed = spec.vision_model_types if spec is not None else None
+    if allowed is not None and model_type not in allowed:
+        runs = [
+            s.name
+            for s in STRATEGIES.values()
+            if s.runs_vision and s.vision_model_types is None and s.side == spec.side
+        ]
+        raise ConfigError(
+            f"{name}.strategy_args.strategy_name",
+            f"{strategy} runs vision-language model_type {', '.join(allowed)} in roll, not {model_type!r}; "
+            f"use one of {', '.join(runs)}",
+        )
 
 
 def check_vision_dump(config: RLVRConfig) -> None:

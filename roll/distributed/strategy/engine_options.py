@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from roll.configs.errors import ConfigError, did_you_mean
 from roll.models.model_dir import config_json
+from roll.models.vision import is_vision_config
 
 if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
@@ -219,7 +220,23 @@ def sglang_engine_options(cfg: SGLangConfig, role_config: RoleConfig, role: str,
     derived = _model_options(role_config, role, "model_path", "random_seed", seed)
     for engine_key, cfg_key in SGLANG_CONFIG_KEYS.items():
         derived[engine_key] = (getattr(cfg, cfg_key), f"{path}.{cfg_key}")
+    if "mm_attention_backend" not in cfg.engine_kwargs:
+        backend = sglang_vision_attention(cfg, role_config)
+        derived["mm_attention_backend"] = (backend, f"{path}.attention_backend")
     return _build_options(derived, cfg.engine_kwargs, path)
+
+
+# SGLang's vision-tower kernel for each attention_backend that has one: SGLang picks "fa3" on
+# Hopper by itself, which needs the FlashAttention-3 build that attention_backend "triton" avoids.
+SGLANG_VISION_ATTENTION = {"triton": "triton_attn", "fa3": "fa3"}
+
+
+def sglang_vision_attention(cfg: SGLangConfig, role_config: RoleConfig) -> str | None:
+    """SGLang's ``mm_attention_backend`` for a vision-language model, following ``attention_backend``
+    (``engine_kwargs.mm_attention_backend`` overrides it); None (SGLang's choice) otherwise."""
+    if not is_vision_config(config_json(role_config.model_args.model_name_or_path)):
+        return None
+    return SGLANG_VISION_ATTENTION.get(cfg.attention_backend)
 
 
 # --------------------------------------------------------------------------- layout vs model

@@ -51,11 +51,11 @@ from roll.distributed.strategy.engine_requests import (
     rows_to_tensor,
     scoring_requests,
     sglang_generate_requests,
-    sglang_input_logprobs,
 )
 from roll.distributed.strategy.engine_startup import ENGINES, start_engine
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
 from roll.distributed.strategy.sglang_engine_calls import SGLangEngineCalls
+from roll.distributed.strategy.sglang_vision import SGLangVision, sglang_vision
 from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
 
 MEMORY_TAGS = ["kv_cache", "weights"]
@@ -71,6 +71,7 @@ class SGLangStrategy:
         self.engine: Any = None
         self.pad_token_id: int | None = None
         self.weight_version: int | None = None
+        self.vision = SGLangVision()  # a vision-language model's tokens (sglang_vision); inert for text
         self.registry = RequestRegistry()
         self.group_name: str | None = None
         self._lock = threading.Lock()  # Engine.generate runs the engine's loop: one call at a time
@@ -91,6 +92,7 @@ class SGLangStrategy:
         started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
+        self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:
@@ -109,12 +111,14 @@ class SGLangStrategy:
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        """``params.n`` samples per prompt row, one request each, in one ``Engine.generate`` call."""
+        """``params.n`` samples per prompt row, one request each, in one ``Engine.generate`` call;
+        rows with images or videos send them with their expanded ids (``sglang_vision``)."""
         width = response_width(self.ctx, params)
         params = capped(params, width)
         prompts = prompt_token_lists(batch)
         plan = RequestPlan(self.registry.new_prefix(self.ctx), len(prompts), params.n, per_sample=True)
-        completions = self._generate(plan, prompts, params)
+        media = self.vision.request_kwargs(batch, prompts, params.n)  # rows' images/videos ({}: text)
+        completions = self._generate(plan, prompts, params, media)
         return completions_to_batch(
             batch, completions, params.n, self.pad_token_id, width, params.logprobs, params.temperature
         ).to("cpu")
@@ -141,6 +145,7 @@ class SGLangStrategy:
         batches sampled at a temperature other than 1 are refused, as for ``vllm``."""
         require_unit_temperature(batch, self.ctx.role, "sglang")
         reqs = scoring_requests(batch)
+        extra = self.vision.scoring_kwargs(batch, [r.token_ids for r in reqs])  # VL rows: sglang_vision
         self._ensure_ready()
         with self._lock:
             outputs = self.engine.generate(
@@ -148,24 +153,32 @@ class SGLangStrategy:
                 sampling_params=[{"max_new_tokens": 1, "temperature": 1.0} for _ in reqs],
                 return_logprob=True,
                 logprob_start_len=[max(r.start - 1, 0) for r in reqs],
+                **extra,
             )
-        rows = [sglang_input_logprobs(out, req) for out, req in zip(outputs, reqs)]
+        rows = [self.vision.response_logprobs(out, req) for out, req in zip(outputs, reqs)]
         return {"log_probs": rows_to_tensor(rows, batch["responses"].shape[1])}
 
     def _generate(
-        self, plan: RequestPlan, prompts: list[list[int]], params: SamplingParams
+        self, plan: RequestPlan, prompts: list[list[int]], params: SamplingParams, media: dict | None = None
     ) -> list[Completion]:
-        """``plan.n`` samples of each prompt row, one request each (``sglang_generate_requests``)."""
+        """``plan.n`` samples of each prompt row, one request each (``sglang_generate_requests``);
+        ``media``: the requests' ``image_data``/``video_data`` (``SGLangVision.request_kwargs``)."""
         self._ensure_ready()
         context = getattr(self.engine.tokenizer_manager, "context_len", None)
         requests = sglang_generate_requests(plan, prompts, params, context)
         ids = [r.request_id for r in requests]
-        inputs, sampling = [r.prompt_ids for r in requests], [r.sampling for r in requests]
+        # A vision-language model's responses hold no vision tokens (sglang_vision).
+        bias = {"logit_bias": self.vision.logit_bias()} if self.vision.excluded else {}
+        inputs, sampling = [r.prompt_ids for r in requests], [{**r.sampling, **bias} for r in requests]
         self.registry.add(ids)
         try:
             with self._lock:
                 outputs = self.engine.generate(
-                    input_ids=inputs, sampling_params=sampling, return_logprob=params.logprobs, rid=ids
+                    input_ids=inputs,
+                    sampling_params=sampling,
+                    return_logprob=params.logprobs,
+                    rid=ids,
+                    **(media or {}),
                 )
         finally:
             self.registry.forget(ids)
