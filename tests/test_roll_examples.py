@@ -164,7 +164,10 @@ def test_every_copied_file_is_listed():
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
-    if name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3", "qwen3-vl")) and "video" not in name:
+    if (
+        name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3", "qwen3-vl"))
+        and "video" not in name
+    ):
         pytest.importorskip("pyarrow")  # its data files are parquet
     monkeypatch.chdir(roll_workdir)
     code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run"])
@@ -212,13 +215,6 @@ VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"
             ],
             "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with model_type "
             "'qwen2_5_vl' (its KV-cached loop takes no images; generate with vllm",
-        ),
-        (
-            [
-                "actor_infer.strategy_args.strategy_name=sglang",
-                "actor_infer.strategy_args.strategy_config={}",
-            ],
-            "ConfigError: actor_infer.strategy_args.strategy_name: sglang does not run vision-language models",
         ),
         (
             ["actor_train.strategy_args.strategy_config.sequence_packing=true"],
@@ -274,6 +270,27 @@ def test_qwen3_vl_video_rows_are_refused_before_launch(roll_workdir, monkeypatch
         "ConfigError: actor_train.data_args.row_layout: video_r1 with model_type 'qwen3_vl': roll writes "
         "Qwen2-VL's video prompt, without the per-frame timestamps Qwen3-VL reads; Qwen3-VL runs image rows "
         "(videos: Qwen2.5-VL)"
+    ], errors
+
+
+def test_sglang_rollouts_dry_run_for_qwen2_5_vl_and_stop_for_qwen3_5(roll_workdir, monkeypatch, capsys):
+    """SGLang takes Qwen2.5-VL's rows with their pixel inputs (sglang_vision); a vision-language
+    model type it has not run (StrategySpec.vision_model_types) stops on one line naming the key."""
+    pytest.importorskip("pyarrow")
+    monkeypatch.chdir(roll_workdir)
+    sglang = [
+        "actor_infer.strategy_args={strategy_name: sglang, strategy_config: {mem_fraction_static: 0.6}}"
+    ]
+    code = main(["--config_path", str(EXAMPLES), "--config_name", VL_FILE, "--dry_run", *sglang])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "actor_infer            sglang" in out.out
+    name = "qwen3.5-27B-rlvr_megatron__rlvr_megatron_80GB.yaml"
+    code = main(["--config_path", str(EXAMPLES), "--config_name", name, "--dry_run", *sglang])
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert code == 2 and errors == [
+        "ConfigError: actor_infer.strategy_args.strategy_name: sglang runs vision-language model_type "
+        "qwen2_5_vl in roll, not 'qwen3_5'; use one of hf_infer, megatron_infer, vllm"
     ], errors
 
 
