@@ -61,13 +61,14 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # roll's SGLang engine takes no image inputs.
+    # roll's SGLang engine has run Qwen2.5-VL's image and video rows, not Qwen3-VL's yet.
     **dict.fromkeys(
         [
             "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB_sglang.yaml",
             "qwen3-vl-30BA3B-video-rlvr__video_r1_sglang.yaml",
         ],
-        "sglang does not run vision-language models in roll",
+        "ConfigError: actor_infer.strategy_args.strategy_name: sglang runs vision-language model_type "
+        "qwen2_5_vl in roll, not 'qwen3_vl_moe'",
     ),
     # Qwen3-VL on Megatron runs padded rows with images: no context parallelism, no videos.
     "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml": "context_parallel_size",
