@@ -811,11 +811,14 @@ def test_sglang_memory_release_and_weight_updates(fake_engines, tokenizer_dir):
     sums = strategy.load_shared_bucket(meta, handle, verify=True)
     assert len(sums) == len(meta.tensors) and engine.model.proj.bias[0].item() == 10.0
 
+    with pytest.raises(RuntimeError, match="before init_weights_update_group"):
+        strategy.update_weights_from_distributed("g", meta)
     strategy.init_weights_update_group("10.0.0.1", 1234, 1, 3, "g")
-    strategy.update_weights_from_distributed(meta)
+    strategy.update_weights_from_distributed("g", meta)
     kwargs = engine.calls[-1][1]
     assert kwargs["names"] == ["proj.weight", "proj.bias"] and kwargs["dtypes"] == ["float32", "float32"]
     assert kwargs["shapes"] == [[3, 4], [3]] and kwargs["group_name"] == "g"
+    assert kwargs["load_format"] == "flattened_bucket" and kwargs["flush_cache"] is False
     assert engine.calls[-2] == (
         "init_weights_update_group",
         dict(

@@ -407,6 +407,9 @@ class VLLMConfig(_EngineTensorParallel):
             )
 
 
+SGLANG_UPDATE_TRANSPORTS = ("auto", "tensor", "distributed")
+
+
 @dataclass
 class SGLangConfig(_EngineTensorParallel):
     """SGLang Engine options; a worker owns ``tensor_parallel_size`` devices."""
@@ -426,6 +429,12 @@ class SGLangConfig(_EngineTensorParallel):
     # SGLang honours a request's sampling seed only with deterministic inference (batch-invariant
     # kernels, slower); without it the engine seed (seed + worker rank) alone sets the samples.
     enable_deterministic_inference: bool = False
+    # How a model update reaches this engine from a trainer rank on another device: "distributed"
+    # (SGLang's schedulers receive each bucket on their own NCCL group), "tensor" (this worker
+    # receives it, then Engine.update_weights_from_tensor by CUDA IPC). "auto": distributed, except
+    # from a trainer rank on the engine's own device, which always takes "tensor" (CUDA IPC);
+    # "distributed" next to actor_train is refused before launch (docs/strategies.md).
+    model_update_transport: str = one_of("auto", *SGLANG_UPDATE_TRANSPORTS)
     # Any further SGLang ServerArgs, checked against the installed SGLang when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -115,6 +115,17 @@ def check_colocation(config: RLVRConfig, plan: PlacementPlan) -> None:
                     f"{name}.strategy_args.strategy_config.enable_memory_saver",
                     f"is false but {name} shares devices with {trains[0]}; set true so the engine can release memory",
                 )
+            if (
+                strategy == "sglang"
+                and "actor_train" in owners
+                and typed.model_update_transport == "distributed"
+            ):
+                raise ConfigError(
+                    f"{name}.strategy_args.strategy_config.model_update_transport",
+                    f"is 'distributed' but {name} shares devices {list(devices)[:8]} with actor_train, and "
+                    "SGLang's NCCL group cannot hold two ranks on one device; use 'auto' (CUDA IPC on "
+                    "shared devices, SGLang's group elsewhere) or 'tensor'",
+                )
 
 
 def check_sglang_memory(config: RLVRConfig, plan: PlacementPlan) -> None:

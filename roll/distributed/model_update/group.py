@@ -15,7 +15,10 @@ colocated or not on its own.
 Checks after every sync (``ModelUpdateError`` on failure):
 
 1. every tensor came from exactly one trainer rank, and every engine worker received every
-   tensor with the sender's checksum (names the first tensor that differs);
+   tensor with the sender's checksum (names the first tensor that differs). A link whose engine
+   receives into its own parameters (SGLang's ``update_weights_from_distributed``) returns no
+   checksums: its names are still checked, the missing checksums are logged once and counted in
+   ``model_update/links_without_checksums``, and the probe is what checks those weights;
 2. probe (``model_update_probe_size`` > 0): the engines' log-probs on a fixed batch against the
    trainer's, logged as ``model_update/probe_logprob_diff``. Non-finite log-probs, or a difference
    above ``model_update_probe_tolerance`` when set, raise; above the dtype's warning threshold
@@ -90,6 +93,7 @@ class ModelUpdateGroup:
         self.probe_batch = probe_batch
         self.name = f"{train_cluster.role}->{infer_cluster.role}"
         self.specs: list[LinkSpec] | None = None
+        self.unchecked_ranks: list[int] = []  # engine ranks whose links return no checksums
 
     # ------------------------------------------------------------------------------ set up
     def setup(self) -> None:
@@ -123,10 +127,30 @@ class ModelUpdateGroup:
         )
         elapsed = time.perf_counter() - start
         check_update(sent, received, self.train.role, self.infer.role)
+        self.note_unchecked(received)
         metrics = update_metrics(sent, received, elapsed, version)
         if self.probe_batch is not None:
             metrics |= self.probe(version)
         return metrics
+
+    def note_unchecked(self, received: list[list[ReceiveResult]]) -> None:
+        """Log once which engine ranks return no checksums (they receive into their own parameters)."""
+        ranks = [rank for rank, links in enumerate(received) if any(r.checksums is None for r in links)]
+        if ranks and ranks != self.unchecked_ranks:
+            probe = (
+                "the probe checks their weights"
+                if self.probe_batch is not None
+                else ("no probe runs (model_update_probe_size is 0), so nothing checks their weights")
+            )
+            logger.info(
+                "model update %s: %s ranks %s receive in the engine's own processes and return no "
+                "checksums; %s",
+                self.name,
+                self.infer.role,
+                ranks,
+                probe,
+            )
+        self.unchecked_ranks = ranks
 
     def probe(self, version: int) -> dict[str, float]:
         """Trainer vs engine log-probs on the probe batch, classified by ``probe.classify_probe``:
@@ -189,9 +213,14 @@ class ModelUpdateGroup:
         able = self.infer.call(ModelUpdateReceiverMixin.model_update_can_verify, self.name)
         if not all(able):
             ranks = [rank for rank, ok in enumerate(able) if not ok]
+            checked = (
+                f"ranks {self.unchecked_ranks} received into the engine's own parameters without checksums"
+                if self.unchecked_ranks
+                else "every received tensor matched the sender's checksum"
+            )
             return None, (
                 f"{self.infer.role} ranks {ranks} cannot show their weights by HF name, so the tensor "
-                "cannot be named; every received tensor matched the sender's checksum"
+                f"cannot be named; {checked}"
             )
         verdicts: list[VerifyResult]
         _, verdicts = get_all(
@@ -239,6 +268,12 @@ def plan_links(
     for rank, (info, (host, port)) in enumerate(zip(senders, addresses)):
         device = info.device_ids[0] if info.device_ids else None
         local = tuple(device is not None and device in r.device_ids for r in receivers)
+        remote = [r for r, is_local in zip(receivers, local) if not is_local]
+        if len({r.engine_group for r in remote}) > 1:
+            raise ModelUpdateError(
+                f"{infer_role}: some workers receive from {train_role} rank {rank} on their engine's own "
+                "group and others do not; one link needs one kind (check model_update_transport)"
+            )
         specs.append(
             LinkSpec(
                 name=f"{train_role}->{infer_role}/{rank}",
@@ -250,6 +285,7 @@ def plan_links(
                 backend=backend,
                 sender_device=device,
                 data_ranks=tuple(r.data_ranks for r in receivers),
+                engine_group=bool(remote) and remote[0].engine_group,
             )
         )
     return specs
@@ -259,7 +295,8 @@ def check_update(
     sent: list[SendResult], received: list[list[ReceiveResult]], train_role: str, infer_role: str
 ) -> None:
     """Every tensor from one trainer rank only, and every engine got each with the sent checksum
-    (``received[r][s]``: what engine rank r got over sender s's link)."""
+    (``received[r][s]``: what engine rank r got over sender s's link; a link whose checksums are
+    None received into the engine's own parameters: its names are checked, not its bytes)."""
     owner: dict[str, int] = {}
     for rank, result in enumerate(sent):
         for name in result.names:
@@ -275,6 +312,14 @@ def check_update(
         )
     for infer_rank, links in enumerate(received):
         for sender, link in enumerate(links):
+            if link.checksums is None:
+                want, got = list(sent[sender].names), list(link.names)
+                if got != want:
+                    raise ModelUpdateError(
+                        f"{infer_role} rank {infer_rank}: got tensors {got[:3]}... ({len(got)}) from "
+                        f"{train_role} rank {sender}, which sent {want[:3]}... ({len(want)})"
+                    )
+                continue
             want = list(zip(sent[sender].names, sent[sender].checksums))
             got = list(zip(link.names, link.checksums))
             for (name, want_sum), got_pair in zip(want, got):
@@ -306,6 +351,7 @@ def update_metrics(
         f"{PREFIX}receiver_load_s": max((r.load_s for r in links), default=0.0),
         f"{PREFIX}receiver_wait_s": max((r.wait_s for r in links), default=0.0),
         f"{PREFIX}receiver_total_s": max((r.total_s for r in links), default=0.0),
+        f"{PREFIX}links_without_checksums": float(sum(r.checksums is None for r in links)),
         f"{PREFIX}version_train": float(min(r.version for r in sent)),
         f"{PREFIX}version_infer": float(min(r.version for r in links)),
         f"{PREFIX}version": float(version),

@@ -14,7 +14,11 @@ workers), a colocated bucket goes to ``engine.load_shared_bucket(meta, handle, v
 broadcast one to ``engine.receive_bucket(group, meta, verify=True)``, ``group`` being this link's
 data group (queued without waiting; the checksums of every broadcast bucket come from
 ``engine.take_checksums(group)`` after the last one). An engine fed by several trainer ranks has
-joined one data group per rank, and each link's buckets go to its own.
+joined one data group per rank, and each link's buckets go to its own. On a link whose engine built
+the data group itself (``LinkSpec.engine_group``, SGLang) a bucket goes to
+``engine.update_weights_from_distributed(group, meta)``, which returns once the engine loaded it;
+such an engine receives into its own parameters and gives no checksums: the link's
+``ReceiveResult.checksums`` is None (the driver's probe checks those weights instead).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ LoadFn = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
 @dataclass
 class ReceiveResult:
     names: list[str] = field(default_factory=list)
-    checksums: list[tuple[int, int]] = field(default_factory=list)
+    # None: the engine received the link's buckets into its own parameters and cannot checksum them.
+    checksums: list[tuple[int, int]] | None = field(default_factory=list)
     nbytes: int = 0
     buckets: int = 0
     # Host time blocked on the control channel, inside ``load``, and in total.
@@ -90,6 +95,8 @@ class BucketReceiver:
                     if self.link.is_local:
                         rows = engine.load_shared_bucket(meta, handle, verify=True)
                         sums.append([tuple(row) for row in rows])
+                    elif self.link.spec.engine_group:  # returns once the engine has loaded it
+                        engine.update_weights_from_distributed(self.link.spec.data_prefix, meta)
                     else:  # queued; its checksums come from take_checksums() after the last bucket
                         engine.receive_bucket(self.link.spec.data_prefix, meta, verify=True)
                 result.load_s += time.perf_counter() - t0
@@ -100,7 +107,8 @@ class BucketReceiver:
             result.buckets += 1
             if meta.last:
                 break
-        result.checksums = _rows(self._finish(engine, sums, result))
+        sums = self._finish(engine, sums, result)
+        result.checksums = None if self._engine_group(engine) else _rows(sums)
         result.total_s = time.perf_counter() - start
         return result
 
@@ -133,13 +141,17 @@ class BucketReceiver:
             self.link.control.ack()
         return bucket_sums
 
+    def _engine_group(self, engine: Any) -> bool:
+        """Whether the engine received this link's buckets on a group of its own (no checksums)."""
+        return engine is not None and not self.link.is_local and self.link.spec.engine_group
+
     def _finish(self, engine: Any, sums: list, result: ReceiveResult) -> list:
         """After the last bucket: wait for the loads and the acks; an engine that received the
         broadcast buckets itself gives their checksums now."""
         self.buffers.synchronize()
         if self.link.is_local:
             self.link.control.finish_acks()
-        if engine is not None and not self.link.is_local:
+        if engine is not None and not self.link.is_local and not self.link.spec.engine_group:
             t0 = time.perf_counter()
             sums = [engine.take_checksums(self.link.spec.data_prefix)]
             result.load_s += time.perf_counter() - t0

@@ -8,6 +8,12 @@ the transfer of bucket k.
 A buffer is reused only after its broadcast finished (a stream wait, not a host wait) and every
 colocated receiver acknowledged it (they read it in place).
 
+A link whose remote engines build their own group (``LinkSpec.engine_group``: SGLang's
+``update_weights_from_distributed`` with ``load_format="flattened_bucket"``) gets each bucket as
+one broadcast of its tensors back to back (``tight_bucket``); a tensor whose place there would not
+suit its dtype (an offset not a multiple of its element size) starts a new bucket, as the engine
+views its bytes in place.
+
     sender = BucketSender(link, device, bucket_bytes=512 << 20)
     result = sender.send(strategy.iter_hf_weights(), version=step)
     result.names, result.checksums, result.nbytes
@@ -23,7 +29,16 @@ from typing import Any
 
 import torch
 
-from roll.distributed.transport.bucket import BucketMeta, TensorMeta, align, tensor_nbytes, write_tensors
+from roll.distributed.model_update.errors import ModelUpdateError
+from roll.distributed.transport.bucket import (
+    BucketMeta,
+    TensorMeta,
+    align,
+    tensor_nbytes,
+    tight_bucket,
+    tight_nbytes,
+    write_tensors,
+)
 from roll.distributed.transport.checksum import bucket_checksums
 from roll.distributed.transport.ipc import IpcHandle, allocate_shared, release_shared
 from roll.distributed.transport.link import Link
@@ -54,6 +69,8 @@ class _Slot:
     # Index of the last bucket sent from this slot (slots are drained in send order).
     index: int = -1
     released: bool = True
+    # The bucket without padding, for engines that lay it out so (allocated when first needed).
+    tight: torch.Tensor | None = None
 
 
 def stream_context(stream: torch.cuda.Stream | None):
@@ -72,6 +89,7 @@ class BucketSender:
         self.device = device
         self.bucket_bytes = align(bucket_bytes)
         self.shared = bool(link.spec.local_receivers)
+        self.tight = link.spec.engine_group and bool(link.spec.remote_receivers)
         self.slots = [_Slot(), _Slot()]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last packed bucket's source tensors and the event after their copies: kept alive
@@ -82,7 +100,7 @@ class BucketSender:
         result = SendResult(version=version)
         sums: list[torch.Tensor] = []
         start = time.perf_counter()
-        index, metas, tensors, used = 0, [], [], 0
+        index, metas, tensors, used, tight_used = 0, [], [], 0, 0
         iterator = iter(named)
         while True:
             t0 = time.perf_counter()
@@ -93,14 +111,16 @@ class BucketSender:
             name, tensor = item
             nbytes = tensor_nbytes(tensor)
             size = align(nbytes)
-            if metas and used + size > self.bucket_bytes:
+            misplaced = self.tight and tight_used % tensor.element_size() != 0
+            if metas and (used + size > self.bucket_bytes or misplaced):
                 sums.append(
                     self._send_bucket(BucketMeta(metas, used, version, index, False), tensors, result)
                 )
-                index, metas, tensors, used = index + 1, [], [], 0
+                index, metas, tensors, used, tight_used = index + 1, [], [], 0, 0
             metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), used, nbytes))
             tensors.append(tensor)
             used += size
+            tight_used += nbytes
         sums.append(self._send_bucket(BucketMeta(metas, used, version, index, True), tensors, result))
         self._release_held()
         for slot in sorted(self.slots, key=lambda s: s.index):
@@ -148,16 +168,37 @@ class BucketSender:
             sums = bucket_checksums(meta, flat)
         if self.shared and self.stream is not None:
             self.stream.synchronize()  # colocated receivers read the buffer from another process
-        self.link.control.send((meta, slot.handle if self.shared else None))
-        if self.link.data is not None and meta.nbytes:
-            with stream_context(self.stream):
-                slot.work = self.link.data.send(flat)
+        with self._link_errors(f"sending bucket {meta.index}"):
+            self.link.control.send((meta, slot.handle if self.shared else None))
+            if self.link.data is not None and meta.nbytes:
+                with stream_context(self.stream):
+                    slot.work = self.link.data.send(self._wire(slot, meta, flat))
         slot.acks_pending = self.shared and meta.nbytes > 0  # receivers ack what they read
         slot.index = meta.index
         result.names.extend(meta.names)
         result.nbytes += meta.nbytes
         result.buckets += 1
         return sums
+
+    def _wire(self, slot: _Slot, meta: BucketMeta, flat: torch.Tensor) -> torch.Tensor:
+        """What the data group broadcasts: the bucket, or for engines that take it without padding
+        its tight form (a copy only when some tensor is padded; reused with the slot)."""
+        if not self.tight:
+            return flat
+        if slot.tight is None or slot.tight.numel() < tight_nbytes(meta):
+            slot.tight = torch.empty(slot.flat.numel(), dtype=torch.uint8, device=self.device)
+        return tight_bucket(meta, flat, slot.tight)
+
+    @contextlib.contextmanager
+    def _link_errors(self, doing: str):
+        """A transport error (a receiver that died or left the group) as one line naming the link."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise ModelUpdateError(
+                f"link {self.link.spec.name}: {doing} failed; a receiver of the link died or left its "
+                f"group ({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+            ) from exc
 
     def _acquire(self, index: int, need: int, result: SendResult) -> _Slot:
         slot = self.slots[index % 2]
@@ -183,11 +224,12 @@ class BucketSender:
     def _wait_free(self, slot: _Slot, result: SendResult) -> None:
         t0 = time.perf_counter()
         if slot.work is not None:
-            with stream_context(self.stream):
+            with self._link_errors(f"waiting for bucket {slot.index}"), stream_context(self.stream):
                 slot.work.wait()
             slot.work = None
         if slot.acks_pending:
-            self.link.control.wait_acks()
+            with self._link_errors(f"waiting for the acks of bucket {slot.index}"):
+                self.link.control.wait_acks()
             slot.acks_pending = False
             if slot.handle is not None and not slot.released:
                 release_shared(slot.handle)  # every colocated receiver has it mapped now

@@ -18,9 +18,10 @@ one actor call, and Ray runs one call at a time per worker, so a ``generate`` on
 runs wholly before or wholly after it: no request sees a half-updated model.
 
 Engines that receive buckets in their own processes implement the Protocols of
-``roll/distributed/strategy/base.py``: ``SharedBucketEngine`` (a colocated sender's buffer) and
-``BroadcastBucketEngine`` (vLLM's TP workers join the broadcast group); the receiver uses them
-when the strategy implements them.
+``roll/distributed/strategy/base.py``: ``SharedBucketEngine`` (a colocated sender's buffer),
+``BroadcastBucketEngine`` (vLLM's TP workers join the broadcast group) and
+``DistributedBucketEngine`` (SGLang's schedulers build the group themselves, on the links the
+strategy's ``uses_engine_group`` takes); the receiver uses them when the strategy implements them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from roll.distributed.model_update.receiver import BucketReceiver, ReceiveResult
 from roll.distributed.model_update.sender import BucketSender, SendResult
 from roll.distributed.strategy.base import (
     BroadcastBucketEngine,
+    DistributedBucketEngine,
     FinishesModelUpdate,
     HFWeightSource,
     SharedBucketEngine,
@@ -58,6 +60,7 @@ class DeviceInfo:
     node_ip: str
     cuda: bool
     data_ranks: int  # ranks the worker adds to a broadcast group (its engine's TP workers)
+    engine_group: bool = False  # links from other devices come through the engine's own group
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,9 @@ class _ModelUpdateWorker:
     def model_update_device_info(self) -> DeviceInfo:
         """Global device ids (``ROLL_DEVICE_IDS``), node IP, device kind and broadcast ranks needed."""
         ids = os.environ.get("ROLL_DEVICE_IDS", "")
-        ranks = self.strategy.model_update_ranks() if isinstance(self.strategy, BroadcastBucketEngine) else 1
-        return DeviceInfo(
-            rank=self.rank,
-            device_ids=[int(d) for d in ids.split(",") if d != ""],
-            node_ip=ray.util.get_node_ip_address(),
-            cuda=self.ctx.is_cuda,
-            data_ranks=int(ranks),
+        device_ids = [int(d) for d in ids.split(",") if d != ""]
+        return device_info(
+            self.strategy, self.rank, device_ids, ray.util.get_node_ip_address(), self.ctx.is_cuda
         )
 
     @register(Dispatch.ONE_TO_ALL)
@@ -225,10 +224,28 @@ def describe_difference(want: torch.Tensor, have: torch.Tensor) -> str:
     )
 
 
+def device_info(strategy: Any, rank: int, device_ids: list[int], node_ip: str, cuda: bool) -> DeviceInfo:
+    """A worker's ``DeviceInfo``: an engine that receives in its own processes (roll's group or, on
+    links from other devices, its own) adds one rank per TP process to a broadcast group."""
+    engine_group = _engine_group(strategy, colocated=False)
+    in_engine = isinstance(strategy, BroadcastBucketEngine) or engine_group
+    ranks = strategy.model_update_ranks() if in_engine else 1
+    return DeviceInfo(rank, device_ids, node_ip, cuda, int(ranks), engine_group)
+
+
+def _engine_group(strategy: Any, colocated: bool) -> bool:
+    """Whether a link (from a sender on this worker's device or not) comes through the engine's own
+    group (``DistributedBucketEngine``); the strategy raises where its transport cannot serve it."""
+    return isinstance(strategy, DistributedBucketEngine) and strategy.uses_engine_group(colocated)
+
+
 def _engine_receives(strategy: Any, spec: LinkSpec, rank: int) -> bool:
     """Whether the engine takes this link's buckets in its own processes (see the module docstring)."""
     if spec.is_local(rank):
+        _engine_group(strategy, colocated=True)  # raises where the transport asks for the group
         return isinstance(strategy, SharedBucketEngine)
+    if spec.engine_group:
+        return True
     return isinstance(strategy, BroadcastBucketEngine)
 
 
@@ -237,7 +254,10 @@ def _engine_join(engine: Any, spec: LinkSpec, rank: int):
         return None
 
     def join(host: str, port: int, prefix: str, rank_offset: int, world_size: int, backend: str) -> None:
-        engine.join_model_update_group(host, port, prefix, rank_offset, world_size, backend)
+        if spec.engine_group:  # the engine builds the group itself, named by the link's data prefix
+            engine.init_weights_update_group(host, port, rank_offset, world_size, prefix, backend)
+        else:
+            engine.join_model_update_group(host, port, prefix, rank_offset, world_size, backend)
 
     return join
 

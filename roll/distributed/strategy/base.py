@@ -12,8 +12,9 @@ gives the answer the row declares.
   ``megatron_infer``, vLLM, SGLang); ``TrainStrategy`` adds training, checkpoints and
   ``iter_hf_weights``.
 - Optional: ``ValueModelStrategy`` (critic values), ``HFWeightSource`` (weights by HF name),
-  ``FinishesModelUpdate``, and the engines' own bucket paths ``SharedBucketEngine`` (colocated) and
-  ``BroadcastBucketEngine`` (received in the engine's processes).
+  ``FinishesModelUpdate``, and the engines' own bucket paths ``SharedBucketEngine`` (colocated),
+  ``BroadcastBucketEngine`` (received in the engine's processes on roll's group) and
+  ``DistributedBucketEngine`` (received on a group the engine builds itself, SGLang's).
 
 Batch layout (shared by every strategy, see ``roll.core.batch.Batch``):
 
@@ -168,6 +169,28 @@ class BroadcastBucketEngine(Protocol):
         """Wait for the buckets queued on ``group``; their per-tensor checksums, in order."""
 
 
+@runtime_checkable
+class DistributedBucketEngine(Protocol):
+    """An engine whose own processes build a group with a remote sender and receive each bucket on
+    it (SGLang's ``init_weights_update_group`` / ``update_weights_from_distributed``), loading it
+    into their parameters: no checksums come back."""
+
+    def model_update_ranks(self) -> int:
+        """Ranks this worker adds to the group."""
+
+    def uses_engine_group(self, colocated: bool) -> bool:
+        """Whether a link from a sender (on this worker's device or not) goes through the engine's
+        own group; raises where the configured transport cannot serve such a link."""
+
+    def init_weights_update_group(
+        self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str = "nccl"
+    ) -> None:
+        """Build group ``group_name`` with the sender's store at host:port, as ``rank_offset + tp rank``."""
+
+    def update_weights_from_distributed(self, group_name: str, meta: Any) -> None:
+        """Receive the bucket ``meta`` describes on ``group_name`` and load it; returns when loaded."""
+
+
 # The Protocols a registry row may add to the one its side requires.
 OPTIONAL_PROTOCOLS: tuple[type, ...] = (
     InferenceStrategy,
@@ -176,6 +199,7 @@ OPTIONAL_PROTOCOLS: tuple[type, ...] = (
     FinishesModelUpdate,
     SharedBucketEngine,
     BroadcastBucketEngine,
+    DistributedBucketEngine,
 )
 
 

@@ -58,15 +58,17 @@ class SGLangEngineCalls:
         _ok(result, "init_weights_update_group")
 
     def update_weights_from_distributed(self, meta: Any, group_name: str) -> None:
-        """One bucket's tensors, broadcast tensor by tensor in ``meta``'s order on SGLang's group."""
+        """One bucket's tensors, broadcast on SGLang's group as one flat buffer of them back to back
+        in ``meta``'s order (``load_format="flattened_bucket"``); returns once loaded."""
         result = self.engine.update_weights_from_distributed(
             names=[t.name for t in meta.tensors],
             dtypes=[str(t.dtype).removeprefix("torch.") for t in meta.tensors],
             shapes=[list(t.shape) for t in meta.tensors],
             group_name=group_name,
             flush_cache=False,
+            load_format="flattened_bucket",
         )
-        _ok(result, "update_weights_from_distributed")
+        _ok(result, f"update_weights_from_distributed of bucket {meta.index} on {group_name!r}")
 
 
 def _ok(result: Any, call: str) -> None:

@@ -17,13 +17,19 @@ are serialized; ``abort`` from another thread is posted onto that loop.
     strategy.offload_states()                               # release_memory_occupation(["kv_cache", "weights"])
     strategy.reload_states()                                # resume_memory_occupation(["weights"])
 
-Model update: the receiver on this worker receives each bucket itself (as for ``hf_infer``) and
-calls ``load_weights`` with views into its buffer (or ``load_shared_bucket`` when colocated, through
-``transport.engine_receive.EngineReceiver`` as vLLM's workers do), which hands the tensors to
-``Engine.update_weights_from_tensor`` (CUDA IPC into the schedulers); then
-``finish_model_update(version)``. Control calls into the engine are ``SGLangEngineCalls``. SGLang's own NCCL path is ``init_weights_update_group`` +
-``update_weights_from_distributed(meta)``; it needs a sender that builds SGLang's group and
-broadcasts tensor by tensor (see docs/strategies.md).
+Model update (``model_update_transport``, per trainer rank's link):
+
+- from a trainer rank on this worker's device: ``load_shared_bucket`` maps the sender's buffer
+  (``transport.engine_receive.EngineReceiver``, as vLLM's workers do) and hands the views to
+  ``Engine.update_weights_from_tensor`` (CUDA IPC into the schedulers);
+- from one on another device, ``distributed`` (``auto``'s choice): SGLang's schedulers join the
+  link's data group themselves (``init_weights_update_group``) and receive each bucket with
+  ``update_weights_from_distributed(group, meta)`` (one broadcast per bucket, its tensors back to
+  back: ``load_format="flattened_bucket"``) into fresh tensors that their model loads;
+- ``tensor``: this worker receives each bucket itself (as for ``hf_infer``) and calls
+  ``load_weights`` with views into its buffer, which goes on by ``update_weights_from_tensor``.
+
+Then ``finish_model_update(version)``. Control calls into the engine are ``SGLangEngineCalls``.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ class SGLangStrategy:
         self.weight_version: int | None = None
         self.vision = SGLangVision()  # a vision-language model's tokens (sglang_vision); inert for text
         self.registry = RequestRegistry()
-        self.group_name: str | None = None
+        self.update_groups: set[str] = set()  # SGLang groups joined, one per trainer rank's link
         self._lock = threading.Lock()  # Engine.generate runs the engine's loop: one call at a time
         self._released: set[str] = set()
         self._weights_stale = False
@@ -259,19 +265,40 @@ class SGLangStrategy:
         self._needs_flush = True
         return sums
 
+    def model_update_ranks(self) -> int:
+        """Ranks this worker adds to a link's group: one per TP scheduler."""
+        return self.config.tensor_parallel_size
+
+    def uses_engine_group(self, colocated: bool) -> bool:
+        """Whether a trainer rank's link comes through SGLang's own group (see the module
+        docstring); "distributed" from a rank on this worker's device cannot work (NCCL refuses
+        two ranks on one device), and the pre-launch checks refuse it first."""
+        transport = self.config.model_update_transport
+        if colocated and transport == "distributed":
+            raise RuntimeError(
+                f"{self.ctx.role}: strategy_config.model_update_transport is 'distributed', but a trainer "
+                "rank shares this worker's device; use 'auto' (CUDA IPC from that rank) or 'tensor'"
+            )
+        return not colocated and transport != "tensor"
+
     def init_weights_update_group(
         self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str = "nccl"
     ) -> None:
-        """SGLang's own NCCL group: its TP schedulers join as ``rank_offset + tp rank``."""
+        """SGLang's own group with the sender's store at host:port: its TP schedulers join as
+        ``rank_offset + tp rank``. One per trainer rank that feeds this engine (SGLang keeps them by name)."""
         self.engine_calls.init_weights_update_group(host, port, rank_offset, world_size, group_name, backend)
-        self.group_name = group_name
+        self.update_groups.add(group_name)
 
-    def update_weights_from_distributed(self, meta: Any) -> None:
-        """Receive one bucket on SGLang's group: the sender broadcasts each tensor in ``meta``'s order."""
-        if self.group_name is None:
-            raise RuntimeError("update_weights_from_distributed before init_weights_update_group")
+    def update_weights_from_distributed(self, group_name: str, meta: Any) -> None:
+        """Receive one bucket on SGLang's group ``group_name`` (one broadcast of its tensors back to
+        back) and load it; returns once the schedulers have loaded it."""
+        if group_name not in self.update_groups:
+            raise RuntimeError(
+                f"update_weights_from_distributed on {group_name!r} before init_weights_update_group "
+                f"(joined: {sorted(self.update_groups)})"
+            )
         self._resume(["weights"] if "weights" in self._released else [])
-        self.engine_calls.update_weights_from_distributed(meta, self.group_name)
+        self.engine_calls.update_weights_from_distributed(meta, group_name)
         self._weights_stale = False
         self._needs_flush = True
 

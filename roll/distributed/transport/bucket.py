@@ -169,6 +169,29 @@ def pack_bucket(
     return BucketMeta(metas, total, version, index, last), flat
 
 
+def tight_nbytes(meta: BucketMeta) -> int:
+    """The bucket's size with its tensors back to back (no padding)."""
+    return sum(t.nbytes for t in meta.tensors)
+
+
+def tight_bucket(meta: BucketMeta, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's tensors back to back without padding, as engines that flatten a bucket
+    themselves lay it out (SGLang's ``FlattenedTensorBucket``): a prefix of ``flat`` when no tensor
+    before the last is padded (every size a multiple of 256 bytes, as in most LLM layers), else
+    copied into ``out`` (at least ``tight_nbytes(meta)`` bytes) in one kernel."""
+    nbytes, offset = tight_nbytes(meta), 0
+    for t in meta.tensors:
+        if t.offset != offset:
+            break
+        offset += t.nbytes
+    else:
+        return flat[:nbytes]
+    if out is None or out.numel() < nbytes:
+        raise ValueError(f"bucket {meta.index} needs a {nbytes}-byte buffer to lie without padding")
+    parts = [flat[t.offset : t.offset + t.nbytes] for t in meta.tensors]
+    return torch.cat(parts, out=out[:nbytes])
+
+
 def unpack_bucket(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The bucket's tensors as ``(name, view)`` pairs into ``flat`` (no copies)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:

@@ -14,8 +14,11 @@ Up to three groups per link, all over one ``TCPStore`` hosted by the sender:
     link = Link.connect(spec, member="sender", device=device)        # on trainer rank 0
     link = Link.connect(spec, member=1, device=device)               # on inference rank 1
 
-A remote receiver whose engine receives in its own processes (vLLM's TP workers) passes
-``join_data``: the engine joins the data group with ``data_ranks`` ranks instead of this process.
+A remote receiver whose engine receives in its own processes (vLLM's TP workers, SGLang's
+schedulers) passes ``join_data``: the engine joins the data group with ``data_ranks`` ranks instead
+of this process. With ``engine_group`` the engine builds that group its own way (SGLang's
+``init_weights_update_group`` at the link's store, host:port) and the sender's end matches it
+(``process_group.engine_group``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from roll.distributed.transport.broadcast import BroadcastTransport
 from roll.distributed.transport.control import ControlChannel
-from roll.distributed.transport.process_group import DEFAULT_TIMEOUT, new_group, open_store
+from roll.distributed.transport.process_group import DEFAULT_TIMEOUT, engine_group, new_group, open_store
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class LinkSpec:
     sender_device: int | None = None
     # Ranks each receiver takes in the data group (engines with TP worker processes take several).
     data_ranks: tuple[int, ...] | None = None
+    # The remote receivers' engines build the data group themselves, as torch.distributed builds a
+    # group from a tcp:// init method (SGLang's init_weights_update_group), and take each bucket as
+    # one broadcast of its tensors back to back, with no padding (``bucket.tight_bucket``).
+    engine_group: bool = False
 
     def __post_init__(self) -> None:
         if len(self.receivers) != len(self.local):
@@ -142,11 +149,17 @@ class Link:
         data = None
         remote = spec.remote_receivers
         prefix, world = spec.data_prefix, spec.data_world_size
-        if remote and is_sender:
+        if remote and is_sender and spec.engine_group:
+            data = BroadcastTransport(engine_group(spec.backend, store, prefix, 0, world, timeout), 0)
+        elif remote and is_sender:
             data = BroadcastTransport(new_group(spec.backend, store, prefix, 0, world, timeout), 0)
         elif member in remote and join_data is not None:
             join_data(spec.host, spec.port, prefix, spec.data_rank_offset(member), world, spec.backend)
         elif member in remote:
+            if spec.engine_group:
+                raise ValueError(
+                    f"link {spec.name}: receiver {member}'s engine builds the data group; pass join_data"
+                )
             if spec.ranks_of(member) != 1:
                 raise ValueError(
                     f"link {spec.name}: receiver {member} takes {spec.ranks_of(member)} data ranks but has no join_data"

@@ -52,7 +52,10 @@ def new_group(
     must call this with the same prefix and world size at about the same time)."""
     if backend not in BACKENDS:
         raise ValueError(f"model-update backend must be one of {list(BACKENDS)}, got {backend!r}")
-    scoped = dist.PrefixStore(prefix, store)
+    return _backend(backend, dist.PrefixStore(prefix, store), rank, world_size, timeout)
+
+
+def _backend(backend: str, scoped: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta):
     if backend == "gloo":
         return dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
     try:
@@ -61,6 +64,34 @@ def new_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(scoped, rank, world_size, options)
+
+
+def engine_group(
+    backend: str,
+    store: dist.Store,
+    name: str,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+):
+    """Our end of a group that an engine's own processes build the way ``torch.distributed`` builds
+    a group from a ``tcp://`` init method (SGLang's ``init_weights_update_group``): the store scoped
+    by ``PrefixStore(name)``, then by torch's group helper with ``f"{name}/"`` and the first device
+    kind the backend serves (``f"cpu/"`` for gloo, ``f"cuda/"`` for nccl: one backend serves them
+    all when it is the same for every kind).
+
+    Built without torch's helper (``_new_process_group_helper``), which in a trainer whose default
+    group is bound to its device would split the new communicator off the default one, a group the
+    engine does not belong to.
+
+        group = engine_group("nccl", store, "actor_train->actor_infer/0/data", rank=0, world_size=3)
+        group.broadcast([flat], broadcast_options(0)).wait()
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"model-update backend must be one of {list(BACKENDS)}, got {backend!r}")
+    device = dist.Backend.backend_capability[backend][0]
+    scoped = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+    return _backend(backend, scoped, rank, world_size, timeout)
 
 
 def broadcast_options(root: int) -> dist.BroadcastOptions:
