@@ -7,9 +7,11 @@ loading):
 
 - a trainer on GPU 0 holding random bf16 weights with the HF names and shapes of ``--presets``;
 - ``colocated``: an engine on GPU 0 (the trainer's device): buckets by CUDA IPC;
-- ``disagg``: an engine on GPU 1: buckets by NCCL broadcast (vLLM: into its workers' own buffers;
-  SGLang: into the worker's buffer, then ``update_weights_from_tensor`` by CUDA IPC; roll's sender
-  does not speak SGLang's ``update_weights_from_distributed``, see docs/strategies.md).
+- ``disagg``: an engine on GPU 1: buckets by NCCL broadcast into the engine's own processes (vLLM:
+  its workers' buffers on roll's group; SGLang: its schedulers on their own group,
+  ``update_weights_from_distributed``, ``model_update_transport: auto``);
+- ``disagg-tensor`` (SGLang only): the same engine with ``model_update_transport: tensor``: NCCL
+  broadcast into the worker's buffer, then ``update_weights_from_tensor`` by CUDA IPC.
 
 Without 2 GPUs or with the engine missing or of an untested version it prints one line and exits 2.
 
@@ -55,6 +57,13 @@ from roll.utils.ports import free_port  # noqa: E402
 TIMEOUT = datetime.timedelta(minutes=10)
 TRAINER, COLOCATED, DISAGG = 0, 1, 2
 LAYOUTS = {"colocated": COLOCATED, "disagg": DISAGG}
+# SGLang's worker-received path beside its own group (model_update_transport: tensor).
+EXTRA_LAYOUTS = {"sglang": {"disagg-tensor": DISAGG}}
+
+
+def layouts(engine: str) -> dict[str, int]:
+    """Layout name -> the process that owns its engine."""
+    return LAYOUTS | EXTRA_LAYOUTS.get(engine, {})
 
 
 def write_config_dir(preset: str, root: Path, tokenizer: str) -> Path:
@@ -99,9 +108,14 @@ def barrier(group) -> None:
     group.barrier().wait()
 
 
-def link_spec(layout: str, port: int) -> LinkSpec:
+def link_spec(layout: str, port: int, engine: str) -> LinkSpec:
+    """The link ``plan_links`` would give the layout (SGLang's ``disagg``: its own group)."""
     local = layout == "colocated"
-    return LinkSpec(f"bench/{layout}", 0, "127.0.0.1", port, (LAYOUTS[layout],), (local,), "nccl", 0)
+    owner = layouts(engine)[layout]
+    group = engine == "sglang" and layout == "disagg"
+    return LinkSpec(
+        f"bench/{layout}", 0, "127.0.0.1", port, (owner,), (local,), "nccl", 0, engine_group=group
+    )
 
 
 MEMBER_NAMES = {TRAINER: "trainer", COLOCATED: "colocated engine", DISAGG: "disaggregated engine"}
@@ -167,8 +181,9 @@ def trainer_rounds(args, preset, config_dir, ports, ctrl, device) -> list[dict]:
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     barrier(ctrl)  # engines are up
     rows = []
-    for layout in LAYOUTS:
-        link = Link.connect(link_spec(layout, ports[f"{preset}/{layout}"]), "sender", device, TIMEOUT)
+    for layout in layouts(args.engine):
+        spec = link_spec(layout, ports[f"{preset}/{layout}"], args.engine)
+        link = Link.connect(spec, "sender", device, TIMEOUT)
         sender = BucketSender(link, device, args.bucket_mb << 20)
         times = []
         for version in range(args.reps + 1):
@@ -188,8 +203,8 @@ def trainer_rounds(args, preset, config_dir, ports, ctrl, device) -> list[dict]:
 def receiving_engine(strategy, spec: LinkSpec, rank: int):
     """(engine, join) as the pipeline's receiver picks them (``ModelUpdateReceiverMixin``): the
     strategy takes buckets in its own processes only where it implements that link's Protocol
-    (vLLM: both; SGLang: the colocated ``SharedBucketEngine`` only, so a disaggregated bucket lands
-    in the worker's buffer and goes in by ``load_weights``), and only such an engine joins the
+    (vLLM: both; SGLang: colocated, and on a link of its own group; on ``disagg-tensor`` a bucket
+    lands in the worker's buffer and goes in by ``load_weights``), and only such an engine joins the
     broadcast group."""
     from roll.distributed.model_update.worker_mixin import _engine_join, _engine_receives
 
@@ -200,13 +215,13 @@ def receiving_engine(strategy, spec: LinkSpec, rank: int):
 def engine_rounds(args, rank, config_dir, preset, ports, ctrl, device) -> None:
     strategy = start_engine(args.engine, config_dir, device, rank)
     barrier(ctrl)
-    for layout, owner in LAYOUTS.items():
+    for layout, owner in layouts(args.engine).items():
         if owner != rank:
             for _ in range(args.reps + 1):
                 barrier(ctrl)
                 barrier(ctrl)
             continue
-        spec = link_spec(layout, ports[f"{preset}/{layout}"])
+        spec = link_spec(layout, ports[f"{preset}/{layout}"], args.engine)
         engine, join = receiving_engine(strategy, spec, rank)
         link = Link.connect(spec, rank, device, TIMEOUT, join_data=join)
         receiver = BucketReceiver(link, device, engine=engine)
@@ -248,6 +263,7 @@ def start_engine(engine: str, config_dir: str, device: torch.device, rank: int):
 PATHS = {
     "vllm": "colocated: CUDA IPC into vLLM's workers; disagg: NCCL broadcast into vLLM's workers",
     "sglang": "colocated: CUDA IPC, then Engine.update_weights_from_tensor; disagg: NCCL broadcast "
+    "into SGLang's schedulers, Engine.update_weights_from_distributed; disagg-tensor: NCCL broadcast "
     "into the worker's buffer, then Engine.update_weights_from_tensor (CUDA IPC)",
 }
 
@@ -300,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {p: str(write_config_dir(p, Path(tmp), args.tokenizer)) for p in args.presets.split(",")}
-        ports = {"ctrl": free_port()} | {f"{p}/{lay}": free_port() for p in dirs for lay in LAYOUTS}
+        ports = {"ctrl": free_port()} | {
+            f"{p}/{lay}": free_port() for p in dirs for lay in layouts(args.engine)
+        }
         result = Path(tmp) / "result.json"
         mp.start_processes(member, args=(args, dirs, ports, str(result)), nprocs=3, start_method="spawn")
         data = json.loads(result.read_text())
@@ -324,12 +342,12 @@ def table_lines(data: dict, engine: str, engine_version: str) -> list[str]:
         f"model update into {engine} {engine_version} (roll {engine} strategy), "
         f"NCCL broadcast GPU0->GPU1: {bw:.1f} GB/s",
         f"({PATHS[engine]})",
-        f"{'preset':<14}{'layout':<11}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}",
+        f"{'preset':<14}{'layout':<15}{'GB':>7}{'sync ms':>10}{'bound ms':>10}{'ratio':>8}",
     ]
     for r in data["rows"]:
         bound = r["bytes"] / (bw * 1e9)
         lines.append(
-            f"{r['preset']:<14}{r['layout']:<11}{r['bytes'] / 1e9:>7.2f}{r['sync_s'] * 1e3:>10.1f}"
+            f"{r['preset']:<14}{r['layout']:<15}{r['bytes'] / 1e9:>7.2f}{r['sync_s'] * 1e3:>10.1f}"
             f"{bound * 1e3:>10.1f}{r['sync_s'] / bound:>8.2f}"
         )
     return lines

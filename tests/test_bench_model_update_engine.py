@@ -63,21 +63,27 @@ def test_engine_missing_or_of_an_untested_version_is_named_before_any_process(mo
 
 
 # (the engine takes the buckets itself, the engine joins the broadcast group) per layout. SGLang's
-# disaggregated buckets land in the worker's buffer: its engine must not be asked to join a group
-# (it has no join_model_update_group; the first version of this benchmark asked it).
+# disagg-tensor buckets land in the worker's buffer: its engine must not be asked to join a group
+# (the first version of this benchmark asked it); on disagg its schedulers build their own group.
 @pytest.mark.parametrize(
-    "engine, colocated, disagg",
-    [("sglang", (True, False), (False, False)), ("vllm", (True, False), (True, True))],
+    "engine, want",
+    [
+        ("sglang", {"colocated": (True, False), "disagg": (True, True), "disagg-tensor": (False, False)}),
+        ("vllm", {"colocated": (True, False), "disagg": (True, True)}),
+    ],
 )
-def test_each_layout_reaches_the_engine_as_the_pipeline_sends_it(engine, colocated, disagg):
+def test_each_layout_reaches_the_engine_as_the_pipeline_sends_it(engine, want):
+    from roll.configs.strategy_configs import SGLangConfig, VLLMConfig
     from roll.distributed.strategy.registry import check_strategy_class
 
     strategy = object.__new__(check_strategy_class(engine))  # the class, without its engine
+    strategy.config = SGLangConfig() if engine == "sglang" else VLLMConfig()
     got = {}
-    for layout in bench.LAYOUTS:
-        receiver, join = bench.receiving_engine(strategy, bench.link_spec(layout, 1), bench.LAYOUTS[layout])
+    for layout, owner in bench.layouts(engine).items():
+        receiver, join = bench.receiving_engine(strategy, bench.link_spec(layout, 1, engine), owner)
         got[layout] = (receiver is strategy, join is not None)
-    assert got == {"colocated": colocated, "disagg": disagg}
+    assert got == want
+    assert bench.link_spec("disagg", 1, engine).engine_group == (engine == "sglang")
 
 
 def test_table_has_the_same_columns_for_every_engine_and_the_nccl_bound():
@@ -86,12 +92,15 @@ def test_table_has_the_same_columns_for_every_engine_and_the_nccl_bound():
         "rows": [
             {"preset": "qwen2.5-7b", "layout": "colocated", "bytes": 15.2e9, "sync_s": 0.1},
             {"preset": "qwen2.5-7b", "layout": "disagg", "bytes": 15.2e9, "sync_s": 0.304},
+            {"preset": "qwen2.5-7b", "layout": "disagg-tensor", "bytes": 15.2e9, "sync_s": 0.608},
         ],
     }
     tables = {e: bench.table_lines(data, e, "1.0") for e in ("vllm", "sglang")}
     assert tables["vllm"][2] == tables["sglang"][2]
     assert tables["sglang"][2].split() == ["preset", "layout", "GB", "sync", "ms", "bound", "ms", "ratio"]
     assert "update_weights_from_tensor" in tables["sglang"][1]
+    assert "update_weights_from_distributed" in tables["sglang"][1]
+    assert tables["sglang"][5].split() == ["qwen2.5-7b", "disagg-tensor", "15.20", "608.0", "152.0", "4.00"]
     assert tables["sglang"][4].split() == ["qwen2.5-7b", "disagg", "15.20", "304.0", "152.0", "2.00"]
     assert tables["sglang"][0].startswith("model update into sglang 1.0 (roll sglang strategy)")
 
