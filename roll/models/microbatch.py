@@ -87,7 +87,9 @@ def plan_micro_batches(
     return [sorted(b) for b in plan]
 
 
-def _all_reduce(values: list[float], op: Any, group: Any) -> list[float]:
+def all_reduce_values(values: list[float], op: Any, group: Any) -> list[float]:
+    """``values`` reduced by ``op`` over the ranks of ``group`` (as they are without one), in fp64
+    on CPU, or on the GPU for an NCCL-only group."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64)
@@ -108,7 +110,7 @@ def split_by_tokens(
     needed = min_micro_batches(lengths, max_tokens) if max(lengths) <= max_tokens else 1
     needed = max(needed, min(min_count, len(lengths)))
     agreed = [float(needed), -float(len(lengths)), float(max(lengths))]
-    count, fewest, longest = _all_reduce(agreed, dist.ReduceOp.MAX, group)
+    count, fewest, longest = all_reduce_values(agreed, dist.ReduceOp.MAX, group)
     # Errors are raised on every rank alike, so none is left waiting in a collective.
     if longest > max_tokens:
         plan_micro_batches([int(longest)], max_tokens)  # raises the budget error
@@ -182,7 +184,7 @@ def loss_weights(batches: list[Batch], mode: str | None, group: Any = None) -> l
     if mode is None:
         return [1.0 / len(batches)] * len(batches)
     counts = [_normaliser(b, mode) for b in batches]
-    (total,) = _all_reduce([sum(counts)], dist.ReduceOp.SUM, group)
+    (total,) = all_reduce_values([sum(counts)], dist.ReduceOp.SUM, group)
     size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     return [c * size / max(total, 1.0) for c in counts]
 

@@ -8,7 +8,10 @@ CPU over gloo (FSDP2 runs there too; torch 2.13 checked).
 >>> for name, tensor in strategy.iter_hf_weights(): ...               # every rank iterates; rank 0 yields
 
 Every rank must make the same calls with the same number of rows/micro-batches (each forward
-all-gathers shards). Process group: ``initialize`` uses the default group when one exists
+all-gathers shards). A vision-language model's ranks may hold different rows (text-only rows on one,
+images on another): each forward runs the vision tower as often as any rank's does, on a dummy image
+whose outputs are added times 0 where this rank's rows need fewer (``roll.models.vision_tower``), so
+the vision blocks' gathers and gradient reductions match and no value changes. Process group: ``initialize`` uses the default group when one exists
 (its size must be ``ctx.world_size``); else it creates one from MASTER_ADDR/MASTER_PORT (the
 worker sets them), or on a free local port for a single rank. Backend: NCCL for CUDA (gloo for CPU
 tensors), gloo on CPU.
@@ -89,6 +92,7 @@ from roll.models.ulysses import check_heads, use_ulysses_attention
 from roll.models.ulysses_forward import ulysses_log_probs, ulysses_values
 from roll.models.value_model import HEAD_PREFIX, ValueModel, check_output_kind, response_values
 from roll.models.vision import check_vision_options, freeze_prefixes, is_vision_config
+from roll.models.vision_tower import agreed_tower_calls, idle_tower_calls, tower_calls
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
@@ -284,7 +288,21 @@ class FSDP2TrainStrategy:
             return self.dp_group
         return dist.group.WORLD if self.ctx.world_size > 1 else None
 
-    def _forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def _tower_calls(self, micro_batches: list[Batch]) -> list[int]:
+        """Per micro-batch, how often its forward runs a vision-language model's tower on every
+        rank (``roll.models.vision_tower``: the ranks agree, so a text-only rank runs it on a dummy
+        image and the tower's gathers and gradient reductions match); 0s for a text model."""
+        if not self.vision:
+            return [0] * len(micro_batches)
+        return agreed_tower_calls(micro_batches, dist.group.WORLD if self.ctx.world_size > 1 else None)
+
+    def _forward(self, batch: Batch, tower_runs: int = 0) -> dict[str, torch.Tensor]:
+        """The outputs of ``batch``; ``tower_runs``: how often the forward runs the vision tower
+        (``_tower_calls``; this rank's rows may need fewer)."""
+        with idle_tower_calls(self.model, tower_runs - tower_calls(batch)):
+            return self._outputs(batch)
+
+    def _outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         if self.sp_group is not None:
             if self.is_value_model:
                 return {"values": ulysses_values(self.model, batch, self.packing, self.sp_group)}
@@ -313,9 +331,9 @@ class FSDP2TrainStrategy:
         weights = loss_weights(micro_batches, loss_agg_mode_of(loss_fn), self._group())
         weights = [w * self.ulysses_size for w in weights]
         totals: dict[str, float] = {}
-        for micro, weight in zip(micro_batches, weights):
+        for micro, weight, runs in zip(micro_batches, weights, self._tower_calls(micro_batches)):
             micro = micro.to(self.ctx.device)
-            loss, metrics = loss_fn(self._forward(micro), micro)
+            loss, metrics = loss_fn(self._forward(micro, runs), micro)
             (loss * weight).backward()
             for key, value in {"loss": float(loss.detach()), **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
@@ -360,7 +378,7 @@ class FSDP2TrainStrategy:
             micro = batch.split(max(1, self.role_config.infer_batch_size))
         else:
             micro, order = split_by_tokens(batch, budget, self._group())
-        parts = [self._forward(m.to(self.ctx.device)) for m in micro]
+        parts = [self._forward(m.to(self.ctx.device), n) for m, n in zip(micro, self._tower_calls(micro))]
         self.model.train()
         if not self.config.reshard_after_forward:
             # Training reshards after the backward; a forward without one leaves the parameters
