@@ -36,6 +36,7 @@ from roll.models.megatron.packed_vision import (
     with_vision_features,
 )
 from roll.models.vision import token_types
+from roll.models.vision_tower import idle_tower_output
 
 
 def _vision_class() -> Any:
@@ -137,7 +138,16 @@ class Qwen2_5_VLGPTModel(GPTModel):
         parts = [p for p in parts if p[1] is not None]
         if self.pre_process and decoder_input is None and parts:
             decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
+        elif self.pre_process and decoder_input is None and self._tower_wants_grads():
+            # Text rows in training: the tower on a dummy image, times 0, so its parameters get (zero)
+            # gradients on every DP rank and DDP's overlapped bucket all-reduce is issued alike
+            # (roll.models.vision_tower). The embeddings are unchanged.
+            words = self.embedding(input_ids=input_ids, position_ids=None)
+            decoder_input = words + idle_tower_output(self.visual, words.device).to(words.dtype)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+    def _tower_wants_grads(self) -> bool:
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.visual.parameters())
 
     def _embed_with_vision(
         self,
