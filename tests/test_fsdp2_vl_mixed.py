@@ -116,8 +116,8 @@ def role_config(model: str, freeze: bool = False, **config) -> RoleConfig:
     )
 
 
-def make_strategy(model: str, rank: int, world_size: int, freeze: bool = False, **config):
-    ctx = WorkerContext("actor_train", rank, world_size, rank, torch.device("cpu"), seed=42)
+def make_strategy(model: str, rank: int, world_size: int, device: str, freeze: bool = False, **config):
+    ctx = WorkerContext("actor_train", rank, world_size, rank, torch.device(device), seed=42)
     strategy = load_strategy_class("fsdp2_train")(role_config(model, freeze, **config), ctx)
     strategy.initialize()
     return strategy
@@ -129,7 +129,7 @@ def step_grads(strategy, micro_batches: list[Batch], loss_fn=policy_loss) -> dic
 
     def clip() -> float:
         box["grads"] = {
-            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu()
             for n, p in strategy.model.named_parameters()
             if p.grad is not None
         }
@@ -140,15 +140,17 @@ def step_grads(strategy, micro_batches: list[Batch], loss_fn=policy_loss) -> dic
     return box["grads"]
 
 
-def _worker(rank: int, world_size: int, port: int, model: str, scratch: str) -> None:
+def _worker(rank: int, world_size: int, port: int, model: str, scratch: str, device: str) -> None:
+    """Every case on this rank (``device`` "cpu", or "cuda": this rank's GPU over NCCL)."""
+    device = f"cuda:{rank}" if device == "cuda" else device
     batch = torch.load(Path(scratch, "batch.pt"), weights_only=False)
     mine = batch.index([0, 1] if rank == 0 else [4, 5])  # rank 0: image rows, rank 1: text rows
     out: dict = {}
     with process_group(rank, world_size, port, init=False):  # the strategy joins
-        strategy = make_strategy(model, rank, world_size)
+        strategy = make_strategy(model, rank, world_size, device)
         out["log_probs"] = strategy.compute_log_probs(mine)["log_probs"]
         out["grads"] = step_grads(strategy, [mine])
-        kept = make_strategy(model, rank, world_size, reshard_after_forward=False)
+        kept = make_strategy(model, rank, world_size, device, reshard_after_forward=False)
         out["log_probs_kept"] = kept.compute_log_probs(mine)["log_probs"]
         out["grads_kept"] = step_grads(kept, [mine])
         # Every rank holds both kinds of rows; micro-batches by tokens deal them out afresh.
@@ -162,7 +164,7 @@ def _worker(rank: int, world_size: int, port: int, model: str, scratch: str) -> 
         mixed = video_case(batch, strategy.model.config)[rank]
         out["log_probs_video"] = strategy.compute_log_probs(mixed)["log_probs"]
         out["grads_video"] = step_grads(strategy, [mixed])
-        frozen = make_strategy(model, rank, world_size, freeze=True)
+        frozen = make_strategy(model, rank, world_size, device, freeze=True)
         out["log_probs_frozen"] = frozen.compute_log_probs(mine)["log_probs"]
         out["grads_frozen"] = step_grads(frozen, [mine])
     torch.save(out, Path(scratch, f"rank{rank}.pt"))
@@ -188,7 +190,7 @@ def setup(tmp_path_factory):
     model = build_tiny_vl_dir(scratch / "model", seed=0, std=0.1)
     batch = rows_batch(model, scratch)
     torch.save(batch, scratch / "batch.pt")
-    spawn_ranks(_worker, 2, str(model), str(scratch))
+    spawn_ranks(_worker, 2, str(model), str(scratch), "cpu")
     ranks = [torch.load(scratch / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return str(model), batch, ranks
 
@@ -255,3 +257,25 @@ def test_frozen_tower_runs_on_a_text_rank(setup) -> None:
     want = _mean(image_grads, text_grads)
     assert not any(n.startswith("model.visual.") for n in want)
     _assert_equal(text_rank["grads_frozen"], want, "frozen")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_image_and_text_ranks_on_two_gpus(setup, tmp_path) -> None:
+    """The same cases over NCCL (where a mismatch hangs rather than aborts), fp32 on 2 GPUs."""
+    model, batch, _ = setup
+    torch.save(batch, tmp_path / "batch.pt")
+    spawn_ranks(_worker, 2, model, str(tmp_path), "cuda")
+    image_rank, text_rank = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    image_logps, image_grads = _alone(model, batch.index([0, 1]))
+    text_logps, text_grads = _alone(model, batch.index([4, 5]))
+    for key in ("log_probs", "log_probs_kept"):
+        torch.testing.assert_close(image_rank[key], image_logps, rtol=0, atol=1e-4)
+        torch.testing.assert_close(text_rank[key], text_logps, rtol=0, atol=1e-4)
+    want = _mean(image_grads, text_grads)
+    for rank in (image_rank, text_rank):
+        assert rank["grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(rank["grads"][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+        assert rank["grads_video"] and rank["grads_budget"] and rank["grads_frozen"]
