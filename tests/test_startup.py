@@ -15,11 +15,9 @@ from roll.configs.role import RewardConfig, RoleConfig, StrategyArgs
 from roll.configs.strategy_configs import FSDP2Config, HFInferConfig, MegatronConfig, VLLMConfig
 from roll.distributed.scheduler.placement import plan_placement
 from roll.pipeline.common.timing import StageTimer
-from roll.pipeline.rlvr import init_waves as waves_module
 from roll.pipeline.rlvr import prestart, start
-from roll.pipeline.rlvr.init_waves import init_waves, offloads_after_waves
 from roll.pipeline.rlvr.perf import record_launch, startup_metrics
-from roll.pipeline.rlvr.start import offloaded_roles
+from roll.pipeline.rlvr.start import init_waves, offloaded_roles, offloads_after_waves
 
 
 def role(mapping: str, strategy: str, typed) -> RoleConfig:
@@ -80,14 +78,14 @@ def test_an_engine_given_its_kv_cache_in_bytes_initializes_with_the_others():
     names = ["actor_train", "actor_infer", "reference", "rewards.math"]
     cfg = config(actor_infer=role("0-1", "vllm", VLLMConfig(kv_cache_memory_gb=8)))
     plan = plan_placement(cfg)
-    assert waves_module.fixed_engine_memory(cfg) == {"actor_infer"}
-    assert init_waves(plan, names, fixed_memory=waves_module.fixed_engine_memory(cfg)) == [names]
+    assert start.fixed_engine_memory(cfg) == {"actor_infer"}
+    assert init_waves(plan, names, fixed_memory=start.fixed_engine_memory(cfg)) == [names]
     # every colocated role is then offloaded once that one wave is done
     assert offloads_after_waves(plan, [names], {"actor_train", "actor_infer", "reference"}) == [
         ["actor_infer", "actor_train", "reference"]
     ]
     profiled = config(actor_infer=role("0-1", "vllm", VLLMConfig()))
-    assert waves_module.fixed_engine_memory(profiled) == set()
+    assert start.fixed_engine_memory(profiled) == set()
 
 
 def test_a_colocated_role_leaves_its_devices_before_a_later_wave_uses_them():
@@ -189,20 +187,6 @@ def test_the_launchers_marks_split_the_launch_phase_into_parts_that_sum_to_it():
     assert list(again.times) == ["time/launch"]
 
 
-class FakeCluster:
-    """A role's cluster that records the calls made on it; a call's result names it."""
-
-    def __init__(self, role: str):
-        self.role, self.calls = role, []
-
-    def async_call(self, method, *args):
-        self.calls.append(method.__name__)
-        return f"{method.__name__} of {self.role}"
-
-    def refresh_dp_layout(self):
-        pass
-
-
 def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_raises_its_error(monkeypatch):
     """The launcher starts Ray, the hosts and every role's workers on a thread (``prestart``) while
     it checks the config; start_clusters takes them for that config, an error there raises at the
@@ -226,7 +210,7 @@ def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_ra
         for name in config.roles():
             if name in failing:
                 raise RuntimeError(f"{name} failed to start")
-            clusters[name] = FakeCluster(name)
+            clusters[name] = f"cluster of {name}"
 
     monkeypatch.setattr(resource_manager, "ResourceManager", FakeResources)
     monkeypatch.setattr(prestart, "start_hosts", lambda config, plan, rm: ({"actor_train": ([], True)}, []))
@@ -235,10 +219,7 @@ def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_ra
     prestart.prestart(cfg)
     early = prestart.take_prestart(cfg)
     assert early.resources.plan == plan_placement(cfg) and early.hosts == []
-    names = ["actor_train", "actor_infer", "reference", "rewards.math"]
-    assert list(early.wait_workers()) == names
-    # CPU slots: one wave, every role's initialize started by the prestart itself.
-    assert early.first_wave == (names, [f"initialize of {name}" for name in names])
+    assert list(early.wait_workers()) == ["actor_train", "actor_infer", "reference", "rewards.math"]
     assert prestart.take_prestart(cfg) is None  # taken once
 
     failing.add("reference")
@@ -247,7 +228,6 @@ def test_prestart_hands_its_ray_and_workers_to_the_run_of_the_same_config_and_ra
     with pytest.raises(RuntimeError, match="reference failed to start"):
         early.wait_workers()
     assert list(early.clusters) == ["actor_train", "actor_infer"]  # for the run's shutdown
-    assert early.first_wave is None  # nothing initializes when a role did not start
 
     prestart.prestart(cfg)
     assert prestart.take_prestart(config()) is None  # another config: stopped, the run starts its own
@@ -281,38 +261,3 @@ def test_the_launch_checks_leave_every_shipped_rlvr_config_as_loaded():
         assert pickle.dumps(cfg) == before, path.name
         checked += 1
     assert checked >= 10
-
-
-def test_start_clusters_waits_for_the_wave_the_prestart_started_and_runs_the_rest(monkeypatch):
-    """A colocated vLLM engine initializes first and alone: the prestart started its wave while the
-    driver checked the config, so start_clusters only waits for it, then initializes the trainer
-    and the reference (each role's initialize called once) and offloads them."""
-    from types import SimpleNamespace
-
-    import roll.distributed.scheduler.cluster as cluster_module
-
-    cfg = config("cuda", actor_infer=role("0-1", "vllm", VLLMConfig()))
-    plan = plan_placement(cfg)
-    clusters = {name: FakeCluster(name) for name in cfg.roles()}
-    early = prestart.Early(resources="reserved", hosts=[], clusters=dict(clusters))
-    early.first_wave = prestart.start_first_wave(cfg, plan, early.clusters)
-    early.workers_done.set()
-    assert early.first_wave[0] == ["actor_infer", "rewards.math"]
-    monkeypatch.setattr(prestart, "take_prestart", lambda config: early)
-    monkeypatch.setattr(start, "check_worker_nodes", lambda run: None)
-    waited = []
-    monkeypatch.setattr(
-        cluster_module, "get_all", lambda *results: waited.append(results) or [[1.5]] * len(results)
-    )
-    run = SimpleNamespace(
-        config=cfg, plan=plan, clusters={}, colocated={"actor_train", "actor_infer", "reference"}
-    )
-    run.model = lambda name: run.clusters[name]
-    timer = StageTimer()
-    start.start_clusters(run, timer)
-
-    assert {name: c.calls.count("initialize") for name, c in clusters.items()} == dict.fromkeys(clusters, 1)
-    assert waited[0] == tuple(early.first_wave[1])  # the prestart's calls, not new ones
-    assert waited[2] == ("initialize of actor_train", "initialize of reference")
-    assert [c.calls[-1] for c in clusters.values()] == ["offload_states"] * 3 + ["initialize"]
-    assert timer.times["time/initialize.actor_infer"] == 1.5

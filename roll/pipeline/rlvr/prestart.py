@@ -12,11 +12,8 @@ launcher starts them as soon as the config is loaded and ``start.start_clusters`
     discard_prestart()               # in the launcher's finally: stops a prestart nobody took
 
 The workers are built from the config as loaded: the checks read it and change nothing
-(``tests/test_startup.py``), so they see what they would have seen after them. Once every role's
-workers are up, the first wave of ``initialize`` calls (``init_waves.plan_waves``: on GPUs the engine
-that sizes its memory from free memory, alone on its devices) starts too, so the engine loads
-while the driver is still importing; ``start_clusters`` waits for it and runs the other waves. A
-ConfigError from the checks stops it all (``discard_prestart``).
+(``tests/test_startup.py``), so they see what they would have seen after them. Their
+``initialize`` (model load, engine start) waits for ``start_clusters``, after the checks passed.
 
 Host processes (``start_hosts``): on CPU slots the colocated roles of a slot share one process
 (``roll/distributed/scheduler/hosting.py``); rule rewards ride along in the first hosts.
@@ -36,7 +33,7 @@ from roll.distributed.scheduler.resource_manager import reinstall_signal_handler
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker_host import HostRef
-    from roll.distributed.scheduler.cluster import AsyncResult, Cluster
+    from roll.distributed.scheduler.cluster import Cluster
     from roll.distributed.scheduler.resource_manager import ResourceManager
 
 # Per hosted role: its host by rank, and whether it joins its process group (the host's group owner).
@@ -111,16 +108,6 @@ def start_workers(
         raise error
 
 
-def start_first_wave(
-    config: RLVRConfig, plan: PlacementPlan, clusters: dict[str, Cluster]
-) -> tuple[list[str], list[AsyncResult]]:
-    """Start the ``initialize`` calls of the run's first wave; returns its roles and the calls."""
-    from roll.pipeline.rlvr.init_waves import plan_waves, start_initialize
-
-    wave = plan_waves(config, plan, clusters)[0]
-    return wave, [start_initialize(config, plan, clusters, name) for name in wave]
-
-
 def preload_modules(config: RLVRConfig, names: list[str]) -> tuple[str, ...]:
     """The modules a host imports as it starts: its members' worker classes and strategies (while
     the driver is still checking the config, when the launcher prestarts)."""
@@ -162,8 +149,6 @@ class Early:
     clusters: dict[str, Cluster] = field(default_factory=dict)
     error: BaseException | None = None
     workers_done: threading.Event = field(default_factory=threading.Event)
-    # The first initialize wave's roles and their started calls (set before ``workers_done``).
-    first_wave: tuple[list[str], list[AsyncResult]] | None = None
 
     def wait_workers(self) -> dict[str, Cluster]:
         """The clusters (waiting for their start); the first role that failed to start raises
@@ -200,7 +185,6 @@ class _Prestart:
         if self.early is not None:
             try:
                 start_workers(self.config, plan, rm, hosted, self.early.clusters)
-                self.early.first_wave = start_first_wave(self.config, plan, self.early.clusters)
             except BaseException as exc:  # noqa: BLE001 - raised again where the run takes it
                 self.early.error = exc
             self.early.workers_done.set()

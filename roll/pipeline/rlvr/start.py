@@ -9,12 +9,10 @@
 
 Worker processes of all roles start together (``prestart.start_workers``; by the launcher, while it
 checks the config): each one imports torch and its engine, which is most of a CPU run's start-up, and
-waiting for one role's ranks before asking for the next role's left cores idle. ``initialize`` (model
-load, engine start) then runs in waves (``init_waves.py``), the first one started by the prestart as
-soon as its workers are up, while the driver still checks the config. A wave holds every role except
-a GPU engine that shares a device: an engine sizes its memory from what is free when it starts
+waiting for one role's ranks before asking for the next role's left cores idle. ``initialize`` (model load, engine start) then runs at once for every role except a
+GPU engine that shares a device: an engine sizes its memory from what is free when it starts
 (vLLM profiles ``gpu_memory_utilization``), so it initializes first and alone on its devices, and
-the roles sharing them initialize together after it (``init_waves.init_waves``), unless its KV cache is given
+the roles sharing them initialize together after it (``init_waves``), unless its KV cache is given
 in bytes (vLLM ``kv_cache_memory_gb``). A GPU engine or megatron worker starts
 importing its engine or megatron-core when it is constructed (``StrategySpec.preload``), beside the
 other roles' start. CPU slots size nothing from free memory, so there every role initializes at once.
@@ -25,7 +23,9 @@ after the last wave otherwise (``offloads_after_waves``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.roles import Role
@@ -33,8 +33,10 @@ from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
 from roll.pipeline.common.run_log import setup_logging
 from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr.data.routing import build_tag_routes, load_data
-from roll.pipeline.rlvr.init_waves import offloads_after_waves, on_cpu_slots, plan_waves, start_initialize
 from roll.pipeline.rlvr.run import RLVRRun
+
+if TYPE_CHECKING:
+    from roll.distributed.scheduler.cluster import AsyncResult
 
 logger = logging.getLogger("roll")
 
@@ -99,6 +101,13 @@ def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
         run.resources.destroy(timeout_s=30.0 if graceful else 1.0)
 
 
+def on_cpu_slots(config: RLVRConfig) -> bool:
+    """Whether the run's device ids are CPU slots (``device: cpu``, or ``auto`` without CUDA)."""
+    from roll.distributed.scheduler.resource_manager import resolve_device
+
+    return resolve_device(config.device) == "cpu"
+
+
 def offloaded_roles(config: RLVRConfig, plan: PlacementPlan) -> set[str]:
     """The model roles that time-share devices with another role and so are offloaded between
     their stages (``stages.on_devices``).
@@ -130,6 +139,83 @@ def refills_on_wake(config: RLVRConfig, colocated: set[str]) -> bool:
     return bool(drops is not None and drops())
 
 
+def init_waves(
+    plan: PlacementPlan, names: Iterable[str], all_at_once: bool = False, fixed_memory: Iterable[str] = ()
+) -> list[list[str]]:
+    """Roles grouped into waves that initialize together. Only an engine that sizes its memory
+    from what is free when it starts (``StrategySpec.sizes_from_free_memory``: vLLM, SGLang) must
+    not initialize beside a role on its devices: engines come first, in the order of ``names``,
+    each in the first wave after the last one holding a role that shares a device with it; every
+    other role then joins the first wave after the last engine it shares a device with, so trainers,
+    reference models and rewards initialize together (their memory is not sized from what is free,
+    and an engine is offloaded before the next wave starts: ``offloads_after_waves``). CPU-only
+    roles (rule rewards) share nothing. ``all_at_once``: one wave. ``fixed_memory``: engine roles
+    told their memory in bytes (``fixed_engine_memory``), which join the others."""
+    from roll.configs.strategies import STRATEGIES
+
+    names = list(names)
+    if all_at_once:
+        return [names]
+    fixed = set(fixed_memory)
+
+    def sizes_from_free(name: str) -> bool:
+        spec = STRATEGIES.get(plan.roles[name].strategy_name or "")
+        return spec is not None and spec.sizes_from_free_memory and name not in fixed
+
+    engines = [name for name in names if sizes_from_free(name)]
+    waves: list[tuple[list[str], set[int], set[int]]] = []  # members, all devices, engines' devices
+    for name in engines + [name for name in names if name not in engines]:
+        role = plan.roles[name]
+        devices = set() if role.cpu_only else set(role.devices)
+        engine = name in engines
+        after = max(
+            (
+                i
+                for i, (_, used, by_engines) in enumerate(waves)
+                if (used if engine else by_engines) & devices
+            ),
+            default=-1,
+        )
+        if after + 1 == len(waves):
+            waves.append(([], set(), set()))
+        members, used, by_engines = waves[after + 1]
+        members.append(name)
+        used.update(devices)
+        if engine:
+            by_engines.update(devices)
+    return [members for members, _, _ in waves]
+
+
+def fixed_engine_memory(config: RLVRConfig) -> set[str]:
+    """The engine roles whose options say they size nothing from free memory (their
+    ``sizes_from_free_memory()``: vLLM given ``kv_cache_memory_gb``), so they need not initialize
+    alone."""
+    fixed = set()
+    for name, role in config.roles().items():
+        args = role.strategy_args
+        sizes = getattr(args.strategy_config, "sizes_from_free_memory", None) if args is not None else None
+        if sizes is not None and not sizes():
+            fixed.add(name)
+    return fixed
+
+
+def offloads_after_waves(plan: PlacementPlan, waves: list[list[str]], colocated: set[str]) -> list[list[str]]:
+    """Per wave of ``init_waves``: the colocated roles to offload once it has initialized. A role
+    leaves its devices before a later wave initializes a role on them, so the start-up never holds
+    more of a device than one stage does (an engine's whole memory beside a trainer's weights and
+    optimizer states was the start-up's peak: 91 GiB on one H200 for the 1.5B one-GPU config,
+    where its stages peak at 76 GiB); the rest once the last wave is done."""
+    offloads: list[list[str]] = [[] for _ in waves]
+    for i, wave in enumerate(waves):
+        later = {
+            d for w in waves[i + 1 :] for n in w if not plan.roles[n].cpu_only for d in plan.roles[n].devices
+        }
+        for name in wave:
+            if name in colocated:
+                offloads[i if later & set(plan.roles[name].devices) else len(waves) - 1].append(name)
+    return [sorted(names) for names in offloads]
+
+
 def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
     """Reserve the devices, start every role's workers (see the module docstring) and initialize
     them; colocated roles end offloaded. Clusters that started are in ``run.clusters`` even when
@@ -156,16 +242,14 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         else:
             start_workers(config, run.plan, run.resources, hosted, run.clusters)
         check_worker_nodes(run)
-    with timer("initialize"):  # what is left of it: the prestart started the first wave
-        waves = plan_waves(config, run.plan, run.clusters)
-        started = early.first_wave if early is not None else None
+    with timer("initialize"):
+        waves = init_waves(
+            run.plan, run.clusters, all_at_once=on_cpu_slots(config), fixed_memory=fixed_engine_memory(config)
+        )
         # Colocated roles start offloaded; each stage brings its role on (see stages.on_devices).
-        for i, (wave, offload) in enumerate(zip(waves, offloads_after_waves(run.plan, waves, run.colocated))):
-            if i == 0 and started is not None and started[0] == wave:
-                results = started[1]
-            else:
-                results = [start_initialize(config, run.plan, run.clusters, name) for name in wave]
-            for name, per_rank in zip(wave, get_all(*results)):
+        for wave, offload in zip(waves, offloads_after_waves(run.plan, waves, run.colocated)):
+            seconds = get_all(*(_async_initialize(run, name) for name in wave))
+            for name, per_rank in zip(wave, seconds):
                 run.clusters[name].refresh_dp_layout()
                 record_initialize(timer, name, per_rank)
             get_all(*(run.model(name).async_call(ModelWorker.offload_states) for name in offload))
@@ -202,3 +286,19 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None]
     known = [s for s in per_rank or [] if isinstance(s, (int, float))]
     if known:
         timer.times[f"time/initialize.{role}"] = max(known)
+
+
+def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:
+    """Every rank's ``initialize`` of role ``name``, started (trainers get their optimizer steps)."""
+    from roll.pipeline.workers.model_worker import ModelWorker
+    from roll.pipeline.workers.reward_worker import RewardWorker
+    from roll.utils.lr_schedule import total_optimizer_steps
+
+    role = Role.parse(name)
+    if role.is_reward:
+        return run.clusters[name].async_call(RewardWorker.initialize)
+    steps = None
+    if role.is_trainer:  # the LR schedule length, computed here once per role
+        dp = run.plan.roles[name].parallel.dp
+        steps = total_optimizer_steps(run.config, getattr(run.config, name).training_args, dp)
+    return run.model(name).async_call(ModelWorker.initialize, steps)
