@@ -101,6 +101,12 @@ def idle_tower_output(tower: nn.Module, device: torch.device) -> torch.Tensor:
     return total * 0.0
 
 
+def tower_wants_grads(tower: nn.Module) -> bool:
+    """Whether a forward now would give ``tower`` gradients: grad mode on and a trainable parameter
+    (a training forward with the tower not frozen), so a text-only forward must run it idle."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters())
+
+
 def _word_embeddings(model: nn.Module) -> nn.Module:
     """The embedding module of the model (or of a value model's backbone)."""
     return next(m for m in model.modules() if hasattr(m, "get_input_embeddings")).get_input_embeddings()

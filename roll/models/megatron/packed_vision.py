@@ -13,13 +13,16 @@ place of an image's features can be told from a share. From the whole row a mode
   column, and its ``thd`` RoPE (``rope_utils._apply_rotary_pos_emb_thd``: frequencies that cover
   the row are taken per column, "exact mapping") picks the columns of this CP rank's chunks.
   ``keep_whole_row`` stops the rotary module from cutting them itself first (its own CP split is
-  the ``bshd`` one, two chunks of the whole row, not of each sequence).
+  the ``bshd`` one, two chunks of the whole row, not of each sequence). Qwen3-VL's and Qwen3.5's
+  ``interleaved_mrope.InterleavedMRoPE`` never cuts: it returns the whole row's [T, 1, 1, d] too.
 - ``local_columns``: the packed columns of this rank's tokens (None without CP);
 - ``with_vision_features``: the word embeddings of this rank's tokens with the vision tokens'
   replaced by the tower's features (each CP rank runs the tower on the micro-batch's images and
-  keeps the features of its own tokens; backward reaches the tower from every rank's share).
+  keeps the features of its own tokens; backward reaches the tower from every rank's share);
+  ``placed_features``: features at this rank's vision tokens, zero elsewhere (Qwen3-VL's deepstack).
 
-The padded path uses the last two as well, with the rows themselves and no local columns.
+The padded path uses the last two as well, with the rows themselves and no local columns;
+``vision_inputs`` picks the rows, local columns and positions of either path for a forward.
 
 >>> positions = packed_mrope_positions(packed_input_ids, cu_seqlens, lambda rows: my_rope_index(rows))
 >>> local = local_columns(cu_seqlens)
@@ -79,17 +82,41 @@ def keep_whole_row(rotary: Any) -> None:
     rotary.cp_group = None
 
 
-def with_vision_features(
-    words: torch.Tensor,
+def vision_inputs(
+    input_ids: torch.Tensor,
+    packed: Any,
+    packed_input_ids: torch.Tensor | None,
+    row_positions: Callable[[torch.Tensor], torch.Tensor],
+    cp_size: int,
+    model_name: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(rows, local, position_ids) of a vision-language model's forward: the token ids its vision
+    features are placed by (``input_ids`` on padded rows, the whole packed row on packed ones), the
+    columns of ``rows`` this rank's tokens are (``local_columns``) and the rows' 3-D rope positions.
+    ``packed``: the forward's ``packed_seq_params`` (None: padded rows); ``packed_input_ids``: the
+    whole packed row (None: a packed micro-batch without vision inputs); ``row_positions``: the
+    model's rope positions of rows starting at column 0; ``cp_size``: the context-parallel size."""
+    if packed is None:
+        if cp_size > 1:
+            raise ValueError(f"context parallelism runs {model_name} on packed rows only")
+        return input_ids, None, row_positions(input_ids)
+    if packed_input_ids is None:  # no vision inputs in this micro-batch
+        return input_ids, None, text_positions(packed.cu_seqlens_q, int(packed.cu_seqlens_q[-1]))
+    positions = packed_mrope_positions(packed_input_ids, packed.cu_seqlens_q, row_positions)
+    return packed_input_ids, local_columns(packed.cu_seqlens_q), positions
+
+
+def placed_features(
     rows: torch.Tensor,
     parts: Sequence[tuple[int, torch.Tensor]],
     local: torch.Tensor | None,
     sequence_parallel: bool,
-) -> torch.Tensor:
-    """``words`` [s, b, h] (this rank's tokens; its sequence share under SP) with the vision tokens'
-    embeddings replaced. ``rows`` [b, S]: the token ids (padded rows, or the whole packed row);
-    ``parts``: (token id, features [that token's count in ``rows``, h]) each, the features in row
-    order; ``local``: the columns of ``rows`` this rank's tokens are (None: all of them)."""
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [s, b, h] at this rank's vision tokens, zero elsewhere; mask [s, b] of those tokens),
+    this rank's sequence share under SP. ``rows`` [b, S]: the token ids (padded rows, or the whole
+    packed row); ``parts``: (token id, features [that token's count in ``rows``, h]) each, the
+    features in row order; ``local``: the columns of ``rows`` this rank's tokens are (None: all)."""
     from megatron.core import tensor_parallel
 
     index = torch.full(rows.shape, -1, dtype=torch.long, device=rows.device)
@@ -102,12 +129,26 @@ def with_vision_features(
             )
         index[mask] = offset + torch.arange(feats.shape[0], device=rows.device)  # row-major: row order
         offset += feats.shape[0]
-        features.append(feats.to(words.dtype))
+        features.append(feats.to(dtype))
     if local is not None:
         index = index[:, local]
-    full = torch.cat(features)[index.clamp(min=0)].transpose(0, 1).contiguous()  # [s, b, h]
     vision = (index >= 0).transpose(0, 1).contiguous()
+    full = torch.cat(features)[index.clamp(min=0)].transpose(0, 1)  # [s, b, h]
+    full = torch.where(vision.unsqueeze(-1), full, 0.0).contiguous()
     if sequence_parallel:  # this rank's share, as the embedding scattered the words
         full = tensor_parallel.scatter_to_sequence_parallel_region(full)
         vision = tensor_parallel.scatter_to_sequence_parallel_region(vision.float()).bool()
+    return full, vision
+
+
+def with_vision_features(
+    words: torch.Tensor,
+    rows: torch.Tensor,
+    parts: Sequence[tuple[int, torch.Tensor]],
+    local: torch.Tensor | None,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """``words`` [s, b, h] (this rank's tokens; its sequence share under SP) with the vision tokens'
+    embeddings replaced by ``parts``' features (``placed_features`` says what the arguments are)."""
+    full, vision = placed_features(rows, parts, local, sequence_parallel, words.dtype)
     return torch.where(vision.unsqueeze(-1), full, words).contiguous()  # pipeline sends need contiguous

@@ -21,6 +21,7 @@ sequence's positions the same way from the whole packed row (``packed_vision.py`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -28,15 +29,9 @@ from typing import Any
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from roll.models.megatron.packed_vision import (
-    keep_whole_row,
-    local_columns,
-    packed_mrope_positions,
-    text_positions,
-    with_vision_features,
-)
+from roll.models.megatron.packed_vision import keep_whole_row, vision_inputs, with_vision_features
 from roll.models.vision import token_types
-from roll.models.vision_tower import idle_tower_output
+from roll.models.vision_tower import idle_tower_output, tower_wants_grads
 
 
 def _vision_class() -> Any:
@@ -116,38 +111,41 @@ class Qwen2_5_VLGPTModel(GPTModel):
         packed_input_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        row_positions = partial(
+        row_positions = self._row_positions(image_grid_thw, video_grid_thw, second_per_grid_ts)
+        rows, local, position_ids = vision_inputs(
+            input_ids,
+            kwargs.get("packed_seq_params"),
+            packed_input_ids,
+            row_positions,
+            self.config.context_parallel_size,
+            type(self).__name__,
+        )
+        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
+        parts = [p for p in parts if p[1] is not None]
+        if self.pre_process and decoder_input is None and parts:
+            decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
+        elif self.pre_process and decoder_input is None and tower_wants_grads(self.visual):
+            # Text rows in training: the tower on a dummy image, times 0, so its parameters get (zero)
+            # gradients on every DP rank and DDP's overlapped bucket all-reduce is issued alike
+            # (roll.models.vision_tower). The embeddings are unchanged.
+            decoder_input = idle_tower_embeddings(self.embedding, self.visual, input_ids)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+    def _row_positions(
+        self,
+        image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        second_per_grid_ts: torch.Tensor | None,
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rope positions [3, B, S] of rows starting at column 0, given their ids."""
+        return partial(
             mrope_positions,
             image_grid_thw=image_grid_thw,
             hf_config=self.roll_vl_config,
             video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts,
         )
-        rows, local, packed = input_ids, None, kwargs.get("packed_seq_params")
-        if packed is None:
-            if self.config.context_parallel_size > 1:
-                raise ValueError("context parallelism runs Qwen2.5-VL on packed rows only")
-            position_ids = row_positions(input_ids)
-        elif packed_input_ids is None:  # no vision inputs in this micro-batch
-            position_ids = text_positions(packed.cu_seqlens_q, int(packed.cu_seqlens_q[-1]))
-        else:
-            rows, local = packed_input_ids, local_columns(packed.cu_seqlens_q)
-            position_ids = packed_mrope_positions(rows, packed.cu_seqlens_q, row_positions)
-        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
-        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
-        parts = [p for p in parts if p[1] is not None]
-        if self.pre_process and decoder_input is None and parts:
-            decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
-        elif self.pre_process and decoder_input is None and self._tower_wants_grads():
-            # Text rows in training: the tower on a dummy image, times 0, so its parameters get (zero)
-            # gradients on every DP rank and DDP's overlapped bucket all-reduce is issued alike
-            # (roll.models.vision_tower). The embeddings are unchanged.
-            words = self.embedding(input_ids=input_ids, position_ids=None)
-            decoder_input = words + idle_tower_output(self.visual, words.device).to(words.dtype)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
-
-    def _tower_wants_grads(self) -> bool:
-        return torch.is_grad_enabled() and any(p.requires_grad for p in self.visual.parameters())
 
     def _embed_with_vision(
         self,
@@ -165,6 +163,14 @@ class Qwen2_5_VLGPTModel(GPTModel):
             for token, pixels, grid in parts
         ]
         return with_vision_features(words, rows, features, local, self.config.sequence_parallel)
+
+
+def idle_tower_embeddings(embedding: Any, tower: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """[s, b, h] the word embeddings of ``input_ids`` plus 0 from the vision tower run on a dummy
+    image (``vision_tower.idle_tower_output``): a text-only training forward gives the tower's
+    parameters (zero) gradients as an image forward does."""
+    words = embedding(input_ids=input_ids, position_ids=None)
+    return words + idle_tower_output(tower, words.device).to(words.dtype)
 
 
 MODEL_CLASS = Qwen2_5_VLGPTModel  # families.VISION_MODULES' entry point
