@@ -243,6 +243,7 @@ VISION_FAMILIES: dict[str, Family] = {
         wm.QWEN3,
         qk_layernorm=True,
         mrope=True,
+        packed_vision=True,
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
     ),
@@ -254,6 +255,7 @@ VISION_FAMILIES: dict[str, Family] = {
         qk_layernorm=True,
         moe_kwargs=_qwen3_vl_moe_kwargs,
         mrope=True,
+        packed_vision=True,
         generates=False,
         no_generation="its KV-cached loop takes no images; generate with vllm, as ROLL's Qwen3-VL files do",
         stacked_experts=wm.QWEN3_VL_MOE_STACKS,
@@ -269,6 +271,7 @@ VISION_FAMILIES: dict[str, Family] = {
         skipped_prefixes=qwen3_5.SKIPPED_PREFIXES,
         generates=False,
         mrope=True,
+        packed_vision=True,
     ),
     "qwen3_5_moe": Family(
         "qwen3_5_moe_text",
@@ -280,6 +283,7 @@ VISION_FAMILIES: dict[str, Family] = {
         skipped_prefixes=qwen3_5.SKIPPED_PREFIXES,
         generates=False,
         mrope=True,
+        packed_vision=True,
     ),
 }
 # The module of each vision-language model type's megatron-core model: its ``vision_tensor_names``

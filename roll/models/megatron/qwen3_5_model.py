@@ -3,10 +3,13 @@ a GPTModel with transformers' vision tower on the first pipeline stage and inter
 
 >>> model = Qwen3_5GPTModel(config, block_spec, hf_config=hf, vocab_size=..., position_embedding_type="mrope", ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
+>>> logits = model(ids, None, None, packed_seq_params=thd, packed_input_ids=row, pixel_values=pv, ...)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,9 +57,11 @@ def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
 class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
     """GPTModel with Qwen3.5's vision tower on the first pipeline stage and interleaved mrope.
 
-    ``forward`` takes GPTModel's arguments plus ``pixel_values`` [patches, D] and ``image_grid_thw``
-    [images, 3] of the rows' images in row order; 2-D ``position_ids`` are replaced by the 3-D ones.
-    The image embedding (``_embed_with_vision``) is Qwen2.5-VL's.
+    ``forward`` is Qwen2.5-VL's (padded or packed rows, the image embedding, the idle tower on a
+    text-only training forward) with Qwen3.5's rope positions (``_row_positions``): GPTModel's
+    arguments plus ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows'
+    images in row order, and the whole packed row ``packed_input_ids`` on packed rows; the given
+    ``position_ids`` are replaced by the 3-D ones. Videos are refused.
     """
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
@@ -69,26 +74,15 @@ class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
                 device=self.embedding.word_embeddings.weight.device, dtype=config.params_dtype
             )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        decoder_input: torch.Tensor | None = None,
-        *args: Any,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if kwargs.get("packed_seq_params") is not None:
-            raise ValueError("Qwen3.5 runs on padded rows; packed (thd) rows are not supported")
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_grid_thw") is not None:
             raise ValueError("Qwen3.5 on the Megatron strategies takes images only, not videos")
-        position_ids = mrope_positions(input_ids, image_grid_thw, self.roll_vl_config)
-        if self.pre_process and decoder_input is None and pixel_values is not None:
-            parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
-            decoder_input = self._embed_with_vision(input_ids, input_ids, None, parts)
-        return GPTModel.forward(self, input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+    def _row_positions(
+        self, image_grid_thw: torch.Tensor | None, video_grid_thw: Any, second_per_grid_ts: Any
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        return partial(mrope_positions, image_grid_thw=image_grid_thw, hf_config=self.roll_vl_config)
 
 
 MODEL_CLASS = Qwen3_5GPTModel  # families.VISION_MODULES' entry point

@@ -19,12 +19,18 @@ which ``stacked_experts`` reads and writes), with two things of Qwen3-VL's own:
 
 The vision tower (patch embedding, blocks, merger and the deepstack mergers) is transformers' own
 module, held whole on every rank of the first pipeline stage as ``visual`` (the checkpoint's name).
-Rope positions come from transformers' ``get_rope_index``. Padded rows and images only: a batch with
-videos stops the forward with one line (Video-R1 rows are refused before launch), as do packed
-rows; context parallelism is refused before launch.
+Rope positions come from transformers' ``get_rope_index``. Padded rows, and packed (thd) rows with
+context parallelism as Qwen2.5-VL runs them (``packed_vision``): each sequence's positions from the
+whole packed row (``InterleavedMRoPE`` returns the whole row's frequencies and megatron's thd RoPE
+picks each CP rank's zig-zag chunks), the vision features and the deepstack features ([k, s, 1, h],
+s this CP rank's packed tokens) of each rank's own tokens. A text-only training forward runs the
+tower on a dummy image times 0 (its deepstack mergers included), so every rank's DDP buckets get
+gradients. Images only: a batch with videos stops the forward with one line (Video-R1 rows are
+refused before launch).
 
 >>> model = Qwen3VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
+>>> logits = model(ids, None, None, packed_seq_params=thd, packed_input_ids=row, pixel_values=pv, ...)
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.configs.errors import ConfigError
 from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
+from roll.models.megatron.packed_vision import placed_features, vision_inputs, with_vision_features
+from roll.models.megatron.qwen2_5_vl import idle_tower_embeddings
 from roll.models.vision import token_types
+from roll.models.vision_tower import tower_wants_grads
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -85,7 +94,8 @@ def mrope_positions(
 class Qwen3VLGPTModel(GPTModel):
     """GPTModel with Qwen3-VL's vision tower on the first pipeline stage, interleaved mrope and
     deepstack (see the module docstring). ``forward`` takes GPTModel's arguments plus
-    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows' images in row order."""
+    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows' images in row order
+    and, on packed rows, the whole packed row ``packed_input_ids`` [1, T]."""
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
         super().__init__(config, transformer_layer_spec, **kwargs)
@@ -111,60 +121,62 @@ class Qwen3VLGPTModel(GPTModel):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
+        packed_input_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if kwargs.get("packed_seq_params") is not None:
-            raise ValueError("Qwen3-VL runs on padded rows; packed (thd) rows are not supported")
         if pixel_values_videos is not None:
             raise ValueError("roll's Megatron Qwen3-VL takes images only; video rows run on fsdp2_train")
         kwargs.pop("video_grid_thw", None), kwargs.pop("second_per_grid_ts", None)
-        position_ids = mrope_positions(input_ids, image_grid_thw, self.roll_vl_config)
+        rows, local, position_ids = vision_inputs(
+            input_ids,
+            kwargs.get("packed_seq_params"),
+            packed_input_ids,
+            partial(mrope_positions, image_grid_thw=image_grid_thw, hf_config=self.roll_vl_config),
+            self.config.context_parallel_size,
+            "Qwen3-VL",
+        )
         if self.pre_process and decoder_input is None and pixel_values is not None:
-            decoder_input, deepstack = self._embed_with_deepstack(input_ids, pixel_values, image_grid_thw)
+            parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+            decoder_input, deepstack = self._embed_with_deepstack(input_ids, rows, local, parts)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {
                     **(kwargs.get("extra_block_kwargs") or {}),
                     "context": deepstack,
                 }
+        elif self.pre_process and decoder_input is None and tower_wants_grads(self.visual):
+            # Text rows in training: the tower (deepstack mergers included) on a dummy image, times 0,
+            # so every rank's DDP buckets get their (zero) gradients (roll.models.vision_tower).
+            decoder_input = idle_tower_embeddings(self.embedding, self.visual, input_ids)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
     def _embed_with_deepstack(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        rows: torch.Tensor,
+        local: torch.Tensor | None,
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder input [s, b, h] (image tokens' embeddings replaced by the tower's output) and
-        the deepstack features [k, s, b, h] (zero off the image tokens; None without deepstack), both
-        this rank's sequence share under SP."""
-        output = self.visual(
-            pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw, return_dict=True
-        )
-        image = input_ids == self.roll_vl_config.image_token_id  # [b, s]: features in row order
+        """The decoder input [s, b, h] (vision tokens' embeddings replaced by the tower's output) and
+        the deepstack features [k, s, b, h] (zero off the vision tokens; None without deepstack), both
+        of this rank's tokens: ``rows`` and ``local`` as ``packed_vision.placed_features`` takes them
+        (its CP share of a packed row), its sequence share under SP."""
+        outputs = [
+            (token, self.visual(pixels.to(self.config.params_dtype), grid_thw=grid, return_dict=True))
+            for token, pixels, grid in parts
+        ]
         words = self.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
-        embeds = self._scatter_rows(image, output.pooler_output, words)
-        decoder_input = torch.where(self._share(image.transpose(0, 1)).unsqueeze(-1), embeds, words)
+        sp = self.config.sequence_parallel
+        features = [(token, out.pooler_output) for token, out in outputs]
+        decoder_input = with_vision_features(words, rows, features, local, sp)
         if not self.roll_deepstack_layers:
-            return decoder_input.contiguous(), None
-        deepstack = [self._scatter_rows(image, f, words) for f in output.deepstack_features]
-        return decoder_input.contiguous(), torch.stack(deepstack).contiguous()
-
-    def _scatter_rows(self, image: torch.Tensor, features: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """[s(/tp), b, h]: ``features`` at the image tokens of ``image`` [b, s], zero elsewhere."""
-        if int(image.sum()) != features.shape[0]:
-            raise ValueError(
-                f"{int(image.sum())} image tokens in the rows for {features.shape[0]} image features"
-            )
-        full = words.new_zeros(image.shape + (words.shape[-1],))
-        full = full.masked_scatter(image.unsqueeze(-1), features.to(words.dtype))
-        return self._share(full.transpose(0, 1).contiguous())
-
-    def _share(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's sequence share of a [s, b, ...] tensor under sequence parallelism."""
-        if not self.config.sequence_parallel:
-            return tensor
-        from megatron.core import tensor_parallel
-
-        if tensor.dtype == torch.bool:
-            return tensor_parallel.scatter_to_sequence_parallel_region(tensor.float()).bool()
-        return tensor_parallel.scatter_to_sequence_parallel_region(tensor)
+            return decoder_input, None
+        deepstack = [
+            placed_features(rows, [(t, o.deepstack_features[k]) for t, o in outputs], local, sp, words.dtype)[
+                0
+            ]
+            for k in range(self.roll_deepstack_layers)
+        ]
+        return decoder_input, torch.stack(deepstack).contiguous()
 
 
 def _add_deepstack(index: int, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
@@ -178,14 +190,7 @@ def _add_deepstack(index: int, module: Any, args: Any, kwargs: dict[str, Any], o
 
 
 def check_layout(hf_config: Any, cfg: Any, path: str) -> None:
-    """The deepstack layers sit in the first pipeline chunk, beside the vision tower; no context
-    parallelism (the rows' rope positions and image features are per padded row)."""
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(
-            f"{path}.context_parallel_size",
-            f"{cfg.context_parallel_size}: roll's Megatron Qwen3-VL runs on padded rows without context "
-            "parallelism; set it to 1",
-        )
+    """The deepstack layers sit in the first pipeline chunk, beside the vision tower."""
     needed = deepstack_layers(hf_config)
     pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
     if pp * vpp == 1 or not needed:
