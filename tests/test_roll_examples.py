@@ -70,8 +70,7 @@ REFUSED: dict[str, str] = {
         "ConfigError: actor_infer.strategy_args.strategy_name: sglang runs vision-language model_type "
         "qwen2_5_vl in roll, not 'qwen3_vl_moe'",
     ),
-    # Qwen3-VL on Megatron runs padded rows with images: no context parallelism, no videos.
-    "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_ppu.yaml": "context_parallel_size",
+    # Qwen3-VL on Megatron runs images only, no videos.
     "qwen3-vl-30BA3B-video-rlvr__video_r1.yaml": "video",
     # Megatron's pipeline layout string; behind it context parallelism (4), which Gated DeltaNet
     # layers do not run with.
