@@ -3,7 +3,8 @@ mixed text / image ranks: two gloo ranks on CPU (fp32), the tiny models of tests
 (deepstack after decoder layers 0 and 1, interleaved mrope), image rows and a text row.
 
 - log-probs equal transformers' on packed rows (DP=2, dense) and at context parallelism 2 (each CP
-  rank's zig-zag share of the packed row: its rope frequencies, image and deepstack features);
+  rank's zig-zag share of the packed row: its rope frequencies, image and deepstack features;
+  megatron_train for the dense model, megatron_infer, as ROLL's ppu file's reference, for MoE);
 - one train step's reduced gradients at CP=2 on packed rows equal padded DP=2's (both ranks given
   the same rows), every tower weight's (the deepstack mergers') nonzero;
 - a text-only rank and an image rank train with ``overlap_grad_reduce`` bit for bit as without it:
@@ -29,13 +30,18 @@ from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
 from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks, save_case  # noqa: E402
 
 CP2 = {"context_parallel_size": 2}
+DENSE_SCORING = {
+    "packed dp2": ("megatron_train", {"sequence_packing": True}),
+    "cp2": ("megatron_train", CP2),
+}
 
 
 def _worker(rank: int, world_size: int, port: int, path: str, scratch: str, moe: bool) -> None:
     with megatron_rank(rank, world_size, port, scratch) as bad:
-        cases = {"cp2": CP2} if moe else {"packed dp2": {"sequence_packing": True}, "cp2": CP2}
-        for name, layout in cases.items():
-            bad += check_log_probs(path, Path(scratch), name, layout)
+        # MoE: ROLL's qwen3-vl-30BA3B ppu file's reference, megatron_infer at CP 2
+        cases = {"infer cp2": ("megatron_infer", CP2)} if moe else DENSE_SCORING
+        for name, (strategy, layout) in cases.items():
+            bad += check_log_probs(path, Path(scratch), name, layout, strategy)
             dist.barrier()
         bad += check_gradients(path, Path(scratch), CP2)
         dist.barrier()
