@@ -40,8 +40,12 @@ def test_qwen3_5_moe_update_names_load_into_vllm(tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    a = build_tiny_qwen3_5_dir(tmp_path / "a", moe=True, seed=0, full_processor=True)
-    b = build_tiny_qwen3_5_dir(tmp_path / "b", moe=True, seed=1, full_processor=True, mtp=True)
+    a = build_tiny_qwen3_5_dir(
+        tmp_path / "a", moe=True, seed=0, full_processor=True, linear_head_dims=(16, 16)
+    )
+    b = build_tiny_qwen3_5_dir(
+        tmp_path / "b", moe=True, seed=1, full_processor=True, mtp=True, linear_head_dims=(16, 16)
+    )
     engine = make_strategy("vllm", a, gpu_memory_utilization=0.25, enforce_eager=True, sleep_level=0)
     try:
         out = engine.generate(

@@ -22,7 +22,9 @@ from transformers import AutoModelForImageTextToText
 MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,), "mtp.layers.0.input_layernorm.weight": (64,)}
 
 
-def tiny_qwen3_5_config(tok, moe: bool) -> object:
+def tiny_qwen3_5_config(tok, moe: bool, linear_head_dims: tuple[int, int] = (8, 12)) -> object:
+    """``linear_head_dims``: the Gated DeltaNet key and value head widths (unequal here, so the
+    split/fuse code sees both; vLLM's triton kernels take equal ones, as the released models have)."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
@@ -35,8 +37,8 @@ def tiny_qwen3_5_config(tok, moe: bool) -> object:
         "head_dim": 32,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 12,
+        "linear_key_head_dim": linear_head_dims[0],
+        "linear_value_head_dim": linear_head_dims[1],
         "linear_conv_kernel_dim": 4,
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
         "max_position_embeddings": 1024,
@@ -80,7 +82,13 @@ def tiny_qwen3_5_config(tok, moe: bool) -> object:
 
 
 def build_tiny_qwen3_5_dir(
-    path: Path, moe: bool, seed: int = 0, std: float = 0.1, mtp: bool = False, full_processor: bool = False
+    path: Path,
+    moe: bool,
+    seed: int = 0,
+    std: float = 0.1,
+    mtp: bool = False,
+    full_processor: bool = False,
+    linear_head_dims: tuple[int, int] = (8, 12),
 ) -> Path:
     """Random weights N(mean, ``std``): zero-centred norms around 0, the gated norm, A_log and
     dt_bias around 1, the rest around 0 (log-probs spread out); tokenizer and image processor;
@@ -89,7 +97,9 @@ def build_tiny_qwen3_5_dir(
 
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_qwen3_5_config(tok, moe), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(
+        tiny_qwen3_5_config(tok, moe, linear_head_dims), dtype=torch.float32
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             around_one = name.endswith(("linear_attn.norm.weight", "A_log", "dt_bias"))
