@@ -15,6 +15,9 @@ from transformers import AutoModelForImageTextToText, Qwen3VLConfig, Qwen3VLMoeC
 
 # 32 x 32 pixels per merged patch: images of 64 x 64 to 128 x 128 pixels give 4 to 16 image tokens.
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16
+# Video-R1 rows (tiny_vl.video_r1_rows: 8 frames at 4 fps): 4 frames of 64 x 64 at 2 fps, 2 temporal
+# patches of 2 x 2 merged patches (4 video tokens each), at 0.25 s and 1.5 s (shown "0.2", "1.5").
+QWEN3_VIDEO_ARGS = {"video_fps": 2.0, "video_min_pixels": 64 * 64, "video_max_pixels": 64 * 64}
 
 
 def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:

@@ -25,9 +25,11 @@ processor, which needs torchvision.
 
 Videos (``<video>`` in the prompt, one ``<|video_pad|>`` each) are sampled frames of one size
 (``roll.pipeline.rlvr.data.video``); ``video_inputs`` runs the same image processor on each frame
-and pairs consecutive frames into one temporal patch, which is the layout of Qwen2-VL's video
-processor (``pixel_values_videos`` [patches, C*2*14*14], ``video_grid_thw`` [frames / 2, h, w]),
-without its torchvision dependency; ``second_per_grid_ts`` is 2 / the sampling fps.
+and pairs consecutive frames into one temporal patch, which is the layout of Qwen2-VL's and
+Qwen3-VL's video processors (``pixel_values_videos`` [patches, C*2*p*p], ``video_grid_thw``
+[frames / 2, h, w]), without their torchvision dependency; ``second_per_grid_ts`` (Qwen2.5-VL only)
+is 2 / the sampling fps. ``video_text`` is what one ``<|video_pad|>`` becomes: a run of video tokens,
+or for Qwen3-VL's processor a timestamp and tokens per temporal patch (``roll.models.video_prompt``).
 
 The 3-D rope positions: transformers (5.x) computes them only when the forward also gets
 ``mm_token_type_ids`` (1 at image tokens, 2 at video tokens; ``token_types``), which the HF
@@ -47,6 +49,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.models.model_dir import config_json
+from roll.models.video_prompt import TIMESTAMPED_VIDEO_MODEL_TYPES, timestamped_video_text
 
 # alibaba/ROLL's (and Orsta-Data-47k's) image placeholder in prompt text.
 IMAGE_PLACEHOLDER = "<image>"
@@ -104,6 +107,8 @@ class VisionProcessor:
     patch_size: int
     video_token_id: int | None = None  # None: the tokenizer has no <|video_pad|>
     temporal_patch_size: int = 2
+    # Videos written frame by frame with timestamps (Qwen3-VL's processor; roll.models.video_prompt).
+    timestamped_videos: bool = False
 
     @classmethod
     def load(cls, path: str, trust_remote_code: bool = False) -> VisionProcessor:
@@ -132,6 +137,7 @@ class VisionProcessor:
             int(image_processor.patch_size),
             None if video_id is None or video_id == tokenizer.unk_token_id else int(video_id),
             int(getattr(image_processor, "temporal_patch_size", 2) or 2),
+            config_json(path).get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES,
         )
 
     def image_inputs(self, images: Sequence[Any], pixels: PixelBounds = None) -> dict[str, torch.Tensor]:
@@ -156,8 +162,9 @@ class VisionProcessor:
         return [count(image.height, image.width, kwargs) // self.merge_size**2 for image in images]
 
     def video_inputs(self, videos: Sequence[Sequence[Any]], fps: Sequence[float]) -> dict[str, torch.Tensor]:
-        """``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` of ``videos`` (each
-        a list of PIL frames of one size, an even count), sampled at ``fps`` frames per second."""
+        """``pixel_values_videos``, ``video_grid_thw`` and (not for ``timestamped_videos``, whose
+        times are in the prompt) ``second_per_grid_ts`` of ``videos`` (each a list of PIL frames of
+        one size, an even count), sampled at ``fps`` frames per second."""
         values, grids = [], []
         for frames in videos:
             if not frames or len(frames) % self.temporal_patch_size:
@@ -175,13 +182,15 @@ class VisionProcessor:
             pv = pv.reshape(len(frames) // tp, tp, *pv.shape[1:]).permute(0, 2, 3, 1, 4, 5)
             values.append(pv.reshape(-1, out["pixel_values"].shape[1]))
             grids.append([len(frames) // self.temporal_patch_size, int(grid[1]), int(grid[2])])
-        return {
+        out = {
             "pixel_values_videos": torch.cat(values),
             "video_grid_thw": torch.tensor(grids, dtype=torch.long),
-            "second_per_grid_ts": torch.tensor(
-                [self.temporal_patch_size / f for f in fps], dtype=torch.float32
-            ),
         }
+        if not self.timestamped_videos:
+            out["second_per_grid_ts"] = torch.tensor(
+                [self.temporal_patch_size / f for f in fps], dtype=torch.float32
+            )
+        return out
 
     def video_tokens(self, frame_count: int, height: int, width: int) -> int:
         """How many video tokens a video of ``frame_count`` frames of ``height`` x ``width`` (already
@@ -189,14 +198,27 @@ class VisionProcessor:
         unit = self.patch_size * self.merge_size
         return frame_count // self.temporal_patch_size * (height // unit) * (width // unit)
 
+    def video_text(self, indices: Sequence[int], rate: float, height: int, width: int) -> str:
+        """What one video's ``<|video_pad|>`` becomes in the prompt: its ``video_tokens``, or for
+        ``timestamped_videos`` Qwen3-VL's timestamp and tokens per temporal patch, from the sampled
+        frames' ``indices`` in the video and its own ``rate`` (frames per second)."""
+        count = self.video_tokens(len(indices), height, width)
+        if not self.timestamped_videos:
+            return VIDEO_PAD * count
+        grid = [len(indices) // self.temporal_patch_size, height // self.patch_size, width // self.patch_size]
+        return timestamped_video_text(grid, indices, rate, self.merge_size, self.temporal_patch_size)
+
     def encode(
-        self, text: str, images: Sequence[Any], pixels: PixelBounds = None, video_tokens: Sequence[int] = ()
+        self, text: str, images: Sequence[Any], pixels: PixelBounds = None, video_texts: Sequence[str] = ()
     ) -> list[int]:
-        """Token ids of ``text`` with each image's ``<|image_pad|>`` and each video's ``<|video_pad|>``
-        expanded to its token count (``video_tokens``: per video)."""
+        """Token ids of ``text`` with each image's ``<|image_pad|>`` expanded to its token count and
+        each video's ``<|video_pad|>`` replaced by its ``video_text`` (``video_texts``: per video)."""
         expanded = _expand(text, IMAGE_PAD, self.image_tokens(images, pixels) if images else [], "image")
-        if video_tokens or (VIDEO_PAD in expanded):
-            expanded = _expand(expanded, VIDEO_PAD, list(video_tokens), "video")
+        if video_texts or (VIDEO_PAD in expanded):
+            parts = expanded.split(VIDEO_PAD)
+            if len(parts) - 1 != len(video_texts):
+                raise ValueError(f"{len(parts) - 1} video tokens in the prompt for {len(video_texts)} videos")
+            expanded = parts[0] + "".join(v + part for v, part in zip(video_texts, parts[1:]))
         return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
 
     def image_sizes(self, grid_thw: torch.Tensor) -> list[list[int]]:

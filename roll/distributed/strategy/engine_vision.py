@@ -12,7 +12,10 @@ so the engine's prompt collapses each run of image tokens back to one::
 Videos go the same way: ``{"video": [frames [T, H, W, 3] uint8]}`` with each run of video tokens
 collapsed to one, and ``mm_processor_kwargs`` holding the frames' sampling ``fps`` (the processor's
 ``second_per_grid_ts``) and their pixel area as ``min_pixels``/``max_pixels``, so the engine keeps
-roll's frames as they are (``roll.pipeline.rlvr.data.vision.video_fields``).
+roll's frames as they are (``roll.pipeline.rlvr.data.vision.video_fields``). A model whose prompt
+writes a video frame by frame with timestamps (Qwen3-VL: ``roll.models.video_prompt``) gets each such
+video back as ``<|vision_start|><|video_pad|><|vision_end|>`` and the frames with their metadata
+(``(frames, {"fps", "frames_indices", ...})``), from which vLLM writes the same timestamps and tokens.
 
 The engine's outputs are the responses only; the Batch keeps roll's expanded prompt ids, so the
 trainer and the reference score the same tokens the engine conditioned on.
@@ -26,6 +29,7 @@ from typing import Any
 
 from roll.core.batch import Batch
 from roll.models.model_dir import config_json
+from roll.models.video_prompt import TIMESTAMPED_VIDEO_MODEL_TYPES, collapse_timestamped_videos
 from roll.models.vision import (
     MULTI_MODAL_DATA,
     collapse_image_tokens,
@@ -47,6 +51,8 @@ class VisionTokens:
     image: int | None = None
     video: int | None = None
     bias: dict[int, float] = field(default_factory=dict)
+    # (vision start, vision end) of a model writing videos frame by frame (Qwen3-VL); None: one run.
+    frames: tuple[int, int] | None = None
 
 
 def vision_tokens(model_dir: str | None) -> VisionTokens:
@@ -55,14 +61,22 @@ def vision_tokens(model_dir: str | None) -> VisionTokens:
     if not is_vision_config(config):
         return VisionTokens()
     bias = {token: EXCLUDED_BIAS for token in response_excluded_tokens(config)}
-    return VisionTokens(config.get("image_token_id"), config.get("video_token_id"), bias)
+    frames = None
+    if config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES:
+        frames = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
+    return VisionTokens(config.get("image_token_id"), config.get("video_token_id"), bias, frames)
 
 
 def vllm_prompts(
-    batch: Batch, prompts: Sequence[Sequence[int]], image_token: int | None, video_token: int | None = None
+    batch: Batch,
+    prompts: Sequence[Sequence[int]],
+    image_token: int | None,
+    video_token: int | None = None,
+    frames: tuple[int, int] | None = None,
 ) -> list[Any] | None:
     """Per row, vLLM's prompt with the row's images or videos (text rows: their ids as they are);
-    None when the batch carries none, so the caller keeps its text path unchanged."""
+    None when the batch carries none, so the caller keeps its text path unchanged. ``frames``: the
+    vision start and end of a model writing videos frame by frame (``VisionTokens.frames``)."""
     if MULTI_MODAL_DATA not in batch or not any(batch[MULTI_MODAL_DATA]):
         return None
     if image_token is None:
@@ -74,6 +88,8 @@ def vllm_prompts(
         if not data:
             out.append(list(ids))
             continue
+        if frames is not None and video_token is not None:
+            ids = collapse_timestamped_videos(ids, video_token, *frames)
         collapsed = collapse_image_tokens(ids, image_token, video_token)
         items = {}
         for kind, token in (("image", image_token), ("video", video_token)):

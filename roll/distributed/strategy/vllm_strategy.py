@@ -133,7 +133,9 @@ class VLLMStrategy:
             (r.request_id, r.prompt_ids, self._sampling({**r.sampling, **extra}))
             for r in vllm_generate_requests(plan, prompts, params)
         ]
-        with_images = vllm_prompts(batch, prompts, self.vision.image, self.vision.video)  # None: text only
+        with_images = vllm_prompts(
+            batch, prompts, self.vision.image, self.vision.video, self.vision.frames
+        )  # None: text only
         if with_images is not None:  # one request per row, in row order
             requests = [(rid, prompt, sampling) for (rid, _, sampling), prompt in zip(requests, with_images)]
         collector = CompletionCollector(plan)

@@ -372,10 +372,11 @@ def _vision_prompt(
         raise ConfigError(key, f"{source}: the row has {what} but the model is not a vision-language model")
     text = with_image_tokens(text)
     try:
-        plans = [probe_video(ref, source, i, video_options) for i, ref in enumerate(row.videos or [])]
-        tokens = [processor.video_tokens(len(p.indices), p.height, p.width) for p in plans]
+        factor = processor.patch_size * processor.merge_size
+        plans = [probe_video(ref, source, i, video_options, factor) for i, ref in enumerate(row.videos or [])]
+        videos = [processor.video_text(p.indices, p.rate, p.height, p.width) for p in plans]
         images = decode_images(row.images, source) if row.images else []
-        ids = processor.encode(text, images, pixels, tokens)
+        ids = processor.encode(text, images, pixels, videos)
     except ConfigError as exc:
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:

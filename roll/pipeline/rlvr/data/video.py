@@ -14,8 +14,10 @@ like ``<image>``).
 Frames (Qwen's ``qwen_vl_utils.fetch_video``, which ROLL calls): ``round(frames / video fps *
 video_fps)`` frames, at least 4, at most ``video_max_frames`` and the video's own count, rounded to
 an even number, evenly spaced from the first frame to the last; each resized to the same multiple
-of 28 pixels by Qwen's ``smart_resize`` within ``video_min_pixels`` and ``min(video_max_pixels,
-video_total_pixels / frames * 2)``. Decoded with PyAV (``pip install -e .[vision]``): probed for the
+of the model's merged patch (28 pixels for Qwen2.5-VL, 32 for Qwen3-VL: ``factor``) by Qwen's
+``smart_resize`` within ``video_min_pixels`` and ``min(video_max_pixels, video_total_pixels / frames
+* 2)`` (unset: Qwen's token counts times ``factor**2``, as qwen_vl_utils scales them). The plan keeps
+the video's own rate too: Qwen3-VL's prompt writes each temporal patch's time, ``index / rate``. Decoded with PyAV (``pip install -e .[vision]``): probed for the
 frame count and size when the file is loaded (they decide the prompt length; the row keeps the
 plan), and its planned frames decoded when a batch is built. A relative path is looked up under ``video_folder``, then beside the data
 file, then from the working directory.
@@ -30,14 +32,16 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 
-# Qwen's qwen_vl_utils defaults (used where data_args leaves a key unset).
+# Qwen's qwen_vl_utils defaults (used where data_args leaves a key unset): frames, and merged
+# patches (tokens) per frame / per video, times factor**2 pixels each.
 FPS, FPS_MIN_FRAMES, FPS_MAX_FRAMES = 2.0, 4, 768
-VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, VIDEO_TOTAL_PIXELS = (
-    128 * 28 * 28,
-    768 * 28 * 28,
-    int(128000 * 28 * 28 * 0.9),
-)
+VIDEO_MIN_TOKENS, VIDEO_MAX_TOKENS, VIDEO_TOTAL_TOKENS = 128, 768, 128000 * 0.9
 FRAME_FACTOR, IMAGE_FACTOR = 2, 28
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, VIDEO_TOTAL_PIXELS = (
+    VIDEO_MIN_TOKENS * IMAGE_FACTOR**2,
+    VIDEO_MAX_TOKENS * IMAGE_FACTOR**2,
+    int(VIDEO_TOTAL_TOKENS * IMAGE_FACTOR**2),
+)
 
 # Video-R1's prompt (tulerfeng/Video-R1, as ROLL's vlm_dataset_utils writes it).
 QUESTION_TEMPLATE = (
@@ -92,6 +96,8 @@ class FramePlan:
     height: int
     width: int
     fps: float  # frames sampled per second of video (second_per_grid_ts = 2 / fps)
+    rate: float = FPS  # the video's own frames per second (Qwen3-VL's timestamps: index / rate)
+    total: int = 0  # the video's frame count
 
 
 def video_r1_messages(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -134,8 +140,11 @@ def smart_resize(
     return h, w
 
 
-def frame_plan(total: int, video_fps: float, height: int, width: int, options: VideoOptions) -> FramePlan:
-    """The frames to sample of a video of ``total`` frames at ``video_fps`` (module docstring)."""
+def frame_plan(
+    total: int, video_fps: float, height: int, width: int, options: VideoOptions, factor: int = IMAGE_FACTOR
+) -> FramePlan:
+    """The frames to sample of a video of ``total`` frames at ``video_fps``, resized to multiples of
+    ``factor`` pixels (module docstring)."""
     fps = options.fps or FPS
     max_frames = min(options.max_frames or FPS_MAX_FRAMES, total)
     max_frames = max(FRAME_FACTOR, max_frames // FRAME_FACTOR * FRAME_FACTOR)
@@ -144,14 +153,14 @@ def frame_plan(total: int, video_fps: float, height: int, width: int, options: V
     count = max(FRAME_FACTOR, round(count / FRAME_FACTOR) * FRAME_FACTOR)
     step = (total - 1) / (count - 1) if count > 1 else 0.0
     indices = tuple(min(total - 1, round(i * step)) for i in range(count))
-    min_pixels = options.min_pixels or VIDEO_MIN_PIXELS
-    total_pixels = options.total_pixels or VIDEO_TOTAL_PIXELS
+    min_pixels = options.min_pixels or VIDEO_MIN_TOKENS * factor**2
+    total_pixels = options.total_pixels or int(VIDEO_TOTAL_TOKENS * factor**2)
     max_pixels = max(
-        min(options.max_pixels or VIDEO_MAX_PIXELS, total_pixels / count * FRAME_FACTOR),
+        min(options.max_pixels or VIDEO_MAX_TOKENS * factor**2, total_pixels / count * FRAME_FACTOR),
         int(min_pixels * 1.05),
     )
-    h, w = smart_resize(height, width, min_pixels, max_pixels)
-    return FramePlan(indices, h, w, count / max(total, 1e-6) * video_fps)
+    h, w = smart_resize(height, width, min_pixels, max_pixels, factor)
+    return FramePlan(indices, h, w, count / max(total, 1e-6) * video_fps, video_fps, total)
 
 
 def video_path(ref: str, source: str, folder: str | None) -> Path:
@@ -181,16 +190,18 @@ def _open(path: Path, source: str, index: int) -> Any:
         ) from None
 
 
-def probe_video(ref: str, source: str, index: int, options: VideoOptions) -> FramePlan:
+def probe_video(
+    ref: str, source: str, index: int, options: VideoOptions, factor: int = IMAGE_FACTOR
+) -> FramePlan:
     """The frame plan of a video, from its frame count, rate and size (every frame is demuxed, none
-    decoded, when the container does not store the count)."""
+    decoded, when the container does not store the count); frames resized to multiples of ``factor``."""
     with _open(video_path(ref, source, options.folder), source, index) as container:
         stream = container.streams.video[0]
         total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         rate = float(stream.average_rate or 0) or FPS
         if total < 1:
             raise ConfigError("data_args.file_name", f"{source}: video {index} ({ref!r}) has no frames")
-        return frame_plan(total, rate, stream.height, stream.width, options)
+        return frame_plan(total, rate, stream.height, stream.width, options, factor)
 
 
 def decode_video(ref: str, source: str, index: int, folder: str | None, plan: FramePlan) -> list[Any]:

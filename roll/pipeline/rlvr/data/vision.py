@@ -156,7 +156,9 @@ def with_vision_fields(batch: Any, processor: VisionProcessor | None) -> Any:
 def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model inputs, engine data) of a row with videos: the sampled frames through the processor,
     and for vLLM the same frames ([frames, H, W, 3] uint8 each) with their sampling fps and pixel
-    area as ``mm_processor_kwargs``, so the engine neither resamples nor resizes them."""
+    area as ``mm_processor_kwargs``, so the engine neither resamples nor resizes them; for a model
+    whose prompt holds each frame's time (``processor.timestamped_videos``, Qwen3-VL), each video
+    with its metadata instead (``engine_video_metadata``) and no resize."""
     import numpy as np
 
     from roll.pipeline.rlvr.data.video import decode_video
@@ -168,9 +170,16 @@ def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], 
     ]
     fps = [plan.fps for plan in row.video_plans]
     mm = processor.video_inputs(videos, fps)
+    arrays = [np.stack([np.asarray(f) for f in frames]) for frames in videos]
+    if processor.timestamped_videos:
+        engine = {
+            "video": [(a, engine_video_metadata(plan)) for a, plan in zip(arrays, row.video_plans)],
+            "mm_processor_kwargs": {"do_resize": False},
+        }
+        return mm, engine
     width, height = videos[0][0].size
     engine = {
-        "video": [np.stack([np.asarray(f) for f in frames]) for frames in videos],
+        "video": arrays,
         "mm_processor_kwargs": {
             "fps": fps[0] if len(fps) == 1 else fps,
             "min_pixels": height * width,
@@ -178,6 +187,19 @@ def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], 
         },
     }
     return mm, engine
+
+
+def engine_video_metadata(plan: Any) -> dict[str, Any]:
+    """vLLM's metadata of a video whose frames roll sampled (a ``FramePlan``): the sampled frames'
+    indices and the video's own rate, from which vLLM's Qwen3-VL processing writes each temporal
+    patch's time as roll's prompt does; ``do_sample_frames: False`` keeps the frames as sent."""
+    return {
+        "fps": plan.rate,
+        "frames_indices": list(plan.indices),
+        "total_num_frames": plan.total,
+        "duration": plan.total / plan.rate,
+        "do_sample_frames": False,
+    }
 
 
 def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, list[Any]]:
