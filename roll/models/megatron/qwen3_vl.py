@@ -19,14 +19,15 @@ which ``stacked_experts`` reads and writes), with two things of Qwen3-VL's own:
 
 The vision tower (patch embedding, blocks, merger and the deepstack mergers) is transformers' own
 module, held whole on every rank of the first pipeline stage as ``visual`` (the checkpoint's name).
-Rope positions come from transformers' ``get_rope_index``. Padded rows, and packed (thd) rows with
-context parallelism as Qwen2.5-VL runs them (``packed_vision``): each sequence's positions from the
-whole packed row (``InterleavedMRoPE`` returns the whole row's frequencies and megatron's thd RoPE
-picks each CP rank's zig-zag chunks), the vision features and the deepstack features ([k, s, 1, h],
-s this CP rank's packed tokens) of each rank's own tokens. A text-only training forward runs the
-tower on a dummy image times 0 (its deepstack mergers included), so every rank's DDP buckets get
-gradients. Images only: a batch with videos stops the forward with one line (Video-R1 rows are
-refused before launch).
+Rope positions come from transformers' ``get_rope_index`` (a video's temporal patches each their own
+grid: the prompt holds each patch's time, ``roll.models.video_prompt``). Images and videos run
+through the tower in two calls, as transformers runs them; each kind's deepstack features go to its
+own tokens. Padded rows, and packed (thd) rows with context parallelism as Qwen2.5-VL runs them
+(``packed_vision``): each sequence's positions from the whole packed row (``InterleavedMRoPE``
+returns the whole row's frequencies and megatron's thd RoPE picks each CP rank's zig-zag chunks),
+the vision features and the deepstack features ([k, s, 1, h], s this CP rank's packed tokens) of
+each rank's own tokens. A text-only training forward runs the tower on a dummy image times 0 (its
+deepstack mergers included), so every rank's DDP buckets get gradients.
 
 >>> model = Qwen3VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
@@ -76,26 +77,32 @@ def deepstack_layers(hf_config: Any) -> int:
 
 
 def mrope_positions(
-    input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, hf_config: Any
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    hf_config: Any,
+    video_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[3, B, S] Qwen3-VL rope positions of rows starting at column 0 (transformers' own
     ``get_rope_index``); text rows count up on all three axes."""
-    if image_grid_thw is None or not len(image_grid_thw):
+    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
     model_class = _classes(hf_config)[1]
     host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
     host.get_vision_position_ids = partial(model_class.get_vision_position_ids, host)
     types = token_types(input_ids, hf_config)
-    positions, _ = model_class.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
+    positions, _ = model_class.get_rope_index(
+        host, input_ids, types, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw
+    )
     return positions
 
 
 class Qwen3VLGPTModel(GPTModel):
     """GPTModel with Qwen3-VL's vision tower on the first pipeline stage, interleaved mrope and
     deepstack (see the module docstring). ``forward`` takes GPTModel's arguments plus
-    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows' images in row order
-    and, on packed rows, the whole packed row ``packed_input_ids`` [1, T]."""
+    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows' images in row order,
+    ``pixel_values_videos`` and ``video_grid_thw`` [videos, 3] of their videos and, on packed rows, the
+    whole packed row ``packed_input_ids`` [1, T]."""
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
         super().__init__(config, transformer_layer_spec, **kwargs)
@@ -121,22 +128,28 @@ class Qwen3VLGPTModel(GPTModel):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         packed_input_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if pixel_values_videos is not None:
-            raise ValueError("roll's Megatron Qwen3-VL takes images only; video rows run on fsdp2_train")
-        kwargs.pop("video_grid_thw", None), kwargs.pop("second_per_grid_ts", None)
+        kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's; Qwen3-VL's prompt holds the times
         rows, local, position_ids = vision_inputs(
             input_ids,
             kwargs.get("packed_seq_params"),
             packed_input_ids,
-            partial(mrope_positions, image_grid_thw=image_grid_thw, hf_config=self.roll_vl_config),
+            partial(
+                mrope_positions,
+                image_grid_thw=image_grid_thw,
+                hf_config=self.roll_vl_config,
+                video_grid_thw=video_grid_thw,
+            ),
             self.config.context_parallel_size,
             "Qwen3-VL",
         )
-        if self.pre_process and decoder_input is None and pixel_values is not None:
-            parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
+        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
+        parts = [p for p in parts if p[1] is not None]
+        if self.pre_process and decoder_input is None and parts:
             decoder_input, deepstack = self._embed_with_deepstack(input_ids, rows, local, parts)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {
