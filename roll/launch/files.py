@@ -76,7 +76,6 @@ def check_files(config: RLVRConfig) -> None:
         resolve_resume(config)
     check_vision_dump(config)
     check_video_strategies(config)
-    check_qwen3_vl_videos(config)
     check_dump_dir(config)  # rollout_dump: the replay's steps and values, or a dump dir not in use
 
 
@@ -200,20 +199,6 @@ def check_video_strategies(config: RLVRConfig) -> None:
                 "(its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
                 "fsdp2_train (reference: hf_infer) with vllm rollouts",
             )
-
-
-def check_qwen3_vl_videos(config: RLVRConfig) -> None:
-    """Video-R1 rows become Qwen2-VL's video prompt (one run of video tokens per video); Qwen3-VL
-    expects a timestamp before each frame's tokens, which roll does not write."""
-    if config.actor_train.data_args.row_layout != "video_r1":
-        return
-    model_type = config_json(config.actor_train.model_args.model_name_or_path).get("model_type")
-    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
-        raise ConfigError(
-            "actor_train.data_args.row_layout",
-            f"video_r1 with model_type {model_type!r}: roll writes Qwen2-VL's video prompt, without the "
-            "per-frame timestamps Qwen3-VL reads; Qwen3-VL runs image rows (videos: Qwen2.5-VL)",
-        )
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:
