@@ -47,6 +47,19 @@ from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
 from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
 
 
+def _engine(model: Path, limits: dict[str, int]):
+    """One of this module's four engines, all alive in this process at once: a small share of the
+    GPU each, and no sleep mode (vLLM's sleep-mode allocator serves one engine per process)."""
+    return make_strategy(
+        "vllm",
+        model,
+        gpu_memory_utilization=0.12,
+        enforce_eager=True,
+        sleep_level=0,
+        engine_kwargs={"limit_mm_per_prompt": limits},
+    )
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe: bool) -> None:
     """``moe``: Qwen3-VL-MoE, its checkpoint in the released layout (stacked, transposed experts)."""
@@ -55,13 +68,7 @@ def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe:
         released_layout(model)
     rows = detection_rows(tmp_path / "images", 4) + math_rows(tmp_path / "images", 2)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    engine = make_strategy(
-        "vllm",
-        model,
-        gpu_memory_utilization=0.25,
-        enforce_eager=True,
-        engine_kwargs={"limit_mm_per_prompt": {"image": 1, "video": 0}},
-    )
+    engine = _engine(model, {"image": 1, "video": 0})
     prompts = vl_prompts(tmp_path, model)
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
     assert torch.equal(out["prompts"][::2], prompts["prompts"]) and out["response_mask"].sum() > 0
@@ -80,13 +87,7 @@ def test_qwen3_vl_generate_with_videos_matches_transformers(tmp_path: Path, moe:
     args = DataArgs(file_name=[str(tmp_path / "videos.json")], row_layout="video_r1", **QWEN3_VIDEO_ARGS)
     rows = load_prompt_files(args, processor.tokenizer, 700, "data_args", processor)
     prompts = to_batch(rows.rows, processor.tokenizer.pad_token_id, 700, processor)
-    engine = make_strategy(
-        "vllm",
-        model,
-        gpu_memory_utilization=0.25,
-        enforce_eager=True,
-        engine_kwargs={"limit_mm_per_prompt": {"image": 0, "video": 1}},
-    )
+    engine = _engine(model, {"image": 0, "video": 1})
     # the prompt vLLM builds (its Qwen3-VL processing writes the timestamps) is roll's row
     ids = prompt_token_lists(prompts)
     requests = vllm_prompts(prompts, ids, *[getattr(engine.vision, k) for k in ("image", "video", "frames")])
