@@ -94,6 +94,7 @@ def _qwen2_5_vl(
         text_config=text, vision_config=vision, **tokens, tie_word_embeddings=tied
     )
 
+
 def _qwen3_5(
     hidden: int, layers: int, heads: int, value_heads: int, moe: tuple[int, int, int] | None, **sizes: Any
 ) -> tuple[str, dict[str, Any]]:
