@@ -42,8 +42,14 @@ def _vision_class() -> Any:
 
 def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
     """The vision tower's parameter names as the HF checkpoint stores them (``visual.*``)."""
+    return tower_tensor_names(_vision_class(), hf_config)
+
+
+def tower_tensor_names(tower_class: Any, hf_config: Any) -> tuple[str, ...]:
+    """``visual.*``: the parameter names of transformers' vision tower ``tower_class`` built (on the
+    meta device) from ``hf_config.vision_config``."""
     with torch.device("meta"):
-        tower = _vision_class()._from_config(hf_config.vision_config)
+        tower = tower_class._from_config(hf_config.vision_config)
     return tuple(f"visual.{name}" for name, _ in tower.named_parameters())
 
 
@@ -60,21 +66,45 @@ def mrope_positions(
     patch). The grids hold the rows' images / videos in row order (None: none)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
-    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
-    host.get_vision_position_ids = partial(Qwen2_5_VLModel.get_vision_position_ids, host)
-    types = token_types(input_ids, hf_config)
-    positions, _ = Qwen2_5_VLModel.get_rope_index(
-        host,
+    return rope_index_positions(
+        Qwen2_5_VLModel,
         input_ids,
-        types,
+        hf_config,
         image_grid_thw=image_grid_thw,
         video_grid_thw=video_grid_thw,
         second_per_grid_ts=second_per_grid_ts,
     )
+
+
+def rope_index_positions(
+    model_class: Any,
+    input_ids: torch.Tensor,
+    hf_config: Any,
+    *,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    **extra: Any,
+) -> torch.Tensor:
+    """[3, B, S] rope positions of rows starting at column 0 from ``model_class.get_rope_index``
+    (transformers' Qwen2.5-VL / Qwen3-VL model class; ``extra``: its further keyword arguments);
+    rows without images or videos count up on all three axes."""
+    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
+    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
+    host.get_vision_position_ids = partial(model_class.get_vision_position_ids, host)
+    types = token_types(input_ids, hf_config)
+    positions, _ = model_class.get_rope_index(
+        host, input_ids, types, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, **extra
+    )
     return positions
+
+
+def build_vision_tower(tower_class: Any, hf_config: Any, model: GPTModel, params_dtype: torch.dtype) -> Any:
+    """transformers' vision tower ``tower_class`` built from ``hf_config.vision_config`` on the device
+    of ``model``'s word embeddings (a first-stage GPTModel), in ``params_dtype``."""
+    tower = tower_class._from_config(hf_config.vision_config)
+    return tower.to(device=model.embedding.word_embeddings.weight.device, dtype=params_dtype)
 
 
 class Qwen2_5_VLGPTModel(GPTModel):
@@ -91,10 +121,7 @@ class Qwen2_5_VLGPTModel(GPTModel):
         self.roll_vl_config = hf_config
         keep_whole_row(self.rotary_pos_emb)
         if self.pre_process:
-            tower = _vision_class()._from_config(hf_config.vision_config)
-            self.visual = tower.to(
-                device=self.embedding.word_embeddings.weight.device, dtype=config.params_dtype
-            )
+            self.visual = build_vision_tower(_vision_class(), hf_config, self, config.params_dtype)
 
     def forward(
         self,

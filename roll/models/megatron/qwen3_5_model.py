@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
-from roll.models.megatron.qwen2_5_vl import Qwen2_5_VLGPTModel
+from roll.models.megatron.qwen2_5_vl import (
+    Qwen2_5_VLGPTModel,
+    build_vision_tower,
+    rope_index_positions,
+    tower_tensor_names,
+)
 
 
 def mrope_positions(
@@ -27,16 +31,9 @@ def mrope_positions(
     ``get_rope_index``, which Qwen3.5's extends only for videos."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-    from roll.models.vision import token_types
-
-    if image_grid_thw is None or not len(image_grid_thw):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
-    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
-    host.get_vision_position_ids = lambda *a, **k: Qwen2VLModel.get_vision_position_ids(host, *a, **k)
-    types = token_types(input_ids, hf_config)
-    positions, _ = Qwen2VLModel.get_rope_index(host, input_ids, types, image_grid_thw=image_grid_thw)
-    return positions
+    return rope_index_positions(
+        Qwen2VLModel, input_ids, hf_config, image_grid_thw=image_grid_thw, video_grid_thw=None
+    )
 
 
 # ---------------------------------------------------------------------------- vision tower
@@ -49,9 +46,7 @@ def _vision_class() -> Any:
 def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
     """The vision tower's parameter names in roll's model (``visual.*``; transformers' module and
     the checkpoint have them under ``model.visual.``, ``weight_mapping.module_name``)."""
-    with torch.device("meta"):
-        tower = _vision_class()._from_config(hf_config.vision_config)
-    return tuple(f"visual.{name}" for name, _ in tower.named_parameters())
+    return tower_tensor_names(_vision_class(), hf_config)
 
 
 class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
@@ -69,10 +64,7 @@ class Qwen3_5GPTModel(Qwen2_5_VLGPTModel):
         self.roll_vl_config = hf_config
         self.rotary_pos_emb = InterleavedMRoPE(self.rotary_pos_emb.inv_freq)  # on rotary_percent of each head
         if self.pre_process:
-            tower = _vision_class()._from_config(hf_config.vision_config)
-            self.visual = tower.to(
-                device=self.embedding.word_embeddings.weight.device, dtype=config.params_dtype
-            )
+            self.visual = build_vision_tower(_vision_class(), hf_config, self, config.params_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_grid_thw") is not None:

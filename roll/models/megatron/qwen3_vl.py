@@ -37,7 +37,6 @@ deepstack mergers included), so every rank's DDP buckets get gradients.
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,8 +45,12 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from roll.configs.errors import ConfigError
 from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 from roll.models.megatron.packed_vision import placed_features, vision_inputs, with_vision_features
-from roll.models.megatron.qwen2_5_vl import idle_tower_embeddings
-from roll.models.vision import token_types
+from roll.models.megatron.qwen2_5_vl import (
+    build_vision_tower,
+    idle_tower_embeddings,
+    rope_index_positions,
+    tower_tensor_names,
+)
 from roll.models.vision_tower import tower_wants_grads
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
@@ -66,9 +69,7 @@ def _classes(hf_config: Any) -> tuple[Any, Any]:
 
 def vision_tensor_names(hf_config: Any) -> tuple[str, ...]:
     """The vision tower's parameter names (``visual.*``), deepstack mergers included."""
-    with torch.device("meta"):
-        tower = _classes(hf_config)[0]._from_config(hf_config.vision_config)
-    return tuple(f"visual.{name}" for name, _ in tower.named_parameters())
+    return tower_tensor_names(_classes(hf_config)[0], hf_config)
 
 
 def deepstack_layers(hf_config: Any) -> int:
@@ -84,17 +85,13 @@ def mrope_positions(
 ) -> torch.Tensor:
     """[3, B, S] Qwen3-VL rope positions of rows starting at column 0 (transformers' own
     ``get_rope_index``); text rows count up on all three axes."""
-    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
-    model_class = _classes(hf_config)[1]
-    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
-    host.get_vision_position_ids = partial(model_class.get_vision_position_ids, host)
-    types = token_types(input_ids, hf_config)
-    positions, _ = model_class.get_rope_index(
-        host, input_ids, types, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw
+    return rope_index_positions(
+        _classes(hf_config)[1],
+        input_ids,
+        hf_config,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
     )
-    return positions
 
 
 class Qwen3VLGPTModel(GPTModel):
@@ -108,10 +105,7 @@ class Qwen3VLGPTModel(GPTModel):
         super().__init__(config, transformer_layer_spec, **kwargs)
         self.roll_vl_config = hf_config
         if self.pre_process:
-            tower = _classes(hf_config)[0]._from_config(hf_config.vision_config)
-            self.visual = tower.to(
-                device=self.embedding.word_embeddings.weight.device, dtype=config.params_dtype
-            )
+            self.visual = build_vision_tower(_classes(hf_config)[0], hf_config, self, config.params_dtype)
         self.rotary_pos_emb = InterleavedMRoPE(self.rotary_pos_emb.inv_freq)
         self.roll_deepstack_layers = deepstack_layers(hf_config)
         for layer in self.decoder.layers:
