@@ -34,9 +34,9 @@ pytestmark = [
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
-from test_vllm_vl_gpu import hf_sampled_logprobs, hf_vl, vl_prompts  # noqa: E402
+from engine_vl_gpu import hf_sampled_logprobs, hf_vl, save_image_rows, vl_prompts  # noqa: E402
 from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
-from tiny_vl import detection_rows, math_rows, video_r1_rows  # noqa: E402
+from tiny_vl import video_r1_rows  # noqa: E402
 
 from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
@@ -66,8 +66,7 @@ def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe:
     model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1, moe=moe)
     if moe:
         released_layout(model)
-    rows = detection_rows(tmp_path / "images", 4) + math_rows(tmp_path / "images", 2)
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_image_rows(tmp_path)
     engine = _engine(model, {"image": 1, "video": 0})
     prompts = vl_prompts(tmp_path, model)
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))

@@ -1,0 +1,105 @@
+"""What the GPU tests of the engine strategies (``vllm``, ``sglang``) on vision-language models share:
+the tiny Qwen2.5-VL pair and its image rows, roll's prompt Batches of them, transformers' sampled
+log-probs, and the generate / load_weights checks against transformers (bf16 tolerance,
+tests/engine_gpu.py).
+
+>>> root, a, b = save_vl_models(tmp_path)                  # two tiny Qwen2.5-VLs, prompts.jsonl of image rows
+>>> check_generate(engine, vl_prompts(root, a), a, "generate with images")
+>>> check_load_weights(engine, vl_prompts(root, a), b)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_gpu import assert_close
+from tiny_vl import VIDEO_ARGS, build_tiny_vl_dir, detection_rows, math_rows, video_r1_rows
+
+from roll.configs.role import DataArgs
+from roll.core.batch import Batch
+from roll.core.sampling import SamplingParams
+from roll.models.logprobs import response_log_probs
+from roll.models.vision import VisionProcessor
+from roll.pipeline.rlvr.data.dataset import load_prompt_files
+from roll.pipeline.rlvr.data.sampler import to_batch
+
+PROMPT_LENGTH = 64
+VIDEO_PROMPT_LENGTH = 600  # the tiny tokenizer spends ~530 tokens on Video-R1's template
+
+
+def save_image_rows(root: Path) -> None:
+    """``root / "prompts.jsonl"``: four detection rows and two counting rows (images under ``root``)."""
+    rows = detection_rows(root / "images", 4) + math_rows(root / "images", 2)
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def save_vl_models(root: Path) -> tuple[Path, Path, Path]:
+    """(root, a, b): two tiny Qwen2.5-VLs of other weights (``a`` the engine's, ``b`` the update's)
+    and ``save_image_rows``' prompts."""
+    a = build_tiny_vl_dir(root / "a", seed=0, full_processor=True, std=0.1)
+    b = build_tiny_vl_dir(root / "b", seed=1, full_processor=True, std=0.1)
+    save_image_rows(root)
+    return root, a, b
+
+
+def vl_prompts(root: Path, model_dir: Path) -> Batch:
+    processor = VisionProcessor.load(str(model_dir))
+    args = DataArgs(file_name=[str(root / "prompts.jsonl")], messages="prompt")
+    rows = load_prompt_files(args, processor.tokenizer, PROMPT_LENGTH, "data_args", processor)
+    assert len(rows) == 6 and not rows.bad_rows
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+
+
+def video_prompts(root: Path, model_dir: Path) -> Batch:
+    pytest.importorskip("av")  # the frames are decoded with PyAV
+    processor = VisionProcessor.load(str(model_dir))
+    (root / "videos.json").write_text(json.dumps(video_r1_rows(root / "videos", 2)))
+    args = DataArgs(file_name=[str(root / "videos.json")], row_layout="video_r1", **VIDEO_ARGS)
+    rows = load_prompt_files(args, processor.tokenizer, VIDEO_PROMPT_LENGTH, "data_args", processor)
+    assert len(rows) == 2 and not rows.bad_rows
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, VIDEO_PROMPT_LENGTH, processor)
+
+
+def hf_vl(path: Path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+
+
+@torch.no_grad()
+def hf_sampled_logprobs(model, out) -> torch.Tensor:
+    return response_log_probs(model, out.to("cuda"), temperature=1.0)["log_probs"].cpu()
+
+
+def check_generate(engine, prompts: Batch, model_dir: Path, what: str) -> None:
+    """Two samples of each prompt keep roll's expanded prompt ids, and their sampled-token log-probs
+    equal transformers' forward on ``model_dir`` (the engine's weights)."""
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    assert out["responses"].shape[0] == 2 * len(prompts)
+    assert torch.equal(out["prompts"][::2], prompts["prompts"])  # roll's expanded ids stay in the batch
+    assert out["response_mask"].sum() > 0
+    want = hf_sampled_logprobs(hf_vl(model_dir), out)
+    assert_close(out["infer_logprobs"], want, out["response_mask"], what)
+
+
+def check_load_weights(engine, prompts: Batch, new_dir: Path) -> None:
+    """The engine does not sample like ``new_dir``'s weights until load_weights gets them under
+    transformers 5's module names (``model.visual.*``, ``model.language_model.*``); then it does."""
+    new = hf_vl(new_dir)
+    params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=5)
+    before = engine.generate(prompts, params)
+    with pytest.raises(AssertionError):  # the old weights do not pass the tolerance
+        assert_close(
+            before["infer_logprobs"], hf_sampled_logprobs(new, before), before["response_mask"], "old"
+        )
+    names = [name for name, _ in new.state_dict().items()]
+    assert any(n.startswith("model.visual.") for n in names)
+    assert any(n.startswith("model.language_model.") for n in names)
+    engine.load_weights((name, t) for name, t in new.state_dict().items())
+    after = engine.generate(prompts, params)
+    assert_close(
+        after["infer_logprobs"], hf_sampled_logprobs(new, after), after["response_mask"], "new weights"
+    )
