@@ -16,12 +16,10 @@ loss, gradients reaching the tower's deepstack mergers).
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -29,11 +27,25 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
-from gloo_ranks import process_group, spawn_ranks  # noqa: E402
-from test_megatron_vl_gpu import BF16_MEAN_DIFF, FP32_MAX_DIFF, _strategy, _worker  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 from two_rank_training import pg_loss  # noqa: E402
-from vl_cases import hf_log_probs, vl_batch  # noqa: E402
+from vl_cases import vl_batch  # noqa: E402
+from vl_gpu_checks import (  # noqa: E402
+    log_prob_mismatches,
+    one_device_mismatches,
+    strategy,
+    tf32_off,
+    train_step_mismatches,
+    two_device_worker,
+)
+
+
+def _model(tmp_path: Path, moe: bool) -> Path:
+    model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1, moe=moe)
+    if moe:
+        released_layout(model)
+    return model
 
 
 @pytest.mark.gpu
@@ -42,24 +54,9 @@ def test_megatron_qwen3_vl_log_probs_match_transformers_on_cuda(tmp_path: Path, 
     """``moe``: Qwen3-VL-MoE (4 experts, top 2) from the released layout (stacked, transposed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1, moe=moe)
-    if moe:
-        released_layout(model)
-    batch = vl_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    spawn_ranks(_worker, 1, str(model))
-    mask = batch["response_mask"].bool()
-    bad = []
-    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        want = hf_log_probs(model, batch, torch_dtype, "cuda")
-        diff = (torch.load(tmp_path / f"megatron_{dtype}.pt") - want).abs()[mask]
-        print(f"{dtype}: max |diff| {float(diff.max()):.3e}, mean {float(diff.mean()):.3e}")
-        if dtype == "fp32" and float(diff.max()) > FP32_MAX_DIFF:
-            bad.append(f"fp32 max |diff| {float(diff.max()):.3e} > {FP32_MAX_DIFF}")
-        if dtype == "bf16" and float(diff.mean()) > BF16_MEAN_DIFF:
-            bad.append(f"bf16 mean |diff| {float(diff.mean()):.3e} > {BF16_MEAN_DIFF}")
+    tf32_off()
+    model = _model(tmp_path, moe)
+    bad = one_device_mismatches(model, vl_batch(model, tmp_path), tmp_path)
     assert not bad, "\n".join(bad)
 
 
@@ -74,37 +71,13 @@ TWO_DEVICE_CASES = {
 def _train_step_cp2(path: str, rank: int, world_size: int) -> dict:
     from roll.models.megatron.hf_io import unwrap
 
-    strategy = _strategy(path, "bf16", "megatron_train", {"context_parallel_size": 2}, rank, world_size)
+    built = strategy(path, "bf16", "megatron_train", {"context_parallel_size": 2}, rank, world_size)
     batch = torch.load(Path(path).parent / "batch.pt", weights_only=False)
-    metrics = strategy.train_step(batch.split(2), pg_loss)
-    grads = {
-        n: p.main_grad for n, p in unwrap(strategy.model[0]).named_parameters() if n.startswith("visual.")
-    }
+    metrics = built.train_step(batch.split(2), pg_loss)
+    grads = {n: p.main_grad for n, p in unwrap(built.model[0]).named_parameters() if n.startswith("visual.")}
     deepstack = [g for n, g in grads.items() if n.startswith("visual.deepstack_merger_list.")]
     total = lambda gs: float(sum(g.float().abs().sum() for g in gs if g is not None))  # noqa: E731
     return {**metrics, "tower_grad": total(grads.values()), "deepstack_grad": total(deepstack)}
-
-
-def _two_device_worker(rank: int, world_size: int, port: int, path: str) -> None:
-    from megatron.core import parallel_state as ps
-
-    warnings.filterwarnings("ignore")
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    batch = torch.load(Path(path).parent / "batch.pt", weights_only=False)
-    with process_group(rank, world_size, port, backend="nccl"):
-        for dtype in ("fp32", "bf16"):
-            for case, (name, layout) in TWO_DEVICE_CASES.items():
-                got = _strategy(path, dtype, name, layout, rank, world_size).compute_log_probs(batch)
-                if rank == 0:
-                    torch.save(got["log_probs"], Path(path).parent / f"two_{case}_{dtype}.pt")
-                ps.destroy_model_parallel()
-                dist.barrier()
-        metrics = _train_step_cp2(path, rank, world_size)
-        if rank == 0:
-            torch.save(metrics, Path(path).parent / "two_train_cp2.pt")
-        dist.barrier()
 
 
 @pytest.mark.gpu
@@ -115,32 +88,13 @@ def test_megatron_qwen3_vl_packed_and_cp2_match_transformers_on_two_devices(
 ) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1, moe=moe)
-    if moe:
-        released_layout(model)
+    tf32_off()
+    model = _model(tmp_path, moe)
     batch = vl_batch(model, tmp_path)
     torch.save(batch, tmp_path / "batch.pt")
-    spawn_ranks(_two_device_worker, 2, str(model))
-    mask = batch["response_mask"].bool()
-    bad = []
-    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        want = hf_log_probs(model, batch, torch_dtype, "cuda")
-        for case in TWO_DEVICE_CASES:
-            diff = (torch.load(tmp_path / f"two_{case}_{dtype}.pt") - want).abs()[mask]
-            print(f"{case} {dtype}: max |diff| {float(diff.max()):.3e}, mean {float(diff.mean()):.3e}")
-            if dtype == "fp32" and float(diff.max()) > FP32_MAX_DIFF:
-                bad.append(f"{case} fp32 max |diff| {float(diff.max()):.3e} > {FP32_MAX_DIFF}")
-            if dtype == "bf16" and float(diff.mean()) > BF16_MEAN_DIFF:
-                bad.append(f"{case} bf16 mean |diff| {float(diff.mean()):.3e} > {BF16_MEAN_DIFF}")
+    spawn_ranks(two_device_worker, 2, str(model), "batch.pt", TWO_DEVICE_CASES, _train_step_cp2)
+    files = {case: f"two_{case}_{{dtype}}.pt" for case in TWO_DEVICE_CASES}
+    bad = log_prob_mismatches(model, batch, tmp_path, files)
     metrics = torch.load(tmp_path / "two_train_cp2.pt")
-    print(f"train step at CP 2 (bf16): {metrics}")
-    if not (
-        torch.isfinite(torch.tensor(metrics["loss"]))
-        and metrics["grad_norm"] > 0
-        and metrics["tower_grad"] > 0
-        and metrics["deepstack_grad"] > 0
-    ):
-        bad.append(f"train step at CP 2: {metrics}")
+    bad += train_step_mismatches(metrics, ("tower_grad", "deepstack_grad"))
     assert not bad, "\n".join(bad)
