@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_vl import MAX_PIXELS, MIN_PIXELS, VISION_TOKENS, build_tiny_vl_tokenizer
+from tiny_vl import (
+    MAX_PIXELS,
+    MIN_PIXELS,
+    build_tiny_vl_tokenizer,
+    save_vl_dir,
+    vision_token_ids,
+)
 from transformers import AutoModelForImageTextToText
 
 MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,), "mtp.layers.0.input_layernorm.weight": (64,)}
@@ -27,7 +33,6 @@ def tiny_qwen3_5_config(tok, moe: bool, linear_head_dims: tuple[int, int] = (8, 
     split/fuse code sees both; vLLM's triton kernels take equal ones, as the released models have)."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = {
         "vocab_size": len(tok),
         "hidden_size": 64,
@@ -73,10 +78,7 @@ def tiny_qwen3_5_config(tok, moe: bool, linear_head_dims: tuple[int, int] = (8, 
     return config_class(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vision_token_ids(tok),
         tie_word_embeddings=False,
     )
 
@@ -106,15 +108,8 @@ def build_tiny_qwen3_5_dir(
             if name.startswith("model.visual.") and param.dim() < 2:
                 continue  # the tower's LayerNorms and biases as built
             param.normal_(1.0 if around_one else 0.0, std)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
-    if full_processor:
-        from transformers import AutoProcessor
-
-        AutoProcessor.from_pretrained(path).save_pretrained(path)
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    save_vl_dir(path, model, tok, image_processor, full_processor)
     if mtp:
         tensors = load_file(path / "model.safetensors")
         tensors |= {name: torch.randn(shape) for name, shape in MTP.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tiny_vl import VISION_TOKENS, build_tiny_vl_tokenizer
+from tiny_vl import build_tiny_vl_tokenizer, save_vl_dir, spread_matrices, vision_token_ids
 from transformers import AutoModelForImageTextToText, Qwen3VLConfig, Qwen3VLMoeConfig
 
 # 32 x 32 pixels per merged patch: images of 64 x 64 to 128 x 128 pixels give 4 to 16 image tokens.
@@ -23,7 +23,6 @@ QWEN3_VIDEO_ARGS = {"video_fps": 2.0, "video_min_pixels": 64 * 64, "video_max_pi
 def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
     """4 decoder layers (head size 32, interleaved mrope over 16 frequencies), a 3-block tower whose
     blocks 0 and 1 feed deepstack (added after decoder layers 0 and 1)."""
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = {
         "vocab_size": len(tok),
         "hidden_size": 128,
@@ -59,10 +58,7 @@ def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
     return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vision_token_ids(tok),
         tie_word_embeddings=True,
     )
 
@@ -99,22 +95,9 @@ def build_tiny_qwen3_vl_dir(
     torch.manual_seed(seed)
     config = (tiny_qwen3_vl_moe_config if moe else tiny_qwen3_vl_config)(tok)
     model = AutoModelForImageTextToText.from_config(config)
-    if std is not None:
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() > 1:
-                    param.normal_(0.0, std)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    spread_matrices(model, std)
     processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16)
-    processor.save_pretrained(path)
-    if full_processor:
-        from transformers import AutoProcessor
-
-        AutoProcessor.from_pretrained(path).save_pretrained(path)
-    return path
+    return save_vl_dir(path, model, tok, processor, full_processor)
 
 
 def released_layout(path: Path) -> Path:

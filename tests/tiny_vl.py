@@ -35,7 +35,6 @@ def build_tiny_vl_tokenizer():
 
 
 def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = {
         "vocab_size": len(tok),
         "hidden_size": 128,
@@ -65,10 +64,7 @@ def tiny_vl_config(tok) -> Qwen2_5_VLConfig:
     return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **vision_token_ids(tok),
         tie_word_embeddings=True,
     )
 
@@ -85,16 +81,41 @@ def build_tiny_vl_dir(
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(tiny_vl_config(tok))
+    spread_matrices(model, std)
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return save_vl_dir(path, model, tok, image_processor, full_processor)
+
+
+def vision_token_ids(tok) -> dict[str, int]:
+    """A VL config's ``image_token_id``, ``video_token_id``, ``vision_start_token_id`` and
+    ``vision_end_token_id`` in the tiny tokenizer."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def spread_matrices(model: torch.nn.Module, std: float | None) -> None:
+    """Every matrix of ``model`` drawn from N(0, ``std``) (None: as built), so log-probs spread out."""
     if std is not None:
         with torch.no_grad():
             for param in model.parameters():
                 if param.dim() > 1:
                     param.normal_(0.0, std)
+
+
+def save_vl_dir(path: Path, model, tok, image_processor, full_processor: bool) -> Path:
+    """Saves a tiny VL ``model`` (generation ids from ``tok``), ``tok`` and ``image_processor`` in
+    ``path``; ``full_processor`` also loads and saves ``AutoProcessor`` (its video processor needs
+    torchvision), as vLLM loads it."""
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    image_processor.save_pretrained(path)
     if full_processor:  # what vLLM loads: fails here, by name, where it would fail in the engine
         from transformers import AutoProcessor
 
