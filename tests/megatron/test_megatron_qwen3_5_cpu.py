@@ -36,25 +36,12 @@ from two_rank_training import (  # noqa: E402
     run_two_ranks,
     train_strategy,
 )
-from vl_cases import hf_log_probs, vl_batch  # noqa: E402
+from vl_cases import save_case  # noqa: E402
+from vl_checks import SCORING, check_export, check_log_probs, check_saved  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 
-SCORING = {
-    "dp2": ("megatron_train", {}),
-    "tp2_sp": ("megatron_train", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "pp2": ("megatron_train", {"pipeline_model_parallel_size": 2}),
-    "infer_tp2": ("megatron_infer", {"tensor_model_parallel_size": 2}),
-}
 MOE_SCORING = {"ep2": ("megatron_train", {"expert_model_parallel_size": 2})}
-
-
-def check_log_probs(path: str, scratch: Path, name: str, strategy_name: str, layout: dict) -> list[str]:
-    strategy = train_strategy(path, layout, strategy=strategy_name)
-    batch, want = torch.load(scratch / "batch.pt", weights_only=False), torch.load(scratch / "want.pt")
-    got = strategy.compute_log_probs(batch)["log_probs"]
-    diff = float((got - want).abs().max())
-    return [f"{name}: log-probs differ from transformers' by {diff:.2e}"] if diff > 1e-4 else []
 
 
 def check_round_trip(path: str, scratch: Path) -> list[str]:
@@ -65,16 +52,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
         n: t for n, t in load_file(Path(path) / "model.safetensors").items() if not n.startswith("mtp.")
     }
     exported = full_hf_weights(strategy)
-    bad = (
-        [f"export: names differ: {sorted(set(stored) ^ set(exported))[:4]}"]
-        if set(stored) != set(exported)
-        else []
-    )
-    bad += [
-        f"export: {n} differs"
-        for n in stored.keys() & exported.keys()
-        if not torch.equal(stored[n], exported[n])
-    ]
+    bad = check_export(stored, exported)
     out = scratch / "saved"
     strategy.save_hf_checkpoint(str(out))
     dist.barrier()
@@ -83,10 +61,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
 
         state = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).state_dict()
         saved = load_file(out / "model.safetensors") if (out / "model.safetensors").exists() else {}
-        bad += [
-            f"saved: {n} differs" for n, t in stored.items() if n in saved and not torch.equal(saved[n], t)
-        ]
-        bad += [f"saved: {n} missing" for n in stored if n not in saved]
+        bad += check_saved(stored, saved)
         if not torch.equal(state["lm_head.weight"], stored["lm_head.weight"]):
             bad.append("saved: transformers loads another lm_head")
     return bad
@@ -123,9 +98,7 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str, moe:
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
 def test_megatron_qwen3_5_scores_round_trips_and_trains(tmp_path: Path, moe: bool) -> None:
     model = build_tiny_qwen3_5_dir(tmp_path / "model", moe=moe, mtp=True)
-    batch = vl_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    save_case(model, tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path), moe), tmp_path)
     assert not bad, "\n".join(bad)
 

@@ -29,7 +29,8 @@ pytest.importorskip("megatron.core")
 from tiny_qwen3_5 import build_tiny_qwen3_5_dir, tiny_qwen3_5_config  # noqa: E402
 from tiny_vl import build_tiny_vl_tokenizer  # noqa: E402
 from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
-from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks, save_case  # noqa: E402
+from vl_cases import save_case  # noqa: E402
+from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402

@@ -32,7 +32,8 @@ from test_megatron_vl_cpu import SCORING, TRAINING, check_log_probs, check_train
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, tiny_qwen3_vl_config  # noqa: E402
 from tiny_vl import build_tiny_vl_tokenizer  # noqa: E402
 from two_rank_training import full_hf_weights, megatron_rank, run_two_ranks, train_strategy  # noqa: E402
-from vl_cases import hf_log_probs, vl_batch  # noqa: E402
+from vl_cases import save_case  # noqa: E402
+from vl_checks import check_export, check_saved  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -47,16 +48,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
     strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
     stored = load_file(Path(path) / "model.safetensors")  # transformers 5's module names already
     exported = full_hf_weights(strategy)
-    bad = (
-        [f"export: names differ: {sorted(set(stored) ^ set(exported))[:4]}"]
-        if set(stored) != set(exported)
-        else []
-    )
-    bad += [
-        f"export: {n} differs"
-        for n in stored.keys() & exported.keys()
-        if not torch.equal(stored[n], exported[n])
-    ]
+    bad = check_export(stored, exported)
     out = scratch / "saved"
     strategy.save_hf_checkpoint(str(out))
     dist.barrier()
@@ -64,10 +56,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
         from transformers import AutoModelForImageTextToText
 
         state = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).state_dict()
-        bad += [
-            f"saved: {n} differs" for n, t in stored.items() if n in state and not torch.equal(state[n], t)
-        ]
-        bad += [f"saved: {n} missing" for n in stored if n not in state]
+        bad += check_saved(stored, state)
     return bad
 
 
@@ -90,9 +79,7 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
 
 def test_megatron_qwen3_vl_scores_round_trips_and_trains(tmp_path: Path) -> None:
     model = build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1)
-    batch = vl_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    save_case(model, tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)
 

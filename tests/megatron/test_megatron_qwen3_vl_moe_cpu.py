@@ -30,7 +30,8 @@ pytest.importorskip("megatron.core")
 from test_megatron_vl_cpu import SCORING, TRAINING, check_log_probs, check_train_step  # noqa: E402
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 from two_rank_training import full_hf_weights, megatron_rank, run_two_ranks, train_strategy  # noqa: E402
-from vl_cases import hf_log_probs, vl_batch  # noqa: E402
+from vl_cases import save_case  # noqa: E402
+from vl_checks import check_export  # noqa: E402
 
 STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 SCORING["ep2"] = ("megatron_train", {"expert_model_parallel_size": 2})
@@ -59,14 +60,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
     stored = load_file(Path(path) / "model.safetensors")
     strategy = train_strategy(path, {"expert_model_parallel_size": 2})
     exported, want = full_hf_weights(strategy), per_expert(stored)
-    bad = (
-        [f"export: names differ: {sorted(set(want) ^ set(exported))[:4]}"]
-        if set(want) != set(exported)
-        else []
-    )
-    bad += [
-        f"export: {n} differs" for n in want.keys() & exported.keys() if not torch.equal(want[n], exported[n])
-    ]
+    bad = check_export(want, exported)
     out = scratch / "saved"
     strategy.save_hf_checkpoint(str(out))
     dist.barrier()
@@ -110,8 +104,6 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
 
 def test_megatron_qwen3_vl_moe_scores_round_trips_and_trains(tmp_path: Path) -> None:
     model = released_layout(build_tiny_qwen3_vl_dir(tmp_path / "model", std=0.1, moe=True))
-    batch = vl_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    save_case(model, tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)

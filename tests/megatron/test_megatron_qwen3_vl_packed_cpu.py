@@ -27,7 +27,8 @@ pytest.importorskip("megatron.core")
 
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
-from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks, save_case  # noqa: E402
+from vl_cases import save_case  # noqa: E402
+from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks  # noqa: E402
 
 CP2 = {"context_parallel_size": 2}
 DENSE_SCORING = {

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 
 pytest.importorskip("megatron.core")
 
+import vl_checks  # noqa: E402
 from two_rank_training import (  # noqa: E402
     full_hf_weights,
     megatron_rank,
@@ -31,16 +32,12 @@ from two_rank_training import (  # noqa: E402
     run_two_ranks,
     train_strategy,
 )
-from vl_cases import hf_log_probs, save_tiny_vl, vl_batch  # noqa: E402
+from vl_cases import save_case, save_tiny_vl  # noqa: E402
+from vl_checks import check_export, check_saved  # noqa: E402
 
 from roll.models.megatron.weight_mapping import VL_LANGUAGE  # noqa: E402
 
-SCORING = {
-    "dp2": ("megatron_train", {}),
-    "tp2_sp": ("megatron_train", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "pp2": ("megatron_train", {"pipeline_model_parallel_size": 2}),
-    "infer_tp2": ("megatron_infer", {"tensor_model_parallel_size": 2}),
-}
+SCORING = dict(vl_checks.SCORING)  # the Qwen3-VL(-MoE) tests add their cases
 
 
 def _module_name(name: str) -> str:
@@ -48,12 +45,8 @@ def _module_name(name: str) -> str:
 
 
 def check_log_probs(path: str, scratch: Path, name: str) -> list[str]:
-    strategy_name, layout = SCORING[name]
-    strategy = train_strategy(path, layout, strategy=strategy_name)
-    batch, want = torch.load(scratch / "batch.pt", weights_only=False), torch.load(scratch / "want.pt")
-    got = strategy.compute_log_probs(batch)["log_probs"]
-    diff = float((got - want).abs().max())
-    return [f"{name}: log-probs differ from transformers' by {diff:.2e}"] if diff > 1e-4 else []
+    """The ``SCORING`` case ``name``: log-probs equal transformers' within 1e-4."""
+    return vl_checks.check_log_probs(path, scratch, name, *SCORING[name])
 
 
 def check_round_trip(path: str, scratch: Path) -> list[str]:
@@ -62,16 +55,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
     strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
     stored = {_module_name(n): t for n, t in load_file(Path(path) / "model.safetensors").items()}
     exported = full_hf_weights(strategy)
-    bad = (
-        [f"export: names differ: {sorted(set(stored) ^ set(exported))[:4]}"]
-        if set(stored) != set(exported)
-        else []
-    )
-    bad += [
-        f"export: {n} differs"
-        for n in stored.keys() & exported.keys()
-        if not torch.equal(stored[n], exported[n])
-    ]
+    bad = check_export(stored, exported)
     out = scratch / "saved"
     strategy.save_hf_checkpoint(str(out))
     dist.barrier()
@@ -83,10 +67,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
             _module_name(n) if not n.startswith(("model.", "lm_head")) else n: t
             for n, t in model.state_dict().items()
         }
-        bad += [
-            f"saved: {n} differs" for n, t in stored.items() if n in state and not torch.equal(state[n], t)
-        ]
-        bad += [f"saved: {n} missing" for n in stored if n not in state]
+        bad += check_saved(stored, state)
     return bad
 
 
@@ -131,8 +112,6 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
 
 def test_megatron_qwen2_5_vl_scores_round_trips_and_trains(tmp_path: Path) -> None:
     model = save_tiny_vl(tmp_path / "model")
-    batch = vl_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    save_case(model, tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)

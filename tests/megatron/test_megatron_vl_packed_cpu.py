@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent))
 pytest.importorskip("megatron.core")
 pytest.importorskip("av")  # PyAV decodes the videos (the [vision] extra)
 
+import vl_checks  # noqa: E402
 from cuda_on_cpu import cuda_hidden  # noqa: E402
 from gloo_ranks import spawn_ranks  # noqa: E402
 from test_packing_cpu import capture_grads, compare  # noqa: E402
 from two_rank_training import megatron_rank, pg_loss, raw_params, run_two_ranks, train_strategy  # noqa: E402
-from vl_cases import hf_log_probs, save_tiny_vl, vl_video_batch  # noqa: E402
+from vl_cases import save_case, save_tiny_vl, vl_video_batch  # noqa: E402
 
 CP2 = {"context_parallel_size": 2}
 # name -> (strategy, layout, config set before scoring)
@@ -53,14 +54,8 @@ SCORING = {
 
 
 def check_log_probs(path: str, scratch: Path, name: str) -> list[str]:
-    strategy_name, layout, config = SCORING[name]
-    strategy = train_strategy(path, layout, strategy=strategy_name)
-    for key, value in config.items():
-        setattr(strategy.config, key, value)
-    batch, want = torch.load(scratch / "batch.pt", weights_only=False), torch.load(scratch / "want.pt")
-    got = strategy.compute_log_probs(batch)["log_probs"]
-    diff = float((got - want).abs().max())
-    return [f"{name}: log-probs differ from transformers' by {diff:.2e}"] if diff > 1e-4 else []
+    """The ``SCORING`` case ``name``: log-probs equal transformers' within 1e-4."""
+    return vl_checks.check_log_probs(path, scratch, name, *SCORING[name])
 
 
 def step_grads(path: str, layout: dict, batch, **config) -> dict[str, torch.Tensor]:
@@ -129,9 +124,7 @@ def _four_rank_worker(rank: int, world_size: int, port: int, path: str, scratch:
 
 def _save_case(tmp_path: Path) -> Path:
     model = save_tiny_vl(tmp_path / "model")
-    batch = vl_video_batch(model, tmp_path)
-    torch.save(batch, tmp_path / "batch.pt")
-    torch.save(hf_log_probs(model, batch), tmp_path / "want.pt")
+    save_case(model, tmp_path, vl_video_batch)
     return model
 
 

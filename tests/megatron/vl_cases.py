@@ -5,12 +5,14 @@
 >>> batch = vl_batch(model, tmp_path)                 # prompts with images + responses, roll's layout
 >>> want = hf_log_probs(model, batch)                 # [B, R] with transformers' 3-D rope positions
 >>> batch = vl_video_batch(model, tmp_path)           # video rows (Video-R1's layout), image rows, a text row
+>>> save_case(model, tmp_path)                        # batch.pt and want.pt (its hf_log_probs) in tmp_path
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +41,15 @@ VIDEO_PROMPT_LENGTH = 600  # the tiny tokenizer spends ~530 tokens on Video-R1's
 def save_tiny_vl(path: Path) -> Path:
     """The tiny Qwen2.5-VL (tests/tiny_vl.py) with spread-out weights, so log-probs differ."""
     return build_tiny_vl_dir(path, seed=0, std=0.1)
+
+
+def save_case(model: Path, scratch: Path, make_batch: Callable[[Path, Path], Batch] | None = None) -> Batch:
+    """Writes ``make_batch(model, scratch)`` (default ``vl_batch``) to ``scratch / "batch.pt"`` and
+    transformers' log-probs of it to ``scratch / "want.pt"``; returns the batch."""
+    batch = (make_batch or vl_batch)(model, scratch)
+    torch.save(batch, scratch / "batch.pt")
+    torch.save(hf_log_probs(model, batch), scratch / "want.pt")
+    return batch
 
 
 def vl_batch(model: Path, scratch: Path, seed: int = 0) -> Batch:

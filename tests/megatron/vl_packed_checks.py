@@ -1,6 +1,6 @@
 """Checks of a vision-language model on packed rows, context parallelism and mixed text / image
 ranks, run inside a two-rank gloo worker (``two_rank_training.megatron_rank``) on the files that
-``save_case`` writes: the model, ``vl_cases.vl_batch`` (three image rows, a text row) and
+``vl_cases.save_case`` writes: the model, ``vl_cases.vl_batch`` (three image rows, a text row) and
 transformers' log-probs of it.
 
 >>> bad += check_log_probs(path, scratch, "cp2", {"context_parallel_size": 2})
@@ -13,18 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import vl_checks
 from test_packing_cpu import capture_grads, compare
 from two_rank_training import pg_loss, raw_params, train_strategy
-from vl_cases import hf_log_probs, vl_batch
 
 # The rows of each rank per step: vl_batch's rows 0-2 have images, row 3 is text-only.
 MIXED_STEPS = [[[0], [3]], [[3], [1]]]
-
-
-def save_case(model: Path, scratch: Path) -> None:
-    batch = vl_batch(model, scratch)
-    torch.save(batch, scratch / "batch.pt")
-    torch.save(hf_log_probs(model, batch), scratch / "want.pt")
 
 
 def _strategy(path: str, layout: dict, strategy: str = "megatron_train"):
@@ -39,11 +33,9 @@ def check_log_probs(
     path: str, scratch: Path, name: str, layout: dict, strategy: str = "megatron_train"
 ) -> list[str]:
     """Log-probs of the batch equal transformers' within 1e-4 (``layout`` may set ``sequence_packing``)."""
-    got = _strategy(path, layout, strategy).compute_log_probs(
-        torch.load(scratch / "batch.pt", weights_only=False)
-    )
-    diff = float((got["log_probs"] - torch.load(scratch / "want.pt")).abs().max())
-    return [f"{name}: log-probs differ from transformers' by {diff:.2e}"] if diff > 1e-4 else []
+    config = {k: layout[k] for k in ("sequence_packing",) if k in layout}
+    parallel = {k: v for k, v in layout.items() if k not in config}
+    return vl_checks.check_log_probs(path, scratch, name, strategy, parallel, config)
 
 
 def step_grads(path: str, layout: dict, batch) -> dict[str, torch.Tensor]:
