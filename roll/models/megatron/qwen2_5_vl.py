@@ -100,6 +100,20 @@ def rope_index_positions(
     return positions
 
 
+def vision_parts(
+    hf_config: Any,
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(token id, pixels, grid) of the rows' images, then of their videos, those present only: the
+    vision tower's calls, as transformers runs them."""
+    parts = [(hf_config.image_token_id, pixel_values, image_grid_thw)]
+    parts.append((hf_config.video_token_id, pixel_values_videos, video_grid_thw))
+    return [p for p in parts if p[1] is not None]
+
+
 def build_vision_tower(tower_class: Any, hf_config: Any, model: GPTModel, params_dtype: torch.dtype) -> Any:
     """transformers' vision tower ``tower_class`` built from ``hf_config.vision_config`` on the device
     of ``model``'s word embeddings (a first-stage GPTModel), in ``params_dtype``."""
@@ -147,9 +161,9 @@ class Qwen2_5_VLGPTModel(GPTModel):
             self.config.context_parallel_size,
             type(self).__name__,
         )
-        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
-        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
-        parts = [p for p in parts if p[1] is not None]
+        parts = vision_parts(
+            self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         if self.pre_process and decoder_input is None and parts:
             decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
         elif self.pre_process and decoder_input is None and tower_wants_grads(self.visual):

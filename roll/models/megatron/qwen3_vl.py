@@ -50,6 +50,7 @@ from roll.models.megatron.qwen2_5_vl import (
     idle_tower_embeddings,
     rope_index_positions,
     tower_tensor_names,
+    vision_parts,
 )
 from roll.models.vision_tower import tower_wants_grads
 
@@ -140,9 +141,9 @@ class Qwen3VLGPTModel(GPTModel):
             self.config.context_parallel_size,
             "Qwen3-VL",
         )
-        parts = [(self.roll_vl_config.image_token_id, pixel_values, image_grid_thw)]
-        parts.append((self.roll_vl_config.video_token_id, pixel_values_videos, video_grid_thw))
-        parts = [p for p in parts if p[1] is not None]
+        parts = vision_parts(
+            self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         if self.pre_process and decoder_input is None and parts:
             decoder_input, deepstack = self._embed_with_deepstack(input_ids, rows, local, parts)
             if deepstack is not None:
