@@ -17,7 +17,7 @@ What is checked, against transformers' model run alone in this process on each r
 from __future__ import annotations
 
 import functools
-import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from tiny_vl import build_tiny_vl_dir, detection_rows, math_rows
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
-from roll.configs.role import DataArgs, ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
+from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
 from roll.core.batch import Batch, object_array
 from roll.core.worker_context import WorkerContext
 from roll.distributed.strategy.generation import build_generation_batch
@@ -35,11 +35,11 @@ from roll.distributed.strategy.registry import load_strategy_class
 from roll.models.loading import load_model
 from roll.models.logprobs import response_log_probs
 from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor, freeze_prefixes
-from roll.pipeline.rlvr.data.dataset import load_prompt_files
-from roll.pipeline.rlvr.data.sampler import to_batch
+
+sys.path.insert(0, str(Path(__file__).parent / "megatron"))
+from vl_cases import PROMPT_LENGTH, RESPONSE_LENGTH, rows_prompts  # noqa: E402
 
 torch.set_num_threads(1)
-PROMPT_LENGTH, RESPONSE_LENGTH = 48, 8
 TEXT_PROMPTS = ["What color is red?", "How many boxes are there? 0123", "blue red", "The answer is 2."]
 
 
@@ -51,13 +51,7 @@ def rows_batch(model: Path, scratch: Path) -> Batch:
         {"data_source": "text", "prompt": [{"role": "user", "content": t}], "ground_truth": "2"}
         for t in TEXT_PROMPTS
     ]
-    path = scratch / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data_args = DataArgs(file_name=[str(path)], messages="prompt")
-    dataset = load_prompt_files(
-        data_args, processor.tokenizer, PROMPT_LENGTH, "actor_train.data_args", processor
-    )
-    prompts = to_batch(dataset.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+    prompts = rows_prompts(processor, scratch, rows)
     gen = torch.Generator().manual_seed(0)
     responses = [
         torch.randint(3, 300, (RESPONSE_LENGTH - i % 3,), generator=gen).tolist() for i in range(len(prompts))

@@ -64,16 +64,21 @@ def vl_batch(model: Path, scratch: Path, seed: int = 0) -> Batch:
             "ground_truth": "red",
         }
     )
+    out = _with_responses(rows_prompts(processor, scratch, rows), processor, seed)
+    assert sum(1 for r in out[MULTI_MODAL_INPUTS] if r) == 3
+    return out
+
+
+def rows_prompts(processor: VisionProcessor, scratch: Path, rows: list[dict]) -> Batch:
+    """The prompt Batch (``PROMPT_LENGTH`` wide) of ROLL-layout ``rows`` (``messages: prompt``), through
+    ``scratch / "rows.jsonl"`` and roll's data path."""
     path = scratch / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data_args = DataArgs(file_name=[str(path)], messages="prompt")
     dataset = load_prompt_files(
         data_args, processor.tokenizer, PROMPT_LENGTH, "actor_train.data_args", processor
     )
-    prompts = to_batch(dataset.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
-    out = _with_responses(prompts, processor, seed)
-    assert sum(1 for r in out[MULTI_MODAL_INPUTS] if r) == 3
-    return out
+    return to_batch(dataset.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
 
 
 def vl_video_batch(model: Path, scratch: Path, seed: int = 0) -> Batch:
