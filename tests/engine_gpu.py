@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,11 +40,16 @@ PROMPTS = [
 # ------------------------------------------------------------------------------------ helpers
 
 
-def save_tiny_model(path: Path, seed: int) -> Path:
+def save_tiny_model(path: Path, seed: int, build: Callable[[Any, int], Any] | None = None) -> Path:
+    """A tiny causal LM (``build(tokenizer, seed)``; default roll's tiny Qwen2) on a tokenizer of
+    ``PROMPTS``, every matrix drawn from N(0, 0.1), saved with the tokenizer in ``path``."""
     from roll.models.tiny import TinyModelSpec, build_tiny_qwen2, build_tokenizer, save_model_and_tokenizer
 
     tokenizer = build_tokenizer(PROMPTS * 20 + [str(i) for i in range(1000)])
-    model = build_tiny_qwen2(tokenizer, TinyModelSpec(), seed)
+    if build is None:
+        model = build_tiny_qwen2(tokenizer, TinyModelSpec(), seed)
+    else:
+        model = build(tokenizer, seed)
     with torch.no_grad():  # larger weights than the default init, so log-probs spread out
         for param in model.parameters():
             if param.dim() > 1:

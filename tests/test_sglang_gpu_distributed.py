@@ -46,12 +46,16 @@ CHECKED = [
 
 
 def save_tiny_llama(path: Path, seed: int) -> Path:
-    from engine_gpu import PROMPTS
+    from engine_gpu import save_tiny_model
+
+    return save_tiny_model(path, seed, _tiny_llama)
+
+
+def _tiny_llama(tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from roll.models.tiny import TinyModelSpec, build_tokenizer, save_model_and_tokenizer
+    from roll.models.tiny import TinyModelSpec
 
-    tokenizer = build_tokenizer(PROMPTS * 20 + [str(i) for i in range(1000)])
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         tie_word_embeddings=False,
@@ -62,13 +66,7 @@ def save_tiny_llama(path: Path, seed: int) -> Path:
         **asdict(TinyModelSpec()),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger weights than the default init, so log-probs spread out
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.1)
-    save_model_and_tokenizer(model, tokenizer, path)
-    return path
+    return LlamaForCausalLM(config)
 
 
 def hf_weights(path: Path, device: str) -> list[tuple[str, torch.Tensor]]:
