@@ -29,7 +29,6 @@ pytest.importorskip("megatron.core")
 
 from tiny_qwen3_5 import build_tiny_qwen3_5_dir  # noqa: E402
 from two_rank_training import (  # noqa: E402
-    full_hf_weights,
     megatron_rank,
     pg_loss,
     raw_params,
@@ -37,7 +36,7 @@ from two_rank_training import (  # noqa: E402
     train_strategy,
 )
 from vl_cases import save_case  # noqa: E402
-from vl_checks import SCORING, check_export, check_log_probs, check_saved  # noqa: E402
+from vl_checks import SCORING, check_log_probs, check_saved, export_and_save  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 
@@ -47,15 +46,10 @@ MOE_SCORING = {"ep2": ("megatron_train", {"expert_model_parallel_size": 2})}
 def check_round_trip(path: str, scratch: Path) -> list[str]:
     from safetensors.torch import load_file
 
-    strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
     stored = {
         n: t for n, t in load_file(Path(path) / "model.safetensors").items() if not n.startswith("mtp.")
     }
-    exported = full_hf_weights(strategy)
-    bad = check_export(stored, exported)
-    out = scratch / "saved"
-    strategy.save_hf_checkpoint(str(out))
-    dist.barrier()
+    bad, out = export_and_save(path, scratch, stored)
     if dist.get_rank() == 0:
         from transformers import AutoModelForImageTextToText
 

@@ -31,9 +31,9 @@ pytest.importorskip("megatron.core")
 from test_megatron_vl_cpu import SCORING, TRAINING, check_log_probs, check_train_step  # noqa: E402
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, tiny_qwen3_vl_config  # noqa: E402
 from tiny_vl import build_tiny_vl_tokenizer  # noqa: E402
-from two_rank_training import full_hf_weights, megatron_rank, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
 from vl_cases import save_case  # noqa: E402
-from vl_checks import check_export, check_saved  # noqa: E402
+from vl_checks import check_saved, export_and_save  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
@@ -45,13 +45,8 @@ TRAINING["recompute_full"] = {"recompute_granularity": "full", "tensor_model_par
 def check_round_trip(path: str, scratch: Path) -> list[str]:
     from safetensors.torch import load_file
 
-    strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
     stored = load_file(Path(path) / "model.safetensors")  # transformers 5's module names already
-    exported = full_hf_weights(strategy)
-    bad = check_export(stored, exported)
-    out = scratch / "saved"
-    strategy.save_hf_checkpoint(str(out))
-    dist.barrier()
+    bad, out = export_and_save(path, scratch, stored)
     if dist.get_rank() == 0:
         from transformers import AutoModelForImageTextToText
 

@@ -29,9 +29,9 @@ pytest.importorskip("megatron.core")
 
 from test_megatron_vl_cpu import SCORING, TRAINING, check_log_probs, check_train_step  # noqa: E402
 from tiny_qwen3_vl import build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
-from two_rank_training import full_hf_weights, megatron_rank, run_two_ranks, train_strategy  # noqa: E402
+from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
 from vl_cases import save_case  # noqa: E402
-from vl_checks import check_export  # noqa: E402
+from vl_checks import export_and_save  # noqa: E402
 
 STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 SCORING["ep2"] = ("megatron_train", {"expert_model_parallel_size": 2})
@@ -58,12 +58,7 @@ def check_round_trip(path: str, scratch: Path) -> list[str]:
     from roll.models.megatron import convert
 
     stored = load_file(Path(path) / "model.safetensors")
-    strategy = train_strategy(path, {"expert_model_parallel_size": 2})
-    exported, want = full_hf_weights(strategy), per_expert(stored)
-    bad = check_export(want, exported)
-    out = scratch / "saved"
-    strategy.save_hf_checkpoint(str(out))
-    dist.barrier()
+    bad, out = export_and_save(path, scratch, per_expert(stored), {"expert_model_parallel_size": 2})
     mcore, back = scratch / "mcore", scratch / "back"
     convert.write_mcore(path, mcore, convert.layout_config(1, 1, 2))
     convert.read_mcore(mcore, back, max_shard_size=20_000)  # several parts, each stack whole in one

@@ -25,7 +25,6 @@ pytest.importorskip("megatron.core")
 
 import vl_checks  # noqa: E402
 from two_rank_training import (  # noqa: E402
-    full_hf_weights,
     megatron_rank,
     pg_loss,
     raw_params,
@@ -33,7 +32,7 @@ from two_rank_training import (  # noqa: E402
     train_strategy,
 )
 from vl_cases import save_case, save_tiny_vl  # noqa: E402
-from vl_checks import check_export, check_saved  # noqa: E402
+from vl_checks import check_saved, export_and_save  # noqa: E402
 
 from roll.models.megatron.weight_mapping import VL_LANGUAGE  # noqa: E402
 
@@ -52,13 +51,8 @@ def check_log_probs(path: str, scratch: Path, name: str) -> list[str]:
 def check_round_trip(path: str, scratch: Path) -> list[str]:
     from safetensors.torch import load_file
 
-    strategy = train_strategy(path, {"tensor_model_parallel_size": 2, "sequence_parallel": True})
     stored = {_module_name(n): t for n, t in load_file(Path(path) / "model.safetensors").items()}
-    exported = full_hf_weights(strategy)
-    bad = check_export(stored, exported)
-    out = scratch / "saved"
-    strategy.save_hf_checkpoint(str(out))
-    dist.barrier()
+    bad, out = export_and_save(path, scratch, stored)
     if dist.get_rank() == 0:
         from transformers import AutoModelForImageTextToText
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from two_rank_training import train_strategy
+import torch.distributed as dist
+from two_rank_training import full_hf_weights, train_strategy
 
 # name -> (strategy, parallel layout): the scoring cases every VL model runs on two ranks
 SCORING = {
@@ -50,6 +51,22 @@ def check_export(stored: dict[str, torch.Tensor], exported: dict[str, torch.Tens
         if not torch.equal(stored[n], exported[n])
     ]
     return bad
+
+
+def export_and_save(
+    path: str, scratch: Path, stored: dict[str, torch.Tensor], layout: dict | None = None
+) -> tuple[list[str], Path]:
+    """megatron_train of ``path`` (``layout``; default TP 2 + SP): ``check_export`` of its HF export
+    against ``stored``, then its HF checkpoint saved to ``scratch / "saved"`` (all ranks past the
+    save on return). Returns (what is wrong, the saved folder)."""
+    strategy = train_strategy(
+        path, {"tensor_model_parallel_size": 2, "sequence_parallel": True} if layout is None else layout
+    )
+    bad = check_export(stored, full_hf_weights(strategy))
+    out = scratch / "saved"
+    strategy.save_hf_checkpoint(str(out))
+    dist.barrier()
+    return bad, out
 
 
 def check_saved(stored: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
