@@ -165,7 +165,9 @@ class Qwen2_5_VLGPTModel(GPTModel):
             self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
         )
         if self.pre_process and decoder_input is None and parts:
-            decoder_input = self._embed_with_vision(input_ids, rows, local, parts)
+            decoder_input, block_kwargs = self._embed_with_vision(input_ids, rows, local, parts)
+            if block_kwargs:  # e.g. Qwen3-VL's deepstack features, for its decoder layers' hooks
+                kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), **block_kwargs}
         elif self.pre_process and decoder_input is None and tower_wants_grads(self.visual):
             # Text rows in training: the tower on a dummy image, times 0, so its parameters get (zero)
             # gradients on every DP rank and DDP's overlapped bucket all-reduce is issued alike
@@ -194,16 +196,17 @@ class Qwen2_5_VLGPTModel(GPTModel):
         rows: torch.Tensor,
         local: torch.Tensor | None,
         parts: list[tuple[int, torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """[s, b, h] (this rank's tokens; its sequence share under SP) word embeddings with the image
         and video tokens' replaced by the vision tower's output (images and videos in two calls, as
-        transformers runs them)."""
+        transformers runs them), and the keyword arguments the decoder's layers get besides (none
+        here)."""
         words = self.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
         features = [
             (token, self.visual(pixels.to(self.config.params_dtype), grid_thw=grid).pooler_output)
             for token, pixels, grid in parts
         ]
-        return with_vision_features(words, rows, features, local, self.config.sequence_parallel)
+        return with_vision_features(words, rows, features, local, self.config.sequence_parallel), {}
 
 
 def idle_tower_embeddings(embedding: Any, tower: Any, input_ids: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ deepstack mergers included), so every rank's DDP buckets get gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -44,15 +45,13 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.configs.errors import ConfigError
 from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
-from roll.models.megatron.packed_vision import placed_features, vision_inputs, with_vision_features
+from roll.models.megatron.packed_vision import placed_features, with_vision_features
 from roll.models.megatron.qwen2_5_vl import (
+    Qwen2_5_VLGPTModel,
     build_vision_tower,
-    idle_tower_embeddings,
     rope_index_positions,
     tower_tensor_names,
-    vision_parts,
 )
-from roll.models.vision_tower import tower_wants_grads
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -95,15 +94,15 @@ def mrope_positions(
     )
 
 
-class Qwen3VLGPTModel(GPTModel):
+class Qwen3VLGPTModel(Qwen2_5_VLGPTModel):
     """GPTModel with Qwen3-VL's vision tower on the first pipeline stage, interleaved mrope and
-    deepstack (see the module docstring). ``forward`` takes GPTModel's arguments plus
-    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3] of the rows' images in row order,
-    ``pixel_values_videos`` and ``video_grid_thw`` [videos, 3] of their videos and, on packed rows, the
-    whole packed row ``packed_input_ids`` [1, T]."""
+    deepstack (see the module docstring). ``forward`` is Qwen2.5-VL's (padded or packed rows, images
+    and videos, the idle tower on a text-only training forward) with Qwen3-VL's rope positions
+    (``_row_positions``) and embedding (``_embed_with_vision``, which also hands the decoder the
+    deepstack features as its layers' ``context``)."""
 
     def __init__(self, config: Any, transformer_layer_spec: Any, *, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(config, transformer_layer_spec, **kwargs)
+        GPTModel.__init__(self, config, transformer_layer_spec, **kwargs)
         self.roll_vl_config = hf_config
         if self.pre_process:
             self.visual = build_vision_tower(_classes(hf_config)[0], hf_config, self, config.params_dtype)
@@ -113,61 +112,32 @@ class Qwen3VLGPTModel(GPTModel):
             if layer.layer_number - 1 < self.roll_deepstack_layers:
                 layer.register_forward_hook(partial(_add_deepstack, layer.layer_number - 1), with_kwargs=True)
 
-    def forward(
+    def _row_positions(
         self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        decoder_input: torch.Tensor | None = None,
-        *args: Any,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        pixel_values_videos: torch.Tensor | None = None,
-        video_grid_thw: torch.Tensor | None = None,
-        packed_input_ids: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's; Qwen3-VL's prompt holds the times
-        rows, local, position_ids = vision_inputs(
-            input_ids,
-            kwargs.get("packed_seq_params"),
-            packed_input_ids,
-            partial(
-                mrope_positions,
-                image_grid_thw=image_grid_thw,
-                hf_config=self.roll_vl_config,
-                video_grid_thw=video_grid_thw,
-            ),
-            self.config.context_parallel_size,
-            "Qwen3-VL",
+        image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        second_per_grid_ts: Any,
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Qwen3-VL's prompt holds each video patch's time: no ``second_per_grid_ts``."""
+        return partial(
+            mrope_positions,
+            image_grid_thw=image_grid_thw,
+            hf_config=self.roll_vl_config,
+            video_grid_thw=video_grid_thw,
         )
-        parts = vision_parts(
-            self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
-        if self.pre_process and decoder_input is None and parts:
-            decoder_input, deepstack = self._embed_with_deepstack(input_ids, rows, local, parts)
-            if deepstack is not None:
-                kwargs["extra_block_kwargs"] = {
-                    **(kwargs.get("extra_block_kwargs") or {}),
-                    "context": deepstack,
-                }
-        elif self.pre_process and decoder_input is None and tower_wants_grads(self.visual):
-            # Text rows in training: the tower (deepstack mergers included) on a dummy image, times 0,
-            # so every rank's DDP buckets get their (zero) gradients (roll.models.vision_tower).
-            decoder_input = idle_tower_embeddings(self.embedding, self.visual, input_ids)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
-    def _embed_with_deepstack(
+    def _embed_with_vision(
         self,
         input_ids: torch.Tensor,
         rows: torch.Tensor,
         local: torch.Tensor | None,
         parts: list[tuple[int, torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The decoder input [s, b, h] (vision tokens' embeddings replaced by the tower's output) and
-        the deepstack features [k, s, b, h] (zero off the vision tokens; None without deepstack), both
-        of this rank's tokens: ``rows`` and ``local`` as ``packed_vision.placed_features`` takes them
-        (its CP share of a packed row), its sequence share under SP."""
+        ``{"context": deepstack features [k, s, b, h]}`` (zero off the vision tokens; nothing without
+        deepstack), both of this rank's tokens: ``rows`` and ``local`` as
+        ``packed_vision.placed_features`` takes them (its CP share of a packed row), its sequence
+        share under SP."""
         outputs = [
             (token, self.visual(pixels.to(self.config.params_dtype), grid_thw=grid, return_dict=True))
             for token, pixels, grid in parts
@@ -177,14 +147,14 @@ class Qwen3VLGPTModel(GPTModel):
         features = [(token, out.pooler_output) for token, out in outputs]
         decoder_input = with_vision_features(words, rows, features, local, sp)
         if not self.roll_deepstack_layers:
-            return decoder_input, None
+            return decoder_input, {}
         deepstack = [
             placed_features(rows, [(t, o.deepstack_features[k]) for t, o in outputs], local, sp, words.dtype)[
                 0
             ]
             for k in range(self.roll_deepstack_layers)
         ]
-        return decoder_input, torch.stack(deepstack).contiguous()
+        return decoder_input, {"context": torch.stack(deepstack).contiguous()}
 
 
 def _add_deepstack(index: int, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
