@@ -261,3 +261,49 @@ def test_the_launch_checks_leave_every_shipped_rlvr_config_as_loaded():
         assert pickle.dumps(cfg) == before, path.name
         checked += 1
     assert checked >= 10
+
+
+def test_the_timeline_is_the_last_ranks_marks_of_the_role_that_finished_last(caplog):
+    """record_initialize keeps each role's slowest seconds, logs the marks of its last-finishing
+    rank after the driver's start, and the ``timeline.*`` phases follow the role finishing last."""
+    from roll.utils.start_marks import StartMarks, process_started_at
+
+    t0 = process_started_at()
+
+    def report(seconds: float, ready: float, done: float, waited: float = 0.0) -> dict:
+        marks = StartMarks()
+        marks.at.update(
+            process=t0 + 1.0, ready=t0 + ready, initialize=t0 + ready + 1.0, initialized=t0 + done
+        )
+        if waited:
+            marks.wait("imports", waited)
+        return marks.report(seconds)
+
+    timer = StageTimer()
+    with caplog.at_level("INFO", logger="roll"):
+        start.record_initialize(timer, "actor_train", [report(9.0, 5.0, 20.0, 2.5), report(12.0, 6.0, 18.0)])
+        start.record_initialize(timer, "rewards.math", [report(1.0, 4.0, 7.0)])  # ended earlier
+    metrics = startup_metrics(timer)
+    assert metrics["startup/initialize.actor_train_s"] == 12.0  # the slowest rank's seconds
+    assert metrics["startup/initialize.rewards.math_s"] == 1.0
+    # The rank that ended last (initialized at +20 s), not the slowest one, and not the reward role.
+    assert metrics["startup/timeline.ready_s"] == pytest.approx(5.0)
+    assert metrics["startup/timeline.initialized_s"] == pytest.approx(20.0)
+    assert metrics["startup/timeline.imports_wait_s"] == pytest.approx(2.5)
+    assert "start-up of actor_train (its last rank" in caplog.text and "initialized 20.0" in caplog.text
+    start.record_initialize(timer, "reference", [report(3.0, 7.0, 25.0)])  # a later wave ends after
+    metrics = startup_metrics(timer)
+    assert metrics["startup/timeline.initialized_s"] == pytest.approx(25.0)
+    assert "startup/timeline.imports_wait_s" not in metrics  # that role waited for no imports
+
+
+def test_a_workers_start_marks_run_from_its_process_start_to_its_initialize():
+    from roll.utils.start_marks import ORDER, StartMarks, relative_marks
+
+    marks = StartMarks()
+    marks.mark("initialize")
+    marks.wait("imports", 0.5)
+    marks.mark("initialized")
+    rel = relative_marks(marks.report(1.0), since=marks.at["process"])
+    assert list(rel) == [*ORDER, "imports_wait"]
+    assert 0.0 <= rel["ready"] <= rel["initialize"] <= rel["initialized"]

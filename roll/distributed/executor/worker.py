@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -47,6 +48,7 @@ from roll.utils.memory import DeviceMemoryMonitor, memory_stats
 from roll.utils.ports import free_port
 from roll.utils.preload import preload
 from roll.utils.process_group import init_default_group
+from roll.utils.start_marks import StartMarks
 
 if TYPE_CHECKING:
     from roll.configs.pipeline_config import RLVRConfig
@@ -103,6 +105,8 @@ class Worker:
         # An engine's import (StrategySpec.preload) starts now and overlaps the other roles' start-up;
         # create_strategy waits for it, so the two threads never import at the same time.
         self._preloading = self._start_preload() if self.ctx.is_cuda else None
+        # Process start and construction (the worker module's imports done): the start-up timeline.
+        self.start_marks = StartMarks()
 
     def _pick_device(self, kind: str) -> torch.device:
         if kind != "cuda":
@@ -148,8 +152,10 @@ class Worker:
         if args is None:
             raise ValueError(f"{self.role} has no strategy_args, so it has no strategy to create")
         if self._preloading is not None:
+            waited = time.perf_counter()
             self._preloading.join()
             self._preloading = None
+            self.start_marks.wait("imports", time.perf_counter() - waited)
         strategy_cls = load_strategy_class(args.strategy_name, f"{self.role}.strategy_args.strategy_name")
         self.strategy = strategy_cls(self.role_config, self.ctx)
 

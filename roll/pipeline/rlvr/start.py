@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.roles import Role
@@ -34,6 +34,7 @@ from roll.pipeline.common.run_log import setup_logging
 from roll.pipeline.common.timing import StageTimer
 from roll.pipeline.rlvr.data.routing import build_tag_routes, load_data
 from roll.pipeline.rlvr.run import RLVRRun
+from roll.utils.start_marks import process_started_at, relative_marks
 
 if TYPE_CHECKING:
     from roll.distributed.scheduler.cluster import AsyncResult
@@ -280,12 +281,29 @@ def check_worker_nodes(run: RLVRRun) -> None:
         logger.log(level, "placement: %s", line)
 
 
-def record_initialize(timer: StageTimer, role: str, per_rank: list[float | None] | None) -> None:
+def record_initialize(timer: StageTimer, role: str, per_rank: list[dict[str, Any] | None] | None) -> None:
     """The slowest rank's ``initialize`` seconds of ``role`` as start-up phase
-    ``initialize.<role>`` (``startup/initialize.<role>_s``): which role the start-up waited on."""
-    known = [s for s in per_rank or [] if isinstance(s, (int, float))]
-    if known:
-        timer.times[f"time/initialize.{role}"] = max(known)
+    ``initialize.<role>`` (``startup/initialize.<role>_s``): which role the start-up waited on.
+
+    The marks of the rank that finished last (``roll.utils.start_marks``) go to run.log as seconds
+    after the driver's start; when that rank finished after every role recorded before, they become
+    the ``timeline.<mark>`` phases (``startup/timeline.process_s``, ``ready``, ``initialize``,
+    ``initialized``, ``imports_wait``): where the role the start-up waited for spent its time."""
+    reports = [r for r in per_rank or [] if isinstance(r, dict) and "seconds" in r]
+    if not reports:
+        return
+    timer.times[f"time/initialize.{role}"] = max(r["seconds"] for r in reports)
+    last = max(reports, key=lambda r: r.get("at", {}).get("initialized", 0.0))
+    marks = relative_marks(last, process_started_at())
+    logger.info(
+        "start-up of %s (its last rank, seconds after the driver started): %s",
+        role,
+        ", ".join(f"{name} {value:.1f}" for name, value in marks.items()),
+    )
+    if marks.get("initialized", 0.0) >= timer.times.get("time/timeline.initialized", float("-inf")):
+        for key in [k for k in timer.times if k.startswith("time/timeline.")]:
+            del timer.times[key]
+        timer.times.update({f"time/timeline.{name}": value for name, value in marks.items()})
 
 
 def _async_initialize(run: RLVRRun, name: str) -> AsyncResult:

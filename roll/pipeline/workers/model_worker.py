@@ -19,6 +19,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,15 +46,18 @@ class TrainStepResult:
 
 class ModelWorker(ModelUpdateSenderMixin, ModelUpdateReceiverMixin, Worker):
     @register(Dispatch.ONE_TO_ALL)
-    def initialize(self, total_optimizer_steps: int | None = None) -> float:
+    def initialize(self, total_optimizer_steps: int | None = None) -> dict[str, Any]:
         """Build and start the strategy; a training role gets its LR schedule length from the
         driver (``roll.utils.lr_schedule.total_optimizer_steps``). Returns the seconds it took
-        (the start-up's per-role ``initialize`` phase)."""
+        (the start-up's per-role ``initialize`` phase) with this worker's start-up marks
+        (``roll.utils.start_marks``)."""
+        self.start_marks.mark("initialize")
         start = time.perf_counter()
         self.ctx.total_optimizer_steps = total_optimizer_steps
         self.create_strategy()
         self.strategy.initialize()
-        return time.perf_counter() - start
+        self.start_marks.mark("initialized")
+        return self.start_marks.report(time.perf_counter() - start)
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:

@@ -17,6 +17,7 @@ failed on more than that fraction allows.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -29,8 +30,10 @@ from roll.pipeline.rewards.registry import get_reward_spec, load_reward_fn
 
 class RewardWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
-    def initialize(self) -> float:
-        """Load the reward model or build the rule scorer; returns the seconds it took."""
+    def initialize(self) -> dict[str, Any]:
+        """Load the reward model or build the rule scorer; returns the seconds it took with this
+        worker's start-up marks (``roll.utils.start_marks``)."""
+        self.start_marks.mark("initialize")
         start = time.perf_counter()
         self.spec = get_reward_spec(self.role_config.reward_fn)
         if self.spec.kind == "model":
@@ -43,7 +46,8 @@ class RewardWorker(Worker):
             self.scorer = RewardScorer(
                 cfg.reward_fn, cfg.reward_kwargs, cfg.timeout_s, max_abs_reward=cfg.max_abs_reward
             )
-        return time.perf_counter() - start
+        self.start_marks.mark("initialized")
+        return self.start_marks.report(time.perf_counter() - start)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rewards(self, batch: Batch) -> Batch:
