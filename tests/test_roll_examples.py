@@ -61,15 +61,6 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # roll's SGLang engine has run Qwen2.5-VL's image and video rows, not Qwen3-VL's yet.
-    **dict.fromkeys(
-        [
-            "qwen3-vl-30BA3B-rlvr_megatron__rlvr_megatron_80GB_sglang.yaml",
-            "qwen3-vl-30BA3B-video-rlvr__video_r1_sglang.yaml",
-        ],
-        "ConfigError: actor_infer.strategy_args.strategy_name: sglang runs vision-language model_type "
-        "qwen2_5_vl in roll, not 'qwen3_vl_moe'",
-    ),
     # Megatron's pipeline layout string; behind it context parallelism (4), which Gated DeltaNet
     # layers do not run with.
     "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "strategy_config.pipeline_model_parallel_layout="
@@ -286,7 +277,7 @@ def test_sglang_rollouts_dry_run_for_qwen2_5_vl_and_stop_for_qwen3_5(roll_workdi
     errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
     assert code == 2 and errors == [
         "ConfigError: actor_infer.strategy_args.strategy_name: sglang runs vision-language model_type "
-        "qwen2_5_vl in roll, not 'qwen3_5'; use one of hf_infer, megatron_infer, vllm"
+        "qwen2_5_vl, qwen3_vl, qwen3_vl_moe in roll, not 'qwen3_5'; use one of hf_infer, megatron_infer, vllm"
     ], errors
 
 

@@ -282,7 +282,8 @@ def test_a_model_type_not_run_on_sglang_is_refused_when_the_engine_starts(tmp_pa
     config = tiny_vl_config(tok).to_dict()
     (tmp_path / "config.json").write_text(__import__("json").dumps({**config, "model_type": "qwen3_5"}))
     with pytest.raises(
-        ConfigError, match="sglang runs vision-language model_type qwen2_5_vl in roll, not 'qwen3_5'"
+        ConfigError,
+        match="sglang runs vision-language model_type qwen2_5_vl, qwen3_vl, qwen3_vl_moe in roll, not 'qwen3_5'",
     ):
         sglang_vision(str(tmp_path))
     assert sglang_vision(None) == SGLangVision()

@@ -204,7 +204,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             preload=("sglang",),
             run_env=(("NCCL_CUMEM_ENABLE", "0"),),
             runs_vision=True,  # images and videos as processor output (sglang_vision)
-            vision_model_types=("qwen2_5_vl",),
+            vision_model_types=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
         ),
     )
 }

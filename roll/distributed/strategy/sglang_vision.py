@@ -18,6 +18,13 @@ inputs (``multi_modal_inputs``), so they go as they are, without a second resize
 ``image_data`` is one list per request (``[]`` for a text row: SGLang reads a batch whose first
 entry is not a list as one image per request); ``video_data`` one ``[dict]`` or None per request.
 
+Qwen3-VL and Qwen3-VL-MoE (``timestamped``, roll.models.video_prompt) write a video as one run of
+video tokens per temporal patch, each after its time and its own vision start. SGLang's Qwen3-VL
+processing of such a dict does the same as for Qwen2.5-VL: it keeps the ids, so the times are roll's
+(the trainer's), finds the video at its runs (one offset per patch, grouped back into the video by
+``video_grid_thw``'s t), and its rope index splits each video's grid into ``[1, h, w]`` per patch,
+as transformers' Qwen3-VL does; no video metadata is needed, the HF processor is not run.
+
 Responses never hold the vision tokens (``roll.models.vision.response_excluded_tokens``): sampling
 gets a ``logit_bias`` on them, and scoring (``compute_log_probs``, SGLang's input log-probs, which
 see no bias) asks for their log-probs too and renormalizes without them (``masked_logprob``), which
@@ -38,6 +45,7 @@ from roll.configs.strategies import get_strategy_spec
 from roll.core.batch import Batch
 from roll.distributed.strategy.engine_requests import ScoringRequest, sglang_input_logprobs
 from roll.models.model_dir import config_json
+from roll.models.video_prompt import TIMESTAMPED_VIDEO_MODEL_TYPES
 from roll.models.vision import MULTI_MODAL_INPUTS, is_vision_config, response_excluded_tokens
 
 PROCESSOR_OUTPUT = "processor_output"
@@ -56,6 +64,8 @@ class SGLangVision:
     video: int | None = None
     merge_size: int = 2
     excluded: tuple[int, ...] = ()
+    # Qwen3-VL's videos: one run of video tokens per temporal patch (roll.models.video_prompt)
+    timestamped: bool = False
 
     def logit_bias(self) -> dict[str, float]:
         """SGLang's ``sampling_params["logit_bias"]`` (string keys, as its SamplingParams declares)."""
@@ -102,7 +112,7 @@ class SGLangVision:
                     )
                 out.append(None)
                 continue
-            want = [int(torch.as_tensor(g).prod()) // self.merge_size**2 for g in grid]
+            want = self.expected_runs(grid, timestamped=self.timestamped and what == "video")
             if runs != want:
                 raise ValueError(
                     f"row {row}: the prompt's {what} token runs are {runs} long; its {len(want)} {what}s "
@@ -112,6 +122,16 @@ class SGLangVision:
                 {"format": PROCESSOR_OUTPUT, **{k: inputs[k] for k in keys if inputs.get(k) is not None}}
             )
         return out[0], out[1]
+
+    def expected_runs(self, grid: Any, timestamped: bool) -> list[int]:
+        """The token runs of images or videos of ``grid`` ([n, 3] of t, h, w patches) in a prompt:
+        one of ``t * h * w / merge**2`` tokens each, or with ``timestamped`` ``t`` of
+        ``h * w / merge**2`` (one per temporal patch)."""
+        out: list[int] = []
+        for t, h, w in torch.as_tensor(grid).tolist():
+            per_patch = h * w // self.merge_size**2
+            out += [per_patch] * t if timestamped else [t * per_patch]
+        return out
 
     def scoring_kwargs(self, batch: Batch, token_lists: Sequence[Sequence[int]]) -> dict[str, Any]:
         """``Engine.generate``'s extra arguments for scoring ``token_lists`` (each row's prompt +
@@ -145,7 +165,10 @@ def sglang_vision(model_dir: str | None) -> SGLangVision:
         )
     merge = int((config.get("vision_config") or {}).get("spatial_merge_size") or 2)
     excluded = tuple(response_excluded_tokens(config))
-    return SGLangVision(config.get("image_token_id"), config.get("video_token_id"), merge, excluded)
+    timestamped = config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES
+    return SGLangVision(
+        config.get("image_token_id"), config.get("video_token_id"), merge, excluded, timestamped
+    )
 
 
 def row_inputs(batch: Batch) -> list[Mapping[str, Any] | None] | None:
