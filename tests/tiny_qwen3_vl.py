@@ -102,13 +102,19 @@ def build_tiny_qwen3_vl_dir(
 
 def released_layout(path: Path) -> Path:
     """Rewrite transformers 5's save (the modules' [E, 2I, H] / [E, H, I]) as Qwen's released
-    checkpoints store the stacks: transposed."""
+    checkpoints store the stacks: transposed. A stack already saved transposed (a transformers whose
+    save reverts its load-time transpose) is kept: told apart by where the hidden size H is."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
-    stacks = ("gate_up_proj", "down_proj")
+    hidden = json.loads((path / "config.json").read_text())["text_config"]["hidden_size"]
+    module_dim = {"gate_up_proj": -1, "down_proj": -2}  # where H is in the modules' layout
     file = path / "model.safetensors"
     tensors = load_file(file)
-    for name in [n for n in tensors if n.rpartition(".")[2] in stacks]:
-        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    for name, tensor in list(tensors.items()):
+        dim = module_dim.get(name.rpartition(".")[2])
+        if dim is not None and tensor.shape[dim] == hidden:
+            tensors[name] = tensor.transpose(1, 2).contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
     return path

@@ -1,0 +1,109 @@
+"""The ``sglang`` strategy with Qwen3-VL and Qwen3-VL-MoE rows on a real SGLang engine on CUDA
+(skipped without SGLang, torchvision or a GPU): tests/tiny_qwen3_vl.py's tiny random models (16-pixel
+patches, deepstack, interleaved mrope; the MoE checkpoint in Qwen's released layout, stacked and
+transposed experts, as SGLang's loader reads it), saved first. Engine as tests/test_sglang_vl_gpu.py
+starts it; one engine at a time (SGLang's ``Engine.shutdown`` kills every child of the process), so
+the module's engine fixture is parametrized and pytest finishes one model's tests before the next.
+
+- generate with images (Orsta-layout rows) and with videos (Video-R1 rows, each temporal patch's
+  time in roll's prompt): the engine keeps roll's expanded prompt ids (its ``prompt_tokens`` are
+  the row's length) and its sampled-token log-probs equal transformers' forward with the pixel
+  values on the same weights (bf16 tolerance, tests/engine_gpu.py), which they would not if a
+  frame were placed elsewhere, its time written otherwise, or a rope position differed;
+- compute_log_probs on video rows: SGLang's input log-probs renormalized without the vision tokens
+  equal transformers'.
+
+    pytest tests/test_sglang_qwen3_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+pytest.importorskip("torchvision")  # Qwen3VLProcessor's video processor, which SGLang loads
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_gpu import assert_close, make_strategy  # noqa: E402
+from engine_vl_gpu import check_generate, hf_sampled_logprobs, hf_vl, save_image_rows, vl_prompts  # noqa: E402
+from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
+from tiny_vl import video_r1_rows  # noqa: E402
+
+from roll.configs.role import DataArgs  # noqa: E402
+from roll.core.batch import Batch  # noqa: E402
+from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.distributed.strategy.generation import prompt_token_lists  # noqa: E402
+from roll.models.vision import VisionProcessor  # noqa: E402
+from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
+from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
+
+PROMPT_LENGTH = 700  # the tiny tokenizer spends ~530 tokens on Video-R1's template
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
+def setup(request, tmp_path_factory):
+    """(root, model directory, its engine); the engine shut down before the next model's starts."""
+    root = tmp_path_factory.mktemp("sglang_qwen3_vl_gpu")
+    model = build_tiny_qwen3_vl_dir(root / "model", full_processor=True, std=0.1, moe=request.param)
+    if request.param:
+        released_layout(model)
+    save_image_rows(root)
+    strategy = make_strategy("sglang", model, mem_fraction_static=0.3, disable_cuda_graph=True)
+    assert strategy.vision.timestamped
+    yield root, model, strategy
+    strategy.shutdown()
+    torch.cuda.empty_cache()
+
+
+def video_prompts(root: Path, model: Path) -> Batch:
+    pytest.importorskip("av")  # the frames are decoded with PyAV
+    processor = VisionProcessor.load(str(model))
+    (root / "videos.json").write_text(json.dumps(video_r1_rows(root / "videos", 2)))
+    args = DataArgs(file_name=[str(root / "videos.json")], row_layout="video_r1", **QWEN3_VIDEO_ARGS)
+    rows = load_prompt_files(args, processor.tokenizer, PROMPT_LENGTH, "data_args", processor)
+    assert len(rows) == 2 and not rows.bad_rows
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+
+
+def check_prompt_lengths(strategy, prompts: Batch) -> None:
+    """The engine runs each row's ids as roll gave them: its prompt is the row's length (SGLang's
+    processing would write a video's times again, or expand a placeholder, if it re-ran the HF
+    processor)."""
+    ids = prompt_token_lists(prompts)
+    outputs = strategy.engine.generate(
+        input_ids=ids,
+        sampling_params=[{"max_new_tokens": 1, "temperature": 0.0} for _ in ids],
+        **strategy.vision.request_kwargs(prompts, ids, 1),
+    )
+    assert [o["meta_info"]["prompt_tokens"] for o in outputs] == [len(r) for r in ids]
+
+
+def test_generate_with_images_matches_transformers(setup):
+    root, model, strategy = setup
+    prompts = vl_prompts(root, model)
+    check_prompt_lengths(strategy, prompts)
+    check_generate(strategy, prompts, model, f"{model.name} generate with images")
+
+
+def test_generate_with_videos_matches_transformers(setup):
+    root, model, strategy = setup
+    prompts = video_prompts(root, model)
+    check_prompt_lengths(strategy, prompts)
+    check_generate(strategy, prompts, model, "generate with videos")
+
+
+def test_compute_log_probs_of_video_rows_matches_transformers(setup):
+    root, model, strategy = setup
+    out = strategy.generate(video_prompts(root, model), SamplingParams(n=2, max_new_tokens=16, seed=11))
+    scored = strategy.compute_log_probs(out)["log_probs"]
+    assert_close(scored, hf_sampled_logprobs(hf_vl(model), out), out["response_mask"], "scoring video rows")
+    assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
