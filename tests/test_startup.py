@@ -276,7 +276,7 @@ def test_the_timeline_is_the_last_ranks_marks_of_the_role_that_finished_last(cap
             process=t0 + 1.0, ready=t0 + ready, initialize=t0 + ready + 1.0, initialized=t0 + done
         )
         if waited:
-            marks.wait("imports", waited)
+            marks.span("imports_wait", waited)
         return marks.report(seconds)
 
     timer = StageTimer()
@@ -287,23 +287,29 @@ def test_the_timeline_is_the_last_ranks_marks_of_the_role_that_finished_last(cap
     assert metrics["startup/initialize.actor_train_s"] == 12.0  # the slowest rank's seconds
     assert metrics["startup/initialize.rewards.math_s"] == 1.0
     # The rank that ended last (initialized at +20 s), not the slowest one, and not the reward role.
-    assert metrics["startup/timeline.ready_s"] == pytest.approx(5.0)
-    assert metrics["startup/timeline.initialized_s"] == pytest.approx(20.0)
+    assert metrics["startup/timeline.at.ready_s"] == pytest.approx(5.0)
+    assert metrics["startup/timeline.at.initialized_s"] == pytest.approx(20.0)
     assert metrics["startup/timeline.imports_wait_s"] == pytest.approx(2.5)
-    assert "start-up of actor_train (its last rank" in caplog.text and "initialized 20.0" in caplog.text
+    assert "start-up of actor_train (its last rank" in caplog.text and "at.initialized 20.0" in caplog.text
     start.record_initialize(timer, "reference", [report(3.0, 7.0, 25.0)])  # a later wave ends after
     metrics = startup_metrics(timer)
-    assert metrics["startup/timeline.initialized_s"] == pytest.approx(25.0)
+    assert metrics["startup/timeline.at.initialized_s"] == pytest.approx(25.0)
     assert "startup/timeline.imports_wait_s" not in metrics  # that role waited for no imports
 
 
 def test_a_workers_start_marks_run_from_its_process_start_to_its_initialize():
-    from roll.utils.start_marks import ORDER, StartMarks, relative_marks
+    from roll.utils.start_marks import ORDER, StartMarks, init_span, relative_marks
 
     marks = StartMarks()
+    with init_span("left.over"):  # before this initialize: not its span
+        pass
     marks.mark("initialize")
-    marks.wait("imports", 0.5)
+    marks.span("imports_wait", 0.5)
+    with init_span("megatron.build"):
+        time.sleep(0.01)
     marks.mark("initialized")
     rel = relative_marks(marks.report(1.0), since=marks.at["process"])
-    assert list(rel) == [*ORDER, "imports_wait"]
-    assert 0.0 <= rel["ready"] <= rel["initialize"] <= rel["initialized"]
+    assert list(rel) == [*(f"at.{m}" for m in ORDER), "imports_wait", "megatron.build"]
+    assert 0.0 <= rel["at.ready"] <= rel["at.initialize"] <= rel["at.initialized"]
+    assert rel["megatron.build"] >= 0.01
+    assert marks.report(1.0)["spans"] == {"imports_wait": 0.5}  # taken once

@@ -155,7 +155,7 @@ class Worker:
             waited = time.perf_counter()
             self._preloading.join()
             self._preloading = None
-            self.start_marks.wait("imports", time.perf_counter() - waited)
+            self.start_marks.span("imports_wait", time.perf_counter() - waited)
         strategy_cls = load_strategy_class(args.strategy_name, f"{self.role}.strategy_args.strategy_name")
         self.strategy = strategy_cls(self.role_config, self.ctx)
 

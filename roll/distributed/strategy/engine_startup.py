@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from roll.distributed.strategy.engine_options import EngineOptions, dataclass_field_names, import_engine
 from roll.models.tokenizer import load_tokenizer
+from roll.utils.start_marks import init_span
 
 if TYPE_CHECKING:
     from roll.configs.role import RoleConfig
@@ -99,10 +100,12 @@ def start_engine(
     """Import, check and construct the engine ``kind`` with ``options(seed)``. The options are
     also checked before launch where the driver imports the engine (roll.launch.roles); here for
     drivers without it: only this process is sure to have the engine that will run."""
-    module = import_engine(kind.package, ctx.role, kind.package)
+    with init_span(f"{kind.package}.import"):  # what the worker's preload has not done yet
+        module = import_engine(kind.package, ctx.role, kind.package)
     built = options(ctx.seed + ctx.rank)
     built.check(accepted_options(kind), kind.display, kind.package)
-    engine = getattr(module, kind.constructor)(**built.kwargs)
+    with init_span(f"{kind.package}.engine"):
+        engine = getattr(module, kind.constructor)(**built.kwargs)
     margs = role_config.model_args
     pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
     return StartedEngine(module, engine, pad_token_id)

@@ -96,6 +96,7 @@ from roll.models.vision_tower import agreed_tower_calls, idle_tower_calls, tower
 from roll.models.weights import tied_duplicate_names
 from roll.utils.lr_schedule import build_lr_lambda
 from roll.utils.process_group import init_default_group
+from roll.utils.start_marks import init_span
 
 TRAINER_STATE = "trainer_state.json"
 # ``strategy_config.sharding``: shard across all ranks, or full replicas (DDP-like); see _build_mesh.
@@ -143,7 +144,8 @@ class FSDP2TrainStrategy:
         )
         model_args = self.role_config.model_args
         master = torch.float32 if self.config.mixed_precision else torch_dtype(model_args.dtype)
-        model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
+        with init_span("fsdp2.load"):
+            model = load_model(model_args, dtype=master, training=True, seed=self.ctx.seed)
         self.vision = is_vision_config(model.config)
         if self.vision:  # roll.models.vision: padded rows, one rank per sequence
             check_vision_options(self.ctx.role, self.config.sequence_packing is True, self.ulysses_size)
@@ -158,7 +160,8 @@ class FSDP2TrainStrategy:
         if self.config.ep_size > 1:
             self._init_experts(model)
         self.mesh = self._build_mesh()
-        self.model = self._shard(model)
+        with init_span("fsdp2.shard"):
+            self.model = self._shard(model)
         self.model.train()
         args = self.role_config.training_args
         self.optimizer = torch.optim.AdamW(

@@ -62,6 +62,7 @@ from roll.models.megatron.runtime import (
 from roll.models.microbatch import loss_agg_mode_of, loss_weights, rebudget
 from roll.models.vision import response_excluded_tokens
 from roll.utils.lr_schedule import build_lr_lambda
+from roll.utils.start_marks import init_span
 
 
 class MegatronTrainStrategy:
@@ -100,8 +101,9 @@ class MegatronTrainStrategy:
             freeze_vision_tower(chunks, self.role_config.model_args.freeze_module_prefix, path)
         if self.role_config.model_args.uses_lora:
             self.lora_layout = self._apply_lora(chunks)
-        self.model = _wrap_ddp(chunks, self.config)
-        self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
+        with init_span("megatron.ddp_optimizer"):
+            self.model = _wrap_ddp(chunks, self.config)
+            self.optimizer = _build_optimizer(self.model, self.role_config, self.config)
         _configure_schedule(self.model)
         self.offloader = StateOffloader(self.model, self.optimizer)
 

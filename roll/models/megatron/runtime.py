@@ -33,6 +33,7 @@ from roll.models.megatron.forward import (
 from roll.models.megatron.parallel import broadcast_from_last_stage, init_parallel
 from roll.models.microbatch import invert, split_by_tokens
 from roll.models.vision import response_excluded_tokens
+from roll.utils.start_marks import init_span
 
 logger = logging.getLogger("roll")
 
@@ -46,10 +47,10 @@ def build_chunks(
     from transformers import AutoConfig
 
     from roll.models.loading import model_path, torch_dtype
-    from roll.models.megatron.hf_io import load_hf_weights
     from roll.models.megatron.model_builder import build_model_chunks
 
-    init_parallel(ctx, cfg)
+    with init_span("megatron.parallel_groups"):
+        init_parallel(ctx, cfg)
     if not thd_rope.install():
         logger.warning(
             "megatron-core's thd RoPE has an unknown signature: packed rows keep its per-sequence loop"
@@ -62,7 +63,20 @@ def build_chunks(
         return hf_config, chunks
     path = model_path(role_config.model_args)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=role_config.model_args.trust_remote_code)
-    chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
+    with init_span("megatron.build"):
+        chunks = build_model_chunks(hf_config, cfg, dtype)  # layer spec: layer_spec.build_layer_spec
+    with init_span("megatron.load"):
+        _load_weights(chunks, cfg, hf_config, path)
+    with init_span("megatron.to_device"):
+        _to_device(chunks, ctx)
+    return hf_config, chunks
+
+
+def _load_weights(chunks: list[torch.nn.Module], cfg: MegatronConfig, hf_config: Any, path: str) -> None:
+    """The weights of ``cfg.mcore_checkpoint`` (a converted dist checkpoint) or of the HF
+    checkpoint at ``path``."""
+    from roll.models.megatron.hf_io import load_hf_weights
+
     if cfg.mcore_checkpoint:
         from roll.models.megatron.mcore_checkpoint import check_compatible, load_mcore_weights
 
@@ -72,8 +86,6 @@ def build_chunks(
         load_mcore_weights(chunks, cfg.mcore_checkpoint)
     else:
         load_hf_weights(chunks, path)
-    _to_device(chunks, ctx)
-    return hf_config, chunks
 
 
 def _to_device(chunks: list[torch.nn.Module], ctx: WorkerContext) -> None:

@@ -287,8 +287,9 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[dict[str, Any
 
     The marks of the rank that finished last (``roll.utils.start_marks``) go to run.log as seconds
     after the driver's start; when that rank finished after every role recorded before, they become
-    the ``timeline.<mark>`` phases (``startup/timeline.process_s``, ``ready``, ``initialize``,
-    ``initialized``, ``imports_wait``): where the role the start-up waited for spent its time."""
+    the ``timeline.*`` phases (``startup/timeline.at.process_s``, ``at.ready``, ``at.initialize``,
+    ``at.initialized``, then spans such as ``imports_wait`` and the strategy's own, e.g.
+    ``megatron.build``): where the role the start-up waited for spent its time."""
     reports = [r for r in per_rank or [] if isinstance(r, dict) and "seconds" in r]
     if not reports:
         return
@@ -300,7 +301,7 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[dict[str, Any
         role,
         ", ".join(f"{name} {value:.1f}" for name, value in marks.items()),
     )
-    if marks.get("initialized", 0.0) >= timer.times.get("time/timeline.initialized", float("-inf")):
+    if marks.get("at.initialized", 0.0) >= timer.times.get("time/timeline.at.initialized", float("-inf")):
         for key in [k for k in timer.times if k.startswith("time/timeline.")]:
             del timer.times[key]
         timer.times.update({f"time/timeline.{name}": value for name, value in marks.items()})
