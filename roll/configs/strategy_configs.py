@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.configs.pipeline_layout import PipelineLayout
 from roll.configs.ranges import bounded, one_of
 
 
@@ -185,6 +186,13 @@ class FSDP2Config(PackingOptions, _DataParallelOnly):
 
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+# The keys of megatron's other uneven pipeline split, which a pipeline_model_parallel_layout replaces.
+_UNEVEN_SPLIT_KEYS = (
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 RECOMPUTE_METHODS = (None, "uniform", "block")
 TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 
@@ -219,6 +227,11 @@ class MegatronConfig(PackingOptions):
     # stages share the rest evenly (megatron-core's TransformerConfig options of the same names).
     num_layers_in_first_pipeline_stage: int | None = bounded(None, ge=1)
     num_layers_in_last_pipeline_stage: int | None = bounded(None, ge=1)
+    # Megatron's layout string: the layers of every pipeline stage (roll.configs.pipeline_layout,
+    # e.g. "E|(tt|)*30,L": the embedding alone, 30 stages of 2 decoder layers, the loss alone). Its
+    # stage count / PP is the virtual pipeline size, set here when virtual_pipeline_model_parallel_size
+    # is null. Exclusive with the four uneven-split keys above.
+    pipeline_model_parallel_layout: str | None = None
     # MoE: the routers' weights (and expert bias) get no gradient and no optimizer state.
     freeze_moe_router: bool = False
     # A directory written by `python -m roll.models.megatron.convert hf-to-mcore` for this model
@@ -313,6 +326,66 @@ class MegatronConfig(PackingOptions):
             # megatron-core asserts without both; ROLL (mcore_adapter) defaults to recomputing
             # every layer, i.e. uniform chunks of one layer. Parsed here, so every reader sees it.
             self.recompute_method, self.recompute_num_layers = "uniform", 1
+        if self.pipeline_model_parallel_layout is not None:
+            self._apply_pipeline_layout()
+
+    def _apply_pipeline_layout(self) -> None:
+        """Check the layout against the other pipeline keys and derive the virtual pipeline size
+        from it, so every reader of virtual_pipeline_model_parallel_size (the schedules, the model
+        chunks, the optimizer, checkpoints, the converter) sees the layout's."""
+        key = "pipeline_model_parallel_layout"
+        clash = [k for k in _UNEVEN_SPLIT_KEYS if getattr(self, k) not in (None, False)]
+        if clash:
+            raise ValueError(f"{key}: places every layer itself; remove {', '.join(clash)}")
+        pp = self.pipeline_model_parallel_size
+        if pp == 1:
+            raise ValueError(f"{key}: needs pipeline_model_parallel_size > 1")
+        try:
+            layout = PipelineLayout.parse(self.pipeline_model_parallel_layout)
+            vpp = layout.virtual_size(pp)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        if layout.mtp_layers:
+            raise ValueError(
+                f"{key}: roll builds no multi-token-prediction layers (it drops a checkpoint's mtp "
+                "weights); remove the m stages"
+            )
+        given = self.virtual_pipeline_model_parallel_size
+        if given is not None and given != vpp:
+            raise ValueError(
+                f"{key}: its {len(layout.stages)} stages over PP {pp} make virtual pipeline size {vpp}, "
+                f"but virtual_pipeline_model_parallel_size is {given}; remove that key or make them agree"
+            )
+        self.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else given
+
+    def pipeline_layout(self) -> PipelineLayout | None:
+        """The parsed ``pipeline_model_parallel_layout`` (checked at load), or None."""
+        text = self.pipeline_model_parallel_layout
+        return None if text is None else PipelineLayout.parse(text)
+
+    def pipeline_rank_layers(self, num_layers: int) -> list[list[int]]:
+        """Decoder layers of each PP rank's virtual stages, ``[pp_rank][vp_stage]``, as megatron
+        places them: by the layout, by the first/last stage sizes, or evenly (the embedding and the
+        loss counted as layers where account_for_* says so). Assumes the split checks passed."""
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        layout = self.pipeline_layout()
+        if layout is not None:
+            return layout.rank_layers(pp)
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if pp > 1 and (first is not None or last is not None):
+            middle = pp - (first is not None) - (last is not None)
+            rest = num_layers - (first or 0) - (last or 0)
+            per_rank = [rest // middle if middle else 0] * pp
+            per_rank[0] = first if first is not None else per_rank[0]
+            per_rank[-1] = last if last is not None else per_rank[-1]
+            return [[n // vpp] * vpp for n in per_rank]
+        embedding = int(self.account_for_embedding_in_pipeline_split)
+        loss = int(self.account_for_loss_in_pipeline_split)
+        chunk = (num_layers + embedding + loss) // (pp * vpp)
+        layers = [[chunk] * vpp for _ in range(pp)]
+        layers[0][0] -= embedding
+        layers[-1][-1] -= loss
+        return layers
 
     def _validate_recompute(self, path: str) -> None:
         """Full recompute needs a method and a layer count (megatron-core asserts at model build,

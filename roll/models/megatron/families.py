@@ -510,6 +510,14 @@ def _divides(size: int, value: int, what: str, key: str) -> None:
 
 def _check_pipeline_split(hf: Any, cfg: MegatronConfig, path: str) -> None:
     pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    layout = cfg.pipeline_layout()
+    if layout is not None:
+        if layout.decoder_layers != hf.num_hidden_layers:
+            raise ConfigError(
+                f"{path}.pipeline_model_parallel_layout",
+                f"places {layout.decoder_layers} decoder layers (t), the model has {hf.num_hidden_layers}",
+            )
+        return
     first, last = cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
     if first is not None or last is not None:
         _check_uneven_split(hf.num_hidden_layers, pp, vpp, first, last, path)

@@ -44,6 +44,9 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
         "account_for_loss_in_pipeline_split": cfg.account_for_loss_in_pipeline_split,
         "num_layers_in_first_pipeline_stage": cfg.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": cfg.num_layers_in_last_pipeline_stage,
+        # megatron parses it again (its PipelineParallelLayerLayout) and places each chunk's layers
+        # by it: get_num_layers_to_build / get_transformer_layer_offset, which roll's readers use.
+        "pipeline_model_parallel_layout": cfg.pipeline_model_parallel_layout,
         # With two pipeline stages the previous and the next stage are the same rank, and the
         # interleaved schedule's steady state sends an activation and a gradient of the same shape
         # to it in one batched call: batched point-to-point ops pair sends and receives per peer in

@@ -173,15 +173,19 @@ def check_layout(hf_config: Any, cfg: Any, path: str) -> None:
     pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
     if pp * vpp == 1 or not needed:
         return
-    first = cfg.num_layers_in_first_pipeline_stage
-    layers = hf_config.text_config.num_hidden_layers
-    held = (first if first is not None else layers // pp) // vpp
+    held = cfg.pipeline_rank_layers(hf_config.text_config.num_hidden_layers)[0][0]
     if held < needed:
+        key = (
+            "pipeline_model_parallel_layout"
+            if cfg.pipeline_model_parallel_layout
+            else "pipeline_model_parallel_size"
+        )
         raise ConfigError(
-            f"{path}.pipeline_model_parallel_size",
-            f"{pp} (VPP {vpp}) puts {held} decoder layers in the first pipeline chunk; Qwen3-VL adds its "
+            f"{path}.{key}",
+            f"PP {pp} (VPP {vpp}) puts {held} decoder layers in the first pipeline chunk; Qwen3-VL adds its "
             f"vision tower's deepstack features after the first {needed}, which must sit there beside the "
-            "tower (fewer stages, or a larger num_layers_in_first_pipeline_stage)",
+            "tower (fewer stages, a larger num_layers_in_first_pipeline_stage, or a layout with more t in "
+            "its first stage)",
         )
 
 
