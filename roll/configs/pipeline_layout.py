@@ -50,11 +50,14 @@ class PipelineLayout:
         return layout
 
     def _check_ends(self, text: str) -> None:
+        """E opens the first stage and L closes the last: megatron builds the embedding on the first
+        stage and the head on the last whatever the string says (its own check lets an empty stage
+        come before E or after L)."""
         flat = "".join(self.stages)
-        if flat.count("E") != 1 or not flat.startswith("E"):
-            raise ValueError(f"{text!r} must start with the one embedding E")
-        if flat.count("L") != 1 or not flat.endswith("L"):
-            raise ValueError(f"{text!r} must end with the one loss L")
+        if flat.count("E") != 1 or not self.stages[0].startswith("E"):
+            raise ValueError(f"{text!r} must open its first stage with the one embedding E")
+        if flat.count("L") != 1 or not self.stages[-1].endswith("L"):
+            raise ValueError(f"{text!r} must close its last stage with the one loss L")
 
     @property
     def decoder_layers(self) -> int:
