@@ -61,11 +61,10 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # Megatron's pipeline layout string; behind it context parallelism (4), which Gated DeltaNet
-    # layers do not run with.
-    "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "strategy_config.pipeline_model_parallel_layout="
-    "'E|(tt|)*30,L', reference.strategy_args.strategy_config.pipeline_model_parallel_layout='E|(tt|)*30,L' "
-    "(remove it; roll places layers on pipeline stages evenly",
+    # actor_infer's vLLM engine at TP 16 spans two 8-device nodes; behind it context parallelism (4),
+    # which Gated DeltaNet layers do not run with (its pipeline_model_parallel_layout loads).
+    "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "ConfigError: actor_infer.device_mapping: worker 0 "
+    "would span nodes [32, 33]",
 }
 
 

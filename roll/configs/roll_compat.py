@@ -75,11 +75,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "actor_train.data_args.domain_interleave_probs)",
         (None, 1, 1.0, "1", "1.0"),
     ),
-    "*.strategy_args.strategy_config.pipeline_model_parallel_layout": Unsupported(
-        "remove it; roll places layers on pipeline stages evenly, or with num_layers_in_first_pipeline_stage / "
-        "num_layers_in_last_pipeline_stage and account_for_embedding_in_pipeline_split / "
-        "account_for_loss_in_pipeline_split"
-    ),
     "checkpoint_config.type": Unsupported(
         "remove it; roll checkpoints to a file system path (checkpoint_config.output_dir)",
         (None, "file_system"),
@@ -98,6 +93,9 @@ DROPPED: dict[str, str] = {
     "*.data_args.video_resize_chunk_frames": "roll resizes the sampled frames of one video at a time",
     "rewards.*.training_args.num_train_epochs": _EPOCHS,
     "profiler_output_dir": "roll writes per-stage timings to metrics.jsonl (ROLL: its profiler's trace directory)",
+    "*.strategy_args.strategy_config.distrib_optim_fully_reshardable": "roll's distributed-optimizer "
+    "checkpoints are sharded by global parameter and load into any layout (ROLL: whether its optimizer "
+    "checkpoint may be resharded)",
 }
 
 # ROLL reward worker class name -> roll reward_fn. Classes not listed are refused.
