@@ -119,6 +119,21 @@ def test_expert_parallel_splits_only_the_experts() -> None:
     assert dense + expert * 2 == shape.total_params()
 
 
+def test_an_uneven_pipeline_split_counts_the_rank_with_the_most_layers() -> None:
+    """pipeline_model_parallel_layout "Et|tttL" on a 4-layer model: PP rank 1 holds 3 of 4 layers."""
+    from roll.configs.strategy_configs import MegatronConfig
+
+    shape = shape_from_config(preset_config("qwen3-30b-a3b", 4).to_dict())
+    cfg = MegatronConfig(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tttL")
+    stage_layers = tuple(sum(rank) for rank in cfg.pipeline_rank_layers(shape.layers))
+    assert stage_layers == (1, 3)
+    even_dense, even_expert = rank_params(shape, Split(pp=2))
+    dense, expert = rank_params(shape, Split(pp=2, stage_layers=stage_layers))
+    assert expert == shape.expert_params() * 3 // 4 and even_expert == shape.expert_params() // 2
+    assert dense - even_dense == shape.layer_dense_params() * 3 // 4 - shape.layer_dense_params() // 2
+    assert rank_params(shape, Split(pp=2, stage_layers=(2, 2))) == (even_dense, even_expert)
+
+
 def test_full_recompute_keeps_only_layer_inputs() -> None:
     shape = shape_from_config(preset_config("qwen2.5-1.5b").to_dict())
     full = activations(shape, 4096)

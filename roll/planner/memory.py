@@ -40,6 +40,9 @@ class Split:
     cp: int = 1
     sequence_parallel: bool = False
     vocab_multiple: int = 1  # the vocabulary is padded to a multiple of this x TP
+    # Decoder layers each PP rank holds (all its virtual stages), where the split is uneven
+    # (pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage); empty: layers / PP.
+    stage_layers: tuple[int, ...] = ()
 
     def vocab(self, shape: ModelShape) -> int:
         multiple = self.vocab_multiple * self.tp
@@ -48,12 +51,18 @@ class Split:
 
 def rank_params(shape: ModelShape, split: Split) -> tuple[int, int]:
     """(non-expert, expert) parameters on one rank; the worst pipeline stage (the one with the
-    embedding or the output head)."""
+    embedding or the output head, and under an uneven split the most decoder layers)."""
     vocab = split.vocab(shape)
     if split.pp == 1:
         embedding = vocab * shape.hidden * (1 if shape.tied else 2)
     else:
         embedding = vocab * shape.hidden  # first stage: embedding; last stage: head
+    most = max(split.stage_layers, default=0)
+    if most and most * split.pp != shape.layers:  # uneven: the rank with the most layers
+        layers_dense = shape.layer_dense_params() * most // shape.layers
+        return (layers_dense + embedding) // split.tp + shape.hidden, (
+            shape.expert_params() * most // (shape.layers * split.ep * split.etp)
+        )
     dense = (shape.layer_dense_params() // split.pp + embedding) // split.tp + shape.hidden
     expert = shape.expert_params() // (split.pp * split.ep * split.etp)
     return dense, expert

@@ -124,9 +124,10 @@ def role_memory(
     return RoleMemory(name, strategy, parts, idle, model.context_bytes(plan.world_size), knobs)
 
 
-def _megatron_split(cfg: Any, tp_only: bool = False) -> mem.Split:
+def _megatron_split(cfg: Any, layers: int, tp_only: bool = False) -> mem.Split:
     tp = cfg.tensor_model_parallel_size
     return mem.Split(
+        stage_layers=tuple(sum(rank) for rank in cfg.pipeline_rank_layers(layers)),
         tp=tp,
         pp=cfg.pipeline_model_parallel_size,
         ep=cfg.expert_model_parallel_size,
@@ -145,7 +146,7 @@ def _train_batch_knob(cfg: Any) -> str:
 
 
 def _megatron_train(x: RoleInputs) -> Prediction:
-    cfg, shape, split = x.cfg, x.shape, _megatron_split(x.cfg)
+    cfg, shape, split = x.cfg, x.shape, _megatron_split(x.cfg, x.shape.layers)
     recompute = cfg.recompute_granularity == "full"
     args = x.role.model_args
     lora = shape.megatron_lora_params(args.lora_target, args.lora_rank, split.tp) if args.uses_lora else 0
@@ -249,7 +250,7 @@ INFER_KNOBS = {
 
 
 def _megatron_infer(x: RoleInputs) -> Prediction:
-    return _inference(x, _megatron_split(x.cfg, tp_only=True), kv_copies=1), 0, INFER_KNOBS
+    return _inference(x, _megatron_split(x.cfg, x.shape.layers, tp_only=True), kv_copies=1), 0, INFER_KNOBS
 
 
 def _hf_infer(x: RoleInputs) -> Prediction:
