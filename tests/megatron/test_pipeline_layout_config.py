@@ -134,3 +134,19 @@ def test_qwen3_vl_deepstack_layers_need_a_first_chunk_that_holds_them() -> None:
         info.value.path == KEY and "puts 0 decoder layers in the first pipeline chunk" in info.value.message
     )
     families.check_model_fits(hf, load("Ett|t|t|L"), PATH)
+
+
+def test_converter_takes_the_layout_and_names_its_flag(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from roll.models.megatron import convert
+
+    transformers.Qwen2Config(**TINY, intermediate_size=128, num_hidden_layers=4).save_pretrained(tmp_path)
+    cfg = convert.layout_config(1, 2, 1, layout="E|tt|tt|L")
+    assert cfg.virtual_pipeline_model_parallel_size == 2 and convert.world_size(cfg) == 2
+    convert.check_layout(tmp_path, cfg)
+    again = convert.layout_config(**{k: getattr(cfg, v) for k, v in convert.LAYOUT_KEYS.items()})
+    assert again == cfg  # the manifest's layout reads back
+    for bad, words in (("E|ttt|tt|L", "places 5 decoder layers"), ("E|tt|tt", "close its last stage")):
+        with pytest.raises(ConfigError) as info:
+            convert.check_layout(tmp_path, convert.layout_config(1, 2, 1, layout=bad))
+        assert info.value.path == "--layout" and words in info.value.message

@@ -1,6 +1,6 @@
 """Offline HF <-> megatron-core dist checkpoint conversion, streaming tensor by tensor.
 
-    python -m roll.models.megatron.convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2 --ep 1 [--vpp 2]
+    python -m roll.models.megatron.convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2 --ep 1 [--vpp 2] [--layout "E|tt|tt|L"]
     python -m roll.models.megatron.convert mcore-to-hf --mcore DIR --out DIR [--max_shard_size 2GB]
 
 ``hf-to-mcore`` starts TP x PP x DP ranks (DP = EP, so the experts split over EP ranks; one process
@@ -43,16 +43,24 @@ LAYOUT_KEYS = {
     "pp": "pipeline_model_parallel_size",
     "ep": "expert_model_parallel_size",
     "vpp": "virtual_pipeline_model_parallel_size",
+    "layout": "pipeline_model_parallel_layout",
 }
 
 
-def layout_config(tp: int, pp: int, ep: int, vpp: int | None = None) -> MegatronConfig:
-    return MegatronConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        virtual_pipeline_model_parallel_size=vpp,
-    )
+def layout_config(
+    tp: int, pp: int, ep: int, vpp: int | None = None, layout: str | None = None
+) -> MegatronConfig:
+    """The parallel layout of the conversion (``layout``: Megatron's pipeline layout string)."""
+    try:
+        return MegatronConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            virtual_pipeline_model_parallel_size=vpp,
+            pipeline_model_parallel_layout=layout,
+        )
+    except ValueError as exc:  # the layout's checks name the key
+        raise ConfigError("--layout", str(exc).partition(": ")[2] or str(exc)) from None
 
 
 def world_size(cfg: MegatronConfig) -> int:
@@ -188,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("tp", "pp", "ep"):
         to_mcore.add_argument(f"--{flag}", type=int, default=1)
     to_mcore.add_argument("--vpp", type=int, default=None)
+    to_mcore.add_argument("--layout", default=None, help='pipeline layout, e.g. "E|(tt|)*30,L"')
     to_hf = sub.add_parser("mcore-to-hf")
     to_hf.add_argument("--mcore", required=True)
     to_hf.add_argument("--out", required=True)
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
-            cfg = layout_config(args.tp, args.pp, args.ep, args.vpp)
+            cfg = layout_config(args.tp, args.pp, args.ep, args.vpp, args.layout)
             check_layout(args.hf, cfg)
             world = world_size(cfg)
             call = (args.hf, args.out, cfg)
