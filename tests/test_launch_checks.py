@@ -178,3 +178,20 @@ def test_the_sft_warm_start_config_passes_the_checks(tmp_path):
 
     config = warm_start_config(tmp_path / "base", tmp_path / "sft.jsonl", tmp_path / "run", 3, 0, 1)
     assert check_sft_config(config, files=False).roles["actor_train"].parallel.dp == 1
+
+
+def test_megatron_infer_generation_refuses_virtual_pipeline_stages_before_launch():
+    """actor_infer on megatron_infer generates with one model chunk per stage: a layout that makes
+    virtual stages is one ConfigError at load, naming the key; the reference may keep them."""
+    from roll.launch.rules import check_generation_layout
+
+    path = REPO / "examples" / "config" / "rlvr_megatron_2gpus.yaml"
+    layout = "{tensor_model_parallel_size: 1, pipeline_model_parallel_size: 2, pipeline_model_parallel_layout: 'E|t|t|L'}"
+    config = load_config(path, [f"reference.strategy_args.strategy_config={layout}"])
+    check_generation_layout(config)  # scoring with virtual stages is fine
+    config = load_config(path, [f"actor_infer.strategy_args.strategy_config={layout}"])
+    refused(
+        lambda: check_generation_layout(config),
+        "actor_infer.strategy_args.strategy_config.pipeline_model_parallel_layout",
+        "2 virtual pipeline stages per rank",
+    )

@@ -32,6 +32,7 @@ def check_run_rules(config: RLVRConfig, plan: PlacementPlan) -> None:
     check_colocation(config, plan)
     check_sglang_memory(config, plan)
     check_algorithm(config)
+    check_generation_layout(config)
     check_async(config, plan)
     check_tracker(config)
 
@@ -209,6 +210,26 @@ def check_algorithm(config: RLVRConfig) -> None:
                     f"rewards.{name}.tag_included", f"tag {tag!r} is already routed to rewards.{seen[tag]}"
                 )
             seen[tag] = name
+
+
+def check_generation_layout(config: RLVRConfig) -> None:
+    """megatron_infer generates (roll.models.megatron.kv_generate) through one model chunk per
+    pipeline stage: as actor_infer it cannot have virtual pipeline stages (scoring can)."""
+    if _strategy(config, "actor_infer") != "megatron_infer":
+        return
+    cfg = config.actor_infer.strategy_args.strategy_config
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1:
+        key = (
+            "pipeline_model_parallel_layout"
+            if cfg.pipeline_model_parallel_layout
+            else ("virtual_pipeline_model_parallel_size")
+        )
+        raise ConfigError(
+            f"actor_infer.strategy_args.strategy_config.{key}",
+            f"gives {vpp} virtual pipeline stages per rank, but megatron_infer generates with one model "
+            "chunk per pipeline stage; use one stage per PP rank (a reference or reward role may keep them)",
+        )
 
 
 def check_tracker(config: Any) -> None:
