@@ -67,7 +67,7 @@ VISION_INPUT_KEYS = (
 MULTI_MODAL_INPUTS = "multi_modal_inputs"  # per-row model inputs (the trainer's, hf_infer's)
 MULTI_MODAL_DATA = "multi_modal_data"  # per-row images for an engine (vLLM)
 # The vision-language model types roll has run (CPU tests; docs/vision_language.md).
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe")
 # Vision-language model types roll knows but does not run yet, and why (the launch check's line).
 UNRUN_VISION_MODEL_TYPES: dict[str, str] = {}
 
@@ -84,8 +84,18 @@ def pixel_kwargs(pixels: PixelBounds) -> dict[str, int]:
     return {k: b for k, b in zip(("min_pixels", "max_pixels"), pixels) if b is not None}
 
 
+def multimodal_config(config: Any) -> Any:
+    """The part of a model config (config.json's dict or a transformers config) that holds the
+    vision config and the image token ids: Qwen3-Omni's ``thinker_config``, else the config itself."""
+    inner = (
+        config.get("thinker_config") if isinstance(config, dict) else getattr(config, "thinker_config", None)
+    )
+    return config if inner is None else inner
+
+
 def is_vision_config(config: Any) -> bool:
     """Whether a model config (a dict from config.json, or a transformers config) has a vision tower."""
+    config = multimodal_config(config)
     if isinstance(config, dict):
         return isinstance(config.get("vision_config"), dict)
     return getattr(config, "vision_config", None) is not None
@@ -266,6 +276,7 @@ def response_excluded_tokens(config: Any) -> list[int]:
     transformers config or config.json's dict."""
     if not is_vision_config(config):
         return []
+    config = multimodal_config(config)
     get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
     return sorted({int(get(k)) for k in EXCLUDED_TOKEN_KEYS if isinstance(get(k), int)})
 

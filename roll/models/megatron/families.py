@@ -22,7 +22,7 @@ from roll.configs.strategy_configs import MegatronConfig
 from roll.models.megatron import qwen3_5, qwen3_next
 from roll.models.megatron import weight_mapping as wm
 from roll.models.megatron.hf_fields import head_dim, rope_parameters
-from roll.models.vision import is_vision_config
+from roll.models.vision import is_vision_config, multimodal_config
 
 MODEL_PATH = "model_args.model_name_or_path"
 STRATEGY_PATH = "strategy_args.strategy_config"
@@ -218,7 +218,7 @@ def supported_model_types() -> list[str]:
 def language_config(hf_config: Any) -> Any:
     """The config of the language model: a vision-language config's ``text_config`` (Qwen2.5-VL
     keeps the text sizes there), else the config itself."""
-    text = getattr(hf_config, "text_config", None)
+    text = getattr(multimodal_config(hf_config), "text_config", None)  # Qwen3-Omni: the thinker's
     return text if text is not None and is_vision_config(hf_config) else hf_config
 
 
@@ -287,6 +287,20 @@ VISION_FAMILIES: dict[str, Family] = {
         mrope=True,
         packed_vision=True,
     ),
+    # Qwen3-Omni-MoE's thinker: Qwen3-MoE's layers (per-expert tensors under "thinker.model.") with
+    # Qwen3-VL's mrope and deepstack, an audio tower beside the vision tower; talker and code2wav
+    # are not built (roll.models.megatron.qwen3_omni).
+    "qwen3_omni_moe": Family(
+        "qwen3_omni_moe_text",
+        wm.QWEN3_MOE,
+        qk_layernorm=True,
+        moe_kwargs=_qwen3_moe_kwargs,
+        mrope=True,
+        packed_vision=True,
+        generates=False,
+        no_generation="its KV-cached loop takes no images or audio; generate with vllm, as ROLL's Qwen3-Omni files do",
+        skipped_prefixes=("talker.", "code2wav."),
+    ),
 }
 # The module of each vision-language model type's megatron-core model: its ``vision_tensor_names``
 # (hf_config) and ``MODEL_CLASS`` (a GPTModel subclass taking ``hf_config=``); imported when used.
@@ -294,6 +308,7 @@ VISION_MODULES: dict[str, str] = {
     "qwen2_5_vl": "roll.models.megatron.qwen2_5_vl",
     "qwen3_5": "roll.models.megatron.qwen3_5_model",
     "qwen3_5_moe": "roll.models.megatron.qwen3_5_model",
+    "qwen3_omni_moe": "roll.models.megatron.qwen3_omni",
     "qwen3_vl": "roll.models.megatron.qwen3_vl",
     "qwen3_vl_moe": "roll.models.megatron.qwen3_vl",
 }
@@ -434,7 +449,7 @@ def padded_vocab_size(vocab_size: int, megatron_cfg: MegatronConfig) -> int:
 def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
     """What the weight conversion needs to know about this model (see ``weight_mapping``)."""
     vision = _vision_tensor_names(hf)
-    hf = language_config(hf)
+    hf_config, hf = hf, language_config(hf)
     family = get_family(hf)
     moe = family.moe_kwargs(hf) if family.moe_kwargs else {}
     arch = family.arch_kwargs(hf) if family.arch_kwargs else {}
@@ -455,6 +470,7 @@ def conversion_info(hf: Any, megatron_cfg: MegatronConfig) -> wm.ConversionInfo:
         linear_layers=linear if any(linear) else (),
         skipped_prefixes=family.skipped_prefixes,
         vision_names=vision,
+        hf_prefixes=_hf_prefixes(hf_config) if vision else (),
         stacked=(
             wm.StackedNames(
                 family.stacked_experts, moe["num_moe_experts"], hf.hidden_size, moe["moe_ffn_hidden_size"]
@@ -472,6 +488,12 @@ def _vision_tensor_names(hf: Any) -> tuple[str, ...]:
     if model_type not in VISION_FAMILIES:
         return ()
     return vision_module(hf).vision_tensor_names(hf)
+
+
+def _hf_prefixes(hf: Any) -> tuple[tuple[str, str], ...]:
+    """(roll's name prefix, the HF name prefix) pairs of a vision-language model's tensors: its
+    module's ``HF_PREFIXES`` (Qwen3-Omni's ``thinker.``), else transformers 5's module names."""
+    return getattr(vision_module(hf), "HF_PREFIXES", wm.VL_PREFIXES)
 
 
 def _linear_heads(arch: dict[str, Any]) -> wm.LinearHeads | None:

@@ -296,9 +296,7 @@ def _check_checkpoint_names(ckpt: _Checkpoint, info: wm.ConversionInfo) -> None:
         if info.extra_layers:
             what = f"of the {info.extra_layers} multi-token-prediction layer(s) after layer {info.num_layers - 1}"
         else:
-            what = (
-                f"of the multi-token-prediction module ({', '.join(p + '*' for p in info.skipped_prefixes)})"
-            )
+            what = f"of modules roll does not build ({', '.join(p + '*' for p in info.skipped_prefixes)})"
         logger.info(
             "%s: skipping %d tensors %s (not built by roll's %s)",
             ckpt.dir,

@@ -20,7 +20,6 @@ sequence's positions the same way from the whole packed row (``packed_vision.py`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
@@ -161,9 +160,7 @@ class Qwen2_5_VLGPTModel(GPTModel):
             self.config.context_parallel_size,
             type(self).__name__,
         )
-        parts = vision_parts(
-            self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-        )
+        parts = self._vision_parts(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if self.pre_process and decoder_input is None and parts:
             decoder_input, block_kwargs = self._embed_with_vision(input_ids, rows, local, parts)
             if block_kwargs:  # e.g. Qwen3-VL's deepstack features, for its decoder layers' hooks
@@ -174,6 +171,19 @@ class Qwen2_5_VLGPTModel(GPTModel):
             # (roll.models.vision_tower). The embeddings are unchanged.
             decoder_input = idle_tower_embeddings(self.embedding, self.visual, input_ids)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+    def _vision_parts(
+        self,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+    ) -> list[tuple[int, Any, Any]]:
+        """The towers' calls of this forward, (token id, inputs, grid) each (``vision_parts``;
+        Qwen3-Omni adds its audio)."""
+        return vision_parts(
+            self.roll_vl_config, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
 
     def _row_positions(
         self,
@@ -220,23 +230,40 @@ def idle_tower_embeddings(embedding: Any, tower: Any, input_ids: torch.Tensor) -
 MODEL_CLASS = Qwen2_5_VLGPTModel  # families.VISION_MODULES' entry point
 
 
+# ROLL's mcore_adapter names of the towers (Qwen3.5's, Qwen3-VL's, Qwen3-Omni's) -> roll's.
+ROLL_TOWER_NAMES = {"vision_model": "visual", "audio_model": "audio_tower"}
+# Modules of a ROLL model that roll does not build (Qwen3-Omni's speech output): nothing to freeze.
+UNBUILT_MODULES = ("talker", "code2wav")
+
+
 def freeze_vision_tower(chunks: list[torch.nn.Module], prefixes: list[str] | None, path: str) -> int:
     """``model_args.freeze_module_prefix`` on megatron_train: ROLL's / transformers' module names
-    (``model.visual``, ``model.visual.merger``, or ``visual...``) freeze that part of the tower on
-    the ranks that hold it (the first pipeline stage); other prefixes are a ConfigError. Returns how
-    many tensors this rank froze; call before DDP and the optimizer are built."""
+    (``model.visual``, ``model.visual.merger``, ``visual...``, ROLL's ``vision_model...`` and
+    ``audio_model...``) freeze that part of a tower on the ranks that hold it (the first pipeline
+    stage); a module roll does not build (``talker``, ``code2wav``) is logged and skipped; other
+    prefixes are a ConfigError. Returns how many tensors this rank froze; call before DDP and the
+    optimizer are built."""
+    import logging
+
     from roll.configs.errors import ConfigError
     from roll.models.vision import freeze_prefixes
 
     if not prefixes:
         return 0
-    # ROLL's mcore_adapter names Qwen3.5's / Qwen3-VL's tower "vision_model"; roll's is "visual".
-    names = [re.sub(r"^vision_model(\.|$)", r"visual\1", p.removeprefix("model.")) for p in prefixes]
-    for prefix, name in zip(prefixes, names):
-        if name != "visual" and not name.startswith("visual."):
+    names = []
+    for prefix in prefixes:
+        head, dot, rest = prefix.removeprefix("model.").partition(".")
+        if head in UNBUILT_MODULES and not any(hasattr(c, head) for c in chunks):
+            logging.getLogger(__name__).info(
+                "%s: %r is not built by roll (the thinker only): nothing to freeze", path, prefix
+            )
+            continue
+        name = ROLL_TOWER_NAMES.get(head, head) + dot + rest
+        if name.partition(".")[0] not in ("visual", "audio_tower"):
             raise ConfigError(
                 path,
-                f"{prefix!r}: megatron_train freezes parts of the vision tower (model.visual... or ROLL's "
-                "vision_model...) only",
+                f"{prefix!r}: megatron_train freezes parts of the vision or audio tower (model.visual... or "
+                "ROLL's vision_model... / audio_model...) only",
             )
+        names.append(name)
     return sum(freeze_prefixes(c, names, path) for c in chunks if getattr(c, "pre_process", False))

@@ -136,6 +136,8 @@ class ConversionInfo:
     # A vision-language model's vision tower tensors (``visual.*``): held whole on every rank of the
     # first pipeline stage under the same name as in the HF checkpoint (replicated).
     vision_names: tuple[str, ...] = ()
+    # A vision-language model's (roll's name prefix, HF name prefix) pairs (``module_name``).
+    hf_prefixes: tuple[tuple[str, str], ...] = ()
     # Checkpoints storing each layer's experts stacked and transposed (Qwen3-VL-MoE): the tables'
     # per-expert tensors are slices of those (``stacked_experts``); None: stored per expert.
     stacked: StackedNames | None = None
@@ -413,19 +415,20 @@ def chunk_weights(model, info: ConversionInfo, naming: MegatronNaming) -> list[B
 # A vision-language model's HF names: its checkpoints store the language model under "model." and the
 # vision tower under "visual."; transformers 5's modules (roll's wire, vLLM's loader, HF exports) are
 # "model.language_model." and "model.visual.". The tables and the megatron model ("visual.") use
-# the checkpoint's; the HF side of a vision-language model's bound weights uses the modules'.
+# the checkpoint's; the HF side of a vision-language model's bound weights uses the modules'
+# (``ConversionInfo.hf_prefixes``; Qwen3-Omni's put everything under "thinker.", its checkpoint's).
 VL_LANGUAGE, VL_VISION = "model.language_model.", "model.visual."
+VL_PREFIXES = (("visual.", VL_VISION), ("model.", VL_LANGUAGE))
 
 
 def module_name(info: ConversionInfo | None, name: str) -> str:
-    """``name`` (a checkpoint's, or already a module's) as transformers 5's module name for a
-    vision-language model; unchanged for a text model."""
-    if info is None or not info.vision_names or name.startswith((VL_LANGUAGE, VL_VISION)):
+    """``name`` (a checkpoint's or roll's table name, or already an HF one) as the model's HF name
+    (``info.hf_prefixes``); unchanged for a text model."""
+    if info is None or not info.hf_prefixes or name.startswith(tuple(h for _, h in info.hf_prefixes)):
         return name
-    if name.startswith("visual."):
-        return "model." + name
-    if name.startswith("model."):
-        return VL_LANGUAGE + name.removeprefix("model.")
+    for ours, theirs in info.hf_prefixes:
+        if name.startswith(ours):
+            return theirs + name.removeprefix(ours)
     return name
 
 
