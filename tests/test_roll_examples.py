@@ -38,6 +38,7 @@ MODELS = {
     "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
     "Qwen/Qwen3.5-122B-A10B": "qwen3.5-122b-a10b",
     "Qwen/Qwen3.5-397B-A17B": "qwen3.5-397b-a17b",
+    "Qwen/Qwen3-Omni-30B-A3B-Thinking": "qwen3-omni-30b-a3b",
 }
 # ROLL's data files and the tags their rows carry (math_benchmarks: validation rows whose tags no
 # reward role lists, which ROLL scores with math_rule).
@@ -56,11 +57,16 @@ DATA = {
     "Video-R1-116k-video.json": ["video"],
     "test_math_megabench_237.parquet": ["megabench_math"],
     "test_detection_coco_test_multi_2000.parquet": ["coco_val_multi_test"],
+    # The Qwen3-Omni audio file's (ROLL's audio rows: prompt text, audios under audio_folder).
+    "mc_speech.jsonl": ["the-mc-speech-dataset"],
 }
 
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
+    # ROLL's audio row reader: roll has no audio rows yet (the megatron thinker runs audio).
+    "qwen3-omni__audio_test_80G.yaml": "actor_train.data_args.custom_data_kwargs_func="
+    "roll.datasets.vlm_dataset_utils.audio_test_get_data_kwargs (ROLL's audio rows",
     # actor_infer's vLLM engine at TP 16 spans two 8-device nodes; behind it context parallelism (4),
     # which Gated DeltaNet layers do not run with (its pipeline_model_parallel_layout loads).
     "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "ConfigError: actor_infer.device_mapping: worker 0 "
@@ -84,6 +90,9 @@ def roll_workdir(tmp_path_factory) -> Path:
             continue
         if file_name.endswith(".json"):
             write_video_r1_rows(root / "data" / file_name, tags)
+            continue
+        if file_name == "mc_speech.jsonl":
+            write_audio_rows(root / "data", file_name, tags)
             continue
         rows = [
             {
@@ -145,15 +154,44 @@ def write_video_r1_rows(path: Path, tags: list[str]) -> None:
     path.write_text(json.dumps(rows))
 
 
+def write_audio_rows(data: Path, file_name: str, tags: list[str]) -> None:
+    """ROLL's audio rows (prompt text, ``audios`` file names under the file's ``audio_folder``,
+    ability, data_source, reward_model) as JSON lines, and their audio: 0.1 s of 16 kHz mono
+    silence each, written with the stdlib ``wave``."""
+    import wave
+
+    (data / "audios").mkdir(exist_ok=True)
+    rows = []
+    for i, tag in enumerate(tags * 2):
+        with wave.open(str(data / "audios" / f"{i}.wav"), "wb") as out:
+            out.setnchannels(1)
+            out.setsampwidth(2)
+            out.setframerate(16000)
+            out.writeframes(b"\0\0" * 1600)
+        answer = f"word {i}"
+        rows.append(
+            {
+                "prompt": "Accurately transcribe the audio into plain text.",
+                "audios": [f"{i}.wav"],
+                "ability": "speech_recognition",
+                "data_source": tag,
+                "reward_model": {"answer": answer, "ground_truth": answer, "accuracy_ratio": 1.0},
+            }
+        )
+    (data / file_name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_every_copied_file_is_listed():
     names = {p.name for p in EXAMPLES.glob("*.yaml")}
-    assert len(names) == 49 and set(REFUSED) <= names
+    assert len(names) == 51 and set(REFUSED) <= names
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_roll_example_dry_runs_or_names_what_roll_lacks(name, roll_workdir, monkeypatch, capsys):
     if (
-        name.startswith(("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3", "qwen3-vl"))
+        name.startswith(
+            ("qwen2_5-vl", "qwen2.5-vl", "qwen3.5-27B", "qwen3.5-35BA3", "qwen3-vl", "qwen3-omni__rlvr")
+        )
         and "video" not in name
     ):
         pytest.importorskip("pyarrow")  # its data files are parquet

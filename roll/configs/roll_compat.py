@@ -110,6 +110,12 @@ REWARD_WORKERS = {
 }
 # ROLL's data_args.custom_data_kwargs_func (the function that reads its rows) -> roll's row_layout.
 DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1"}
+# ROLL row readers roll knows but does not offer yet -> what they read (the refusal says so).
+UNOFFERED_DATA_KWARGS_FUNCS = {
+    "audio_test_get_data_kwargs": "ROLL's audio rows (prompt text, audios under data_args.audio_folder, for "
+    "Qwen3-Omni's audio tower); roll reads image and video rows only (its megatron Qwen3-Omni thinker "
+    "runs the audio tower, but no audio row reader or rollout feeds it yet)",
+}
 # ROLL's track_with values that roll writes with one of its own trackers.
 TRACKERS = {"ml_tracker": "tensorboard"}  # ROLL's internal experiment tracker
 # ROLL role keys that become reward_kwargs of the mapped reward function.
@@ -276,6 +282,11 @@ def _map_data_kwargs_func(section: dict[str, Any], path: str, problems: Problems
     func = data_args.pop("custom_data_kwargs_func")
     layout = DATA_KWARGS_FUNCS.get(class_name(str(func)))
     at = f"{path}.data_args.custom_data_kwargs_func={func}"
+    if layout is None and class_name(str(func)) in UNOFFERED_DATA_KWARGS_FUNCS:
+        problems.add(
+            at, f"{UNOFFERED_DATA_KWARGS_FUNCS[class_name(str(func))]}; known: {', '.join(DATA_KWARGS_FUNCS)}"
+        )
+        return
     if layout is None:
         problems.add(at, f"unknown ROLL row reader; known: {', '.join(DATA_KWARGS_FUNCS)}")
         return

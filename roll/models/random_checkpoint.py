@@ -196,6 +196,78 @@ def _qwen3_vl(
     return name, dict(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=tied)
 
 
+def _qwen3_omni_moe() -> tuple[str, dict[str, Any]]:
+    """Qwen/Qwen3-Omni-30B-A3B-Thinking's config.json: the thinker (Qwen3-VL-30B-A3B's language
+    sizes with a 152064 vocab and 64K positions, a 27-block vision tower with deepstack, a 32-layer
+    audio tower), no speech output (``enable_audio_output: false``; the talker's and code2wav's
+    configs keep transformers' defaults, nothing of them is built)."""
+    text = dict(
+        hidden_size=2048,
+        intermediate_size=768,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=152064,
+        max_position_embeddings=65536,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": [24, 20, 20],
+            "interleaved": True,
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=2048,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    )
+    audio = dict(
+        d_model=1280,
+        encoder_layers=32,
+        encoder_attention_heads=20,
+        encoder_ffn_dim=5120,
+        num_mel_bins=128,
+        output_dim=2048,
+        n_window=50,
+        n_window_infer=400,
+        downsample_hidden_size=480,
+        max_source_positions=1500,
+    )
+    thinker = dict(
+        text_config=text,
+        vision_config=vision,
+        audio_config=audio,
+        audio_token_id=151675,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        audio_start_token_id=151669,
+        position_id_per_seconds=13,
+    )
+    return "Qwen3OmniMoeConfig", dict(thinker_config=thinker, enable_audio_output=False)
+
+
+# Config classes whose whole model no transformers Auto class builds -> the model class.
+MODEL_CLASSES = {"Qwen3OmniMoeConfig": "Qwen3OmniMoeForConditionalGeneration"}
+
+
 # Values of the published config.json files (Qwen/Qwen3-30B-A3B, Qwen/Qwen2.5-7B, ...).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": (
@@ -327,6 +399,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         tied=False,
         moe=True,
     ),
+    # Qwen3-Omni-MoE (ROLL's qwen3-omni files): the thinker's text sizes under thinker_config.
+    "qwen3-omni-30b-a3b": _qwen3_omni_moe(),
     # Qwen3.5 (ROLL's qwen3.5-* files): Qwen/Qwen3.5-27B, -35B-A3B, -122B-A10B, -397B-A17B.
     "qwen3.5-27b": _qwen3_5(5120, 64, 24, 48, None, intermediate_size=17408, num_key_value_heads=4),
     "qwen3.5-35b-a3b": _qwen3_5(2048, 40, 16, 32, (256, 8, 512)),
@@ -361,7 +435,11 @@ def preset_config(preset: str, num_hidden_layers: int | None = None, **overrides
         raise ConfigError("preset", f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
     class_name, values = PRESETS[preset]
     values = dict(values)
-    # A vision-language preset's language sizes are in text_config: overrides of those go there.
+    # A vision-language preset's language sizes are in text_config (Qwen3-Omni's thinker_config's):
+    # overrides of those go there.
+    outer = values
+    if "thinker_config" in values:
+        values = dict(values["thinker_config"])
     text = dict(values["text_config"]) if "text_config" in values else values
     for key, value in overrides.items():
         (text if key in text or key.endswith("token_id") else values)[key] = value
@@ -371,6 +449,8 @@ def preset_config(preset: str, num_hidden_layers: int | None = None, **overrides
         text["num_hidden_layers"] = num_hidden_layers
     if text is not values:
         values["text_config"] = text
+    if outer is not values:
+        values = {**outer, "thinker_config": values}
     return getattr(transformers, class_name)(**values)
 
 
@@ -406,7 +486,12 @@ def write_random_checkpoint(
     vision = is_vision_config(config)
     auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     with torch.device(device):
-        model = auto.from_config(config, dtype=dtype)
+        if type(config).__name__ in MODEL_CLASSES:  # no Auto class maps it
+            model = getattr(transformers, MODEL_CLASSES[type(config).__name__])._from_config(
+                config, dtype=dtype
+            )
+        else:
+            model = auto.from_config(config, dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
     layers = config.get_text_config().num_hidden_layers
     logger.info("%s with %d layers: %.2f B parameters -> %s", preset, layers, params / 1e9, out)
