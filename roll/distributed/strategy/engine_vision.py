@@ -34,6 +34,7 @@ from roll.models.vision import (
     MULTI_MODAL_DATA,
     collapse_image_tokens,
     is_vision_config,
+    multimodal_config,
     response_excluded_tokens,
 )
 
@@ -64,7 +65,8 @@ def vision_tokens(model_dir: str | None) -> VisionTokens:
     frames = None
     if config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES:
         frames = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
-    return VisionTokens(config.get("image_token_id"), config.get("video_token_id"), bias, frames)
+    tokens = multimodal_config(config)  # Qwen3-Omni keeps its token ids in thinker_config
+    return VisionTokens(tokens.get("image_token_id"), tokens.get("video_token_id"), bias, frames)
 
 
 def vllm_prompts(
