@@ -200,7 +200,9 @@ def _qwen3_omni_moe() -> tuple[str, dict[str, Any]]:
     """Qwen/Qwen3-Omni-30B-A3B-Thinking's config.json: the thinker (Qwen3-VL-30B-A3B's language
     sizes with a 152064 vocab and 64K positions, a 27-block vision tower with deepstack, a 32-layer
     audio tower), no speech output (``enable_audio_output: false``; the talker's and code2wav's
-    configs keep transformers' defaults, nothing of them is built)."""
+    configs keep transformers' defaults, nothing of them is built). Written without the hub: the
+    sizes were not checked against the published file, so treat memory figures for this preset as
+    approximate (the layout checks only need the layer, head and expert counts)."""
     text = dict(
         hidden_size=2048,
         intermediate_size=768,
