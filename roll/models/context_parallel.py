@@ -79,7 +79,7 @@ def sum_over_ranks(local: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _global_order(bounds: tuple[int, ...], cp_size: int) -> torch.Tensor:
+def global_order(bounds: tuple[int, ...], cp_size: int) -> torch.Tensor:
     """For the all-gathered (rank-major) tokens, the index that puts them in packed-row order
     (cached: every layer of a micro-batch asks for the same one)."""
     cu = torch.tensor(bounds)
@@ -100,7 +100,7 @@ def cp_packed_attention(
 
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     cu = cu_seqlens.cpu()
-    order = _global_order(tuple(cu.tolist()), cp_size).to(key.device)
+    order = global_order(tuple(cu.tolist()), cp_size).to(key.device)
     keys = _GatherAlongFirstDim.apply(key, group)[order]
     values = _GatherAlongFirstDim.apply(value, group)[order]
     gqa = query.shape[1] != key.shape[1]

@@ -73,6 +73,12 @@ class _AllToAll(torch.autograd.Function):
         return exchange(grad, ctx.group), None
 
 
+def all_to_all(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    """``exchange`` with autograd: chunk ``i`` of dim 0 goes to rank ``i`` (the backward is the
+    same exchange of the gradient)."""
+    return _AllToAll.apply(chunks, group)
+
+
 def exchange(chunks: torch.Tensor, group: Any) -> torch.Tensor:
     """``all_to_all_single`` over equal dim-0 chunks (NCCL on CUDA; gloo has it on CPU too)."""
     chunks = chunks.contiguous()

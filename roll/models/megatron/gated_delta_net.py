@@ -11,6 +11,8 @@ sharding and dist-checkpoint layout: ``in_proj`` [q; k; v; z; beta; alpha] per T
 - the output norm (``GatedRMSNorm``) has a plain weight, as transformers' Qwen3-Next (whose other
   norms are zero-centred), and its gradient is summed over TP in backward (each rank normalises
   its own heads), which megatron's ``finalize_model_grads`` does not do for it;
+- context parallelism: the conv and the delta rule run over whole sequences on ``1 / CP`` of the
+  heads, between two all-to-alls over the CP group (``roll.models.megatron.gdn_context_parallel``);
 - on machines without CUDA, megatron's CUDA placements go to the default device.
 
 Key-value caching (megatron_infer's generation) is not built: the forward refuses an inference
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from roll.models.megatron.gated_delta_rule import causal_conv, gated_delta_rule
+from roll.models.megatron.gdn_context_parallel import HeadExchange
 
 VARIANT = "gated_delta_net"
 
@@ -108,27 +111,46 @@ def _module_class() -> type:
                 if packed_seq_params.qkv_format != "thd":
                     raise ValueError(f"packed rows must be 'thd', got {packed_seq_params.qkv_format!r}")
                 cu_seqlens = packed_seq_params.cu_seqlens_q
-            mixed, _ = self.in_proj(hidden_states)
-            core, gate = self._mix(mixed.transpose(0, 1), cu_seqlens)
-            out = self.out_norm(core, gate).flatten(2).transpose(0, 1).contiguous()
-            return self.out_proj(out)
+            mixed, _ = self.in_proj(hidden_states)  # [s, b, in_proj] (s: this CP rank's tokens)
+            exchange = None
+            cp = self.pg_collection.cp
+            if cp is not None and cp.size() > 1:  # gdn_context_parallel: all tokens, 1/CP of the heads
+                exchange = HeadExchange(cp, cu_seqlens, mixed.shape[0])
+                mixed = exchange.to_heads(mixed, self._sections())
+            core, gate = self._mix(mixed.transpose(0, 1), cu_seqlens, exchange)
+            out = self.out_norm(core, gate).flatten(2).transpose(0, 1)
+            if exchange is not None:
+                out = exchange.to_sequence(out)
+            return self.out_proj(out.contiguous())
+
+        def _sections(self) -> list[int]:
+            """Widths of in_proj's q, k, v, z, beta, alpha on this TP rank."""
+            tp, heads = self.tp_size, self.num_v_heads_local_tp
+            qk, v = self.qk_dim // tp, self.v_dim // tp
+            return [qk, qk, v, v, heads, heads]
 
         def _mix(
-            self, mixed: torch.Tensor, cu_seqlens: torch.Tensor | None
+            self, mixed: torch.Tensor, cu_seqlens: torch.Tensor | None, exchange: HeadExchange | None
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            """This rank's heads: [b, s, in_proj] -> (delta-rule output, output gate), [b, s, hv, dv]."""
-            tp, heads = self.tp_size, self.num_v_heads_local_tp
-            qkv, gate, beta, alpha = torch.split(
-                mixed, [self.conv_dim_local_tp, self.v_dim // tp, heads, heads], dim=-1
-            )
-            qkv = causal_conv(qkv.transpose(1, 2), self.conv1d.weight, cu_seqlens).transpose(1, 2)
-            q, k, v = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+            """[b, s, in_proj of this rank's heads] -> (delta-rule output, output gate), [b, s, hv, dv].
+            Under CP (``exchange``) ``mixed`` holds the CP rank's block of the heads, which read the
+            same block of the conv weight, ``dt_bias`` and ``A_log``."""
+            sections = self._sections()
+            conv, dt_bias, a_log = self.conv1d.weight, self.dt_bias, self.A_log
+            if exchange is not None:
+                conv = exchange.block(conv, sections[:3])
+                dt_bias, a_log = exchange.block(dt_bias), exchange.block(a_log)
+                sections = [width // exchange.size for width in sections]
+            q_w, k_w, v_w, z_w, b_w, a_w = sections
+            qkv, gate, beta, alpha = torch.split(mixed, [q_w + k_w + v_w, z_w, b_w, a_w], dim=-1)
+            qkv = causal_conv(qkv.transpose(1, 2), conv, cu_seqlens).transpose(1, 2)
+            q, k, v = torch.split(qkv, [q_w, k_w, v_w], dim=-1)
             q, k = (t.unflatten(-1, (-1, self.key_head_dim)) for t in (q, k))
             v = v.unflatten(-1, (-1, self.value_head_dim))
             repeat = self.num_value_heads // self.num_key_heads
             if repeat > 1:  # value head j reads key head j // repeat
                 q, k = (t.repeat_interleave(repeat, dim=2) for t in (q, k))
-            g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
+            g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias)
             core = gated_delta_rule(q, k, v, g, beta.sigmoid(), cu_seqlens)
             return core, gate.unflatten(-1, (-1, self.value_head_dim))
 

@@ -22,6 +22,7 @@ import torch
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
 from roll.models.megatron import families
+from roll.models.megatron.gated_delta_net import VARIANT as GDN_VARIANT
 
 # (transformer_config, megatron_cfg, num_experts or None) -> one transformer layer's ModuleSpec
 LayerSpecFn = Callable[[Any, MegatronConfig, "int | None"], Any]
@@ -95,10 +96,19 @@ def transformer_config_from_hf(
     )
     kwargs.update(megatron_cfg.transformer_config_kwargs)
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    # megatron-core 0.16.1 asserts CP == 1 for its own Gated DeltaNet, which has none; roll's runs
+    # CP (gdn_context_parallel), so the config is built at CP 1 and given the real size after.
+    cp = kwargs.get("context_parallel_size", 1)
+    gdn_cp = cp > 1 and kwargs.get("experimental_attention_variant") == GDN_VARIANT
+    if gdn_cp:
+        kwargs["context_parallel_size"] = 1
     try:
-        return config_class(**kwargs)
+        config = config_class(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{path}.transformer_config_kwargs", str(err)) from err
+    if gdn_cp:
+        config.context_parallel_size = cp
+    return config
 
 
 def local_layer_spec(transformer_config: Any, megatron_cfg: MegatronConfig, num_experts: int | None) -> Any:

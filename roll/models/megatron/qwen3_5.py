@@ -21,11 +21,12 @@ What differs from Qwen3-Next (``roll.models.megatron.qwen3_next``), and how roll
   exported or saved;
 - the vision tower (``Qwen3_5VisionModel``: Qwen3-VL's without deepstack) is transformers' own,
   held whole on every rank of the first pipeline stage, as for Qwen2.5-VL (``qwen2_5_vl``); its
-  output replaces the image tokens' embeddings. Padded or packed rows (``packed_vision``, without
-  context parallelism); images only (a row with video inputs is refused).
+  output replaces the image tokens' embeddings. Padded or packed rows (``packed_vision``; context
+  parallelism on packed rows); images only (a row with video inputs is refused).
 
 Norms (zero-centred, the gated output norm plain), the output-gated attention with q/k norms and
-the layout rules (no context parallelism, TP dividing the linear key heads) are Qwen3-Next's.
+the layout rules (TP x CP dividing the linear key heads; the Gated DeltaNet layers head-parallel
+under context parallelism, ``gdn_context_parallel``) are Qwen3-Next's.
 
 This file holds the config translation (imported by ``families`` without megatron-core);
 ``qwen3_5_model`` holds the modules.

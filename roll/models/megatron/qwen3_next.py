@@ -15,9 +15,9 @@ reproduces, as megatron-core ``TransformerConfig`` arguments, and the layouts it
 - Not built: the multi-token-prediction module (``mtp.*`` tensors), skipped on load with a log
   line and not exported.
 
-Refused with one ``ConfigError`` naming the key: context parallelism (megatron-core 0.16.1's
-Gated DeltaNet has none), a TP size that does not divide the linear-attention key heads, and
-config.json values the model above does not reproduce.
+Context parallelism runs the Gated DeltaNet layers head-parallel (``gdn_context_parallel``).
+Refused with one ``ConfigError`` naming the key: a TP size, or TP x CP, that does not divide the
+linear-attention key heads, and config.json values the model above does not reproduce.
 """
 
 from __future__ import annotations
@@ -120,16 +120,19 @@ def hybrid_kwargs(hf: Any) -> dict[str, Any]:
 
 
 def check_layout(hf: Any, cfg: MegatronConfig, path: str) -> None:
-    """What the Gated DeltaNet layers need of the parallel layout (ConfigError naming the key)."""
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(
-            f"{path}.context_parallel_size",
-            f"{cfg.context_parallel_size}: Qwen3-Next's Gated DeltaNet layers have no context "
-            "parallelism in megatron-core 0.16.1 or roll; use 1",
-        )
-    tp = cfg.tensor_model_parallel_size
-    if hf.linear_num_key_heads % tp:
+    """What the Gated DeltaNet layers need of the parallel layout (ConfigError naming the key):
+    each TP rank's key heads split over its CP ranks (``gdn_context_parallel``: a CP rank runs whole
+    sequences on ``1 / (TP x CP)`` of the heads)."""
+    tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    heads = hf.linear_num_key_heads
+    if heads % tp:
         raise ConfigError(
             f"{path}.tensor_model_parallel_size",
-            f"{tp} does not divide the model's linear_num_key_heads ({hf.linear_num_key_heads})",
+            f"{tp} does not divide the model's linear_num_key_heads ({heads})",
+        )
+    if heads % (tp * cp):
+        raise ConfigError(
+            f"{path}.context_parallel_size",
+            f"{cp}: TP x CP = {tp} x {cp} does not divide the model's linear_num_key_heads ({heads}); "
+            "the Gated DeltaNet layers split each TP rank's heads over its CP ranks",
         )
