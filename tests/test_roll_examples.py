@@ -67,8 +67,8 @@ REFUSED: dict[str, str] = {
     # ROLL's audio row reader: roll has no audio rows yet (the megatron thinker runs audio).
     "qwen3-omni__audio_test_80G.yaml": "actor_train.data_args.custom_data_kwargs_func="
     "roll.datasets.vlm_dataset_utils.audio_test_get_data_kwargs (ROLL's audio rows",
-    # actor_infer's vLLM engine at TP 16 spans two 8-device nodes; behind it context parallelism (4),
-    # which Gated DeltaNet layers do not run with (its pipeline_model_parallel_layout loads).
+    # actor_infer's vLLM engine at TP 16 spans two 8-device nodes (its pipeline layout and its
+    # context parallelism, 4 and 2, load: test_qwen3_5_397b_context_parallelism_passes_the_dry_run).
     "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "ConfigError: actor_infer.device_mapping: worker 0 "
     "would span nodes [32, 33]",
 }
@@ -221,6 +221,35 @@ def test_megatron_infer_rollouts_of_qwen3_next_are_refused_before_launch(roll_wo
         "ConfigError: actor_infer.strategy_args.strategy_name: megatron_infer cannot generate with "
         "model_type 'qwen3_next'"
     ), err[-5:]
+
+
+def test_qwen3_5_397b_context_parallelism_passes_the_dry_run(roll_workdir, tmp_path, monkeypatch, capsys):
+    """ROLL's Qwen3.5-397B-A17B file dry-runs with its context parallelism: context_parallel_size 4
+    (actor_train) and 2 (reference) over the Gated DeltaNet layers' 16 key heads at TP 1 pass the
+    pre-launch checks. The copy changes what roll refuses there for other reasons: the pipeline
+    layout strings become roll's first / last stage sizes (60 layers on PP 16 and PP 8),
+    ``distrib_optim_fully_reshardable`` (an unknown key) goes, and vLLM's TP 16, whose engine would
+    span two nodes of 8 devices, becomes 8."""
+    name = "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml"
+    text = (EXAMPLES / name).read_text()
+    assert text.count("context_parallel_size: 4") == 1 and text.count("context_parallel_size: 2") == 1
+    assert text.count("  tensor_parallel_size: 16") == 1
+    stages = iter([(2, 2), (3, 3)])  # actor_train: 2 + 14 x 4 + 2; reference: 3 + 6 x 9 + 3
+    lines = []
+    for line in text.replace("  tensor_parallel_size: 16", "  tensor_parallel_size: 8").splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        if "pipeline_model_parallel_layout" in line:
+            first, last = next(stages)
+            line = f"{indent}num_layers_in_first_pipeline_stage: {first}\n"
+            line += f"{indent}num_layers_in_last_pipeline_stage: {last}"
+        if "distrib_optim_fully_reshardable" not in line:
+            lines.append(line)
+    (tmp_path / name).write_text("\n".join(lines) + "\n")
+    monkeypatch.chdir(roll_workdir)
+    code = main(["--config_path", str(tmp_path), "--config_name", name, "--dry_run"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "CP=4" in out.out and "CP=2" in out.out, out.out
 
 
 VL_FILE = "qwen2_5-vl-3B-rlvr_fsdp2__rlvr_fsdp2_offload.yaml"

@@ -7,7 +7,8 @@ layers, partial interleaved mrope), image rows and a text row.
 - one train step's reduced gradients on packed rows equal padded rows' (DP=2), the tower's nonzero;
 - a text-only rank and an image rank train with ``overlap_grad_reduce`` bit for bit as without it
   (the text rank runs the tower on a dummy image times 0);
-- context parallelism stays refused (Gated DeltaNet has none in roll), by key, before launch.
+- context parallelism: TP x CP must divide the Gated DeltaNet key heads, by key, before launch
+  (CP itself: test_gated_delta_net_cp_cpu.py).
 
 Qwen3.5-MoE runs the same forward (only its MLPs differ; test_megatron_qwen3_5_cpu.py covers them).
 """
@@ -54,8 +55,10 @@ def test_megatron_qwen3_5_packed_rows_and_mixed_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
-def test_qwen3_5_packs_but_refuses_context_parallelism(moe: bool) -> None:
+def test_qwen3_5_packs_and_splits_its_linear_heads_over_context_parallel_ranks(moe: bool) -> None:
+    """CP runs on packed rows (test_gated_delta_net_cp_cpu.py); TP x CP must divide the 2 key heads."""
     config = tiny_qwen3_5_config(build_tiny_vl_tokenizer(), moe)
     assert not padded_rows_only(config)
-    with pytest.raises(ConfigError, match="strategy_config.context_parallel_size"):
-        check_model_fits(config, MegatronConfig(context_parallel_size=2), "x.strategy_config")
+    check_model_fits(config, MegatronConfig(context_parallel_size=2), "x.strategy_config")
+    with pytest.raises(ConfigError, match=r"x.strategy_config.context_parallel_size: 4: TP x CP"):
+        check_model_fits(config, MegatronConfig(context_parallel_size=4), "x.strategy_config")

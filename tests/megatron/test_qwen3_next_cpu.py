@@ -255,7 +255,7 @@ def test_mtp_tensors_are_skipped_with_a_log_line(tmp_path: Path, caplog) -> None
 @pytest.mark.parametrize(
     "layout, key, words",
     [
-        ({"context_parallel_size": 2}, "context_parallel_size", "no context parallelism"),
+        ({"context_parallel_size": 4}, "context_parallel_size", r"TP x CP = 1 x 4 does not divide"),
         ({"tensor_model_parallel_size": 4}, "tensor_model_parallel_size", "4 does not divide"),
         ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size", "do not split evenly"),
         ({"expert_model_parallel_size": 3}, "expert_model_parallel_size", "number of experts"),
@@ -264,6 +264,15 @@ def test_mtp_tensors_are_skipped_with_a_log_line(tmp_path: Path, caplog) -> None
 def test_bad_layouts_name_the_key(layout, key, words) -> None:
     with pytest.raises(ConfigError, match=rf"^strategy_args.strategy_config.{key}: .*{words}"):
         families.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(**layout))
+
+
+def test_context_parallelism_splits_the_linear_key_heads() -> None:
+    """CP runs the Gated DeltaNet layers on 1 / (TP x CP) of the key heads (2 here)."""
+    families.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(context_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"context_parallel_size: 2: TP x CP = 2 x 2 does not divide"):
+        families.check_model_fits(
+            tiny_qwen3_next_config(), MegatronConfig(tensor_model_parallel_size=2, context_parallel_size=2)
+        )
 
 
 def test_tp_must_divide_the_linear_key_heads() -> None:
