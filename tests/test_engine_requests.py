@@ -178,10 +178,33 @@ def test_vllm_engine_options_from_config():
 
 
 def test_vllm_engine_kwargs_pass_through_and_override():
-    cfg = VLLMConfig(engine_kwargs={"swap_space": 0, "distributed_executor_backend": "ray"})
+    cfg = VLLMConfig(engine_kwargs={"swap_space": 0, "logprobs_mode": "raw_logprobs"})
     opts = vllm_engine_options(cfg, role("vllm", cfg), "actor_infer", 1, "E")
-    assert opts.kwargs["swap_space"] == 0 and opts.kwargs["distributed_executor_backend"] == "ray"
+    assert opts.kwargs["swap_space"] == 0 and opts.kwargs["logprobs_mode"] == "raw_logprobs"
     assert opts.sources["swap_space"] == "actor_infer.strategy_args.strategy_config.engine_kwargs.swap_space"
+
+
+@pytest.mark.parametrize(
+    ("tp", "backend", "engine"), [(1, "mp", "uni"), (2, "mp", "mp"), (1, "ray", "ray"), (16, "ray", "ray")]
+)
+def test_vllm_executor_backend_comes_from_its_key(tp, backend, engine):
+    cfg = VLLMConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+    opts = vllm_engine_options(cfg, role("vllm", cfg), "actor_infer", 1, "E")
+    assert opts.kwargs["distributed_executor_backend"] == engine
+    key = "actor_infer.strategy_args.strategy_config.distributed_executor_backend"
+    assert opts.sources["distributed_executor_backend"] == key
+
+
+def test_vllm_executor_backend_in_engine_kwargs_names_the_key():
+    """Placement follows the typed key (a Ray engine gets a placement group), so the engine may not
+    be told another backend behind the planner's back."""
+    cfg = VLLMConfig(engine_kwargs={"distributed_executor_backend": "ray"})
+    with pytest.raises(
+        ConfigError,
+        match=r"engine_kwargs.distributed_executor_backend: is set by roll from "
+        r"actor_infer.strategy_args.strategy_config.distributed_executor_backend",
+    ):
+        vllm_engine_options(cfg, role("vllm", cfg), "actor_infer", 1, "E")
 
 
 def test_vllm_linear_attention_models_prefill_with_triton_without_flashinfer(tmp_path, monkeypatch):

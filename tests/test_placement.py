@@ -66,7 +66,100 @@ def test_engine_workers_own_tp_devices(tp, mapping, devices):
 
 def test_engine_worker_may_not_span_nodes():
     with pytest.raises(ConfigError, match=r"^actor_infer.device_mapping: worker 1 would span nodes \[0, 1\]"):
+        plan_role(
+            "actor_infer", role("2-9", "sglang", SGLangConfig(tensor_parallel_size=4)), devices_per_node=8
+        )
+
+
+def test_vllm_engine_across_nodes_needs_the_ray_backend():
+    key = r"^actor_infer.strategy_args.strategy_config.distributed_executor_backend: is 'mp' but worker 1"
+    with pytest.raises(
+        ConfigError, match=key + r" would span nodes \[0, 1\] \(devices 6-9\).*set it to 'ray'"
+    ):
         plan_role("actor_infer", role("2-9", "vllm", VLLMConfig(tensor_parallel_size=4)), devices_per_node=8)
+
+
+@pytest.mark.parametrize(
+    ("mapping", "tp", "per_node", "message"),
+    [
+        (
+            "4-19",
+            16,
+            8,
+            r"worker 0 would span nodes \[0, 1, 2\] \(devices 4-19\) but does not fill node\(s\) \[0, 2\]",
+        ),
+        (
+            "2-9",
+            4,
+            8,
+            r"worker 1 would span nodes \[0, 1\] \(devices 6-9\) but does not fill node\(s\) \[0, 1\]",
+        ),
+        ([0, 1, 2, 3, 8, 9, 10, 11], 8, 4, r"worker 0 would span nodes \[0, 2\]"),  # whole nodes, apart: fine
+    ],
+)
+def test_ray_engine_across_nodes_fills_whole_nodes(mapping, tp, per_node, message):
+    typed = VLLMConfig(tensor_parallel_size=tp, distributed_executor_backend="ray")
+    if "fill" not in message:
+        rp = plan_role("actor_infer", role(mapping, "vllm", typed), per_node)
+        assert rp.workers_on_ray and rp.workers[0].devices == tuple(parse_device_mapping(mapping))
+        return
+    with pytest.raises(ConfigError, match=r"^actor_infer.device_mapping: " + message):
+        plan_role("actor_infer", role(mapping, "vllm", typed), per_node)
+
+
+def ray_engines(mapping: str, tp: int, **roles) -> RLVRConfig:
+    typed = VLLMConfig(tensor_parallel_size=tp, distributed_executor_backend="ray")
+    roles.setdefault("actor_train", role("0-7", "megatron_train", MegatronConfig()))
+    return config(actor_infer=role(mapping, "vllm", typed), **roles)
+
+
+def test_roll_397a17_layout_engines_span_node_pairs():
+    """ROLL's Qwen3.5-397A17 file: actor_infer on 256-319 at TP 16, 8 GPUs a node: four engines,
+    each on two whole nodes, each pair of nodes one placement group; every other node alone."""
+    cfg = ray_engines(
+        "list(range(256,320))", 16, actor_train=role("list(range(0,256))", "megatron_train", MegatronConfig())
+    )
+    plan = plan_placement(cfg)
+    rp = plan.roles["actor_infer"]
+    assert rp.workers_on_ray and rp.world_size == 4 and rp.parallel.tp == 16
+    assert [w.node for w in rp.workers] == [32, 34, 36, 38]
+    assert [w.devices for w in rp.workers] == [tuple(range(256 + 16 * r, 272 + 16 * r)) for r in range(4)]
+    assert plan.num_nodes == 40
+    assert plan.node_groups == tuple((n,) for n in range(32)) + ((32, 33), (34, 35), (36, 37), (38, 39))
+    assert not plan.roles["actor_train"].workers_on_ray
+
+
+def test_single_node_plans_keep_one_group_per_node():
+    plan = plan_placement(ray_engines("8-15", 4))
+    assert plan.node_groups == ((0,), (1,))
+    plan = plan_placement(config())
+    assert plan.node_groups == ((0,),)
+
+
+def test_ray_engine_may_not_share_devices_with_actor_train():
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor_infer.device_mapping: shares devices 8-15 with actor_train, "
+        r"but its engine runs on distributed_executor_backend 'ray'",
+    ):
+        plan_placement(ray_engines("8-23", 16, actor_train=role("0-15", "megatron_train", MegatronConfig())))
+
+
+def test_ray_engine_may_share_devices_with_the_reference():
+    ref = role("16-31", "megatron_infer", MegatronConfig())
+    plan = plan_placement(ray_engines("16-31", 16, reference=ref))
+    assert plan.shared == ((("actor_infer", "reference"), tuple(range(16, 32))),)
+    assert plan.node_groups == ((0,), (1,), (2, 3))
+
+
+def test_format_plan_says_where_each_ray_engine_is():
+    text = format_plan(plan_placement(ray_engines("16-47", 16)))
+    assert (
+        "Engines on Ray's executor (one GPU worker per device, in this order; no GPU for the worker):" in text
+    )
+    assert "  actor_infer rank 0: node2: 16-23; node3: 24-31 (placement group of nodes 2,3)" in text
+    assert "  actor_infer rank 1: node4: 32-39; node5: 40-47 (placement group of nodes 4,5)" in text
+    assert "Engines on Ray" not in format_plan(plan_placement(config()))
 
 
 def test_devices_must_divide_into_engine_workers():

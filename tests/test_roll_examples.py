@@ -67,10 +67,6 @@ REFUSED: dict[str, str] = {
     # ROLL's audio row reader: roll has no audio rows yet (the megatron thinker runs audio).
     "qwen3-omni__audio_test_80G.yaml": "actor_train.data_args.custom_data_kwargs_func="
     "roll.datasets.vlm_dataset_utils.audio_test_get_data_kwargs (ROLL's audio rows",
-    # actor_infer's vLLM engine at TP 16 spans two 8-device nodes (its pipeline layout and its
-    # context parallelism, 4 and 2, load: test_qwen3_5_397b_context_parallelism_passes_the_dry_run).
-    "qwen3.5-397A17-rlvr_megatron__rlvr_megatron_80GB.yaml": "ConfigError: actor_infer.device_mapping: worker 0 "
-    "would span nodes [32, 33]",
 }
 
 

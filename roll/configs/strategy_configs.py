@@ -423,6 +423,8 @@ class _EngineTensorParallel:
 
 # How a seeded vLLM ``generate`` seeds sampling (VLLMConfig.seed_mode).
 VLLM_SEED_MODES = ("step", "request")
+# Where a vLLM engine's GPU workers run (VLLMConfig.distributed_executor_backend).
+VLLM_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -458,8 +460,19 @@ class VLLMConfig(_EngineTensorParallel):
     # pass. ``request``: each request carries its own seed (reproducible per sample whatever the
     # batch), and vLLM samples seeded requests one at a time (docs/strategies.md "Sampling seeds").
     seed_mode: str = one_of("step", *VLLM_SEED_MODES)
+    # Where the engine's GPU workers run. ``mp``: processes vLLM spawns beside the worker, on the
+    # worker's node (in-process for TP 1). ``ray``: vLLM's Ray executor, one Ray actor per device in
+    # the engine's placement group, so an engine may span nodes (devices filling whole nodes);
+    # the worker holds the engine core and no GPU of its own (docs/strategies.md "Engines across nodes").
+    distributed_executor_backend: str = one_of("mp", *VLLM_EXECUTOR_BACKENDS)
     # Any further vLLM EngineArgs, checked against the installed vLLM when the engine starts.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def workers_on_ray(self) -> bool:
+        """Whether the engine's GPU workers are Ray actors in the worker's placement group, which
+        lets one engine span nodes (roll.distributed.scheduler.placement)."""
+        return self.distributed_executor_backend == "ray"
 
     def drops_weights_on_offload(self) -> bool:
         """Whether actor_infer's weights are gone after ``offload_states`` (the next model update

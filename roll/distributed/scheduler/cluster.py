@@ -228,7 +228,11 @@ class Cluster:
             options = resource_manager.worker_options(role_plan, rank)
             env = {**extra_env, **options["runtime_env"]["env_vars"]}
             options["runtime_env"] = {"env_vars": env}
-            args = (role, role_config, pipeline_config, rank, self.world_size, env)
+            # The process's own environment may hold more than its Ray runtime_env (see
+            # ``ResourceManager.process_only_env``: an engine on Ray's executor).
+            hidden = resource_manager.process_only_env(role_plan)
+            own = {k: v for k, v in resource_manager.worker_env(role_plan, rank).items() if k in hidden}
+            args = (role, role_config, pipeline_config, rank, self.world_size, env | own)
             if hosts is None:
                 self.workers.append(remote_cls.options(**options).remote(*args))
             else:

@@ -15,6 +15,14 @@ which become the workers' ``CUDA_VISIBLE_DEVICES`` (all of a worker's devices, f
 Colocation: roles that list the same device each ask for ``1/k`` of that bundle's GPU (k roles share
 it), so Ray places them all on the same GPU; they time-share it by offloading.
 
+Engines on Ray's executor (``RolePlan.workers_on_ray``, vLLM ``distributed_executor_backend: ray``):
+the nodes an engine spans share one placement group (``plan.node_groups``), its bundles pinned to
+one machine per node by Ray's node-id label; the worker sits on its first device's bundle with no
+GPU and ``placement_group_capture_child_tasks``, and vLLM starts one GPU worker per device on the
+bundles listed in ``ROLL_ENGINE_BUNDLES``, each taking the worker's ``1/k`` share
+(``ROLL_ENGINE_DEVICE_SHARE``). Its ``CUDA_VISIBLE_DEVICES`` (its first device) stays out of its
+Ray runtime_env, which vLLM hands on to those GPU workers: they must see their node's GPUs.
+
 CPU mode (``device: cpu``, or ``auto`` without CUDA): a private local Ray is started with one fake
 GPU per device slot, so the same placement code runs and device ids are CPU slots.
 """
@@ -26,17 +34,24 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from roll.configs.device_mapping import format_device_ids
 from roll.configs.errors import ConfigError
 from roll.distributed.scheduler.errors import PlacementError
+from roll.distributed.scheduler.machines import GroupLayout, choose_machines, node_selector
 from roll.distributed.scheduler.placement import PlacementPlan, RolePlan
 from roll.distributed.scheduler.ray_shutdown import run_with_deadline
 from roll.utils.ports import answers
@@ -258,24 +273,49 @@ class ResourceManager:
         self.device = init_ray(plan, device, log_to_driver)
         nodes = [(n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
         check_capacity(plan, nodes, self.device)
+        self.layout = GroupLayout.of(plan)
         self.placement_groups = self._reserve(timeout_s)
         # A private CPU Ray started here is this machine, its slots numbered in bundle order: no
         # probe tasks (each one a Python worker process to start before any worker can).
         self.slots = self._local_slots() if private and self.device == "cpu" else self._probe()
 
     def _reserve(self, timeout_s: float) -> list[PlacementGroup]:
-        bundles = [{"GPU": 1}] * self.plan.devices_per_node
-        groups = [placement_group(bundles, strategy="STRICT_PACK") for _ in range(self.plan.num_nodes)]
-        ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
-        if len(ready) < len(groups):
-            for group in groups:
-                remove_placement_group(group)
-            raise PlacementError(
-                f"could not reserve {self.plan.num_nodes} node(s) x {self.plan.devices_per_node} GPUs within "
-                f"{timeout_s:g} s; free GPUs now: {ray.available_resources().get('GPU', 0):g} "
-                "(another job may hold them: see `ray status`)"
+        """One placement group per node group of the plan: a node alone is one machine's
+        ``devices_per_node`` bundles (STRICT_PACK); the nodes of an engine that spans them are
+        reserved next, each node's bundles pinned to a machine the single nodes left free."""
+        per_node = self.plan.devices_per_node
+        groups: list[PlacementGroup | None] = [None] * len(self.layout.groups)
+        for index, nodes in enumerate(self.layout.groups):
+            if len(nodes) == 1:
+                groups[index] = placement_group([{"GPU": 1}] * per_node, strategy="STRICT_PACK")
+        deadline = time.monotonic() + timeout_s
+        self._wait_ready([g for g in groups if g is not None], groups, deadline)
+        spanning = [i for i, nodes in enumerate(self.layout.groups) if len(nodes) > 1]
+        if spanning:
+            machines = choose_machines(
+                [self.layout.groups[i] for i in spanning], _free_machine_slots(groups, per_node), per_node
             )
+            for index, by_node in zip(spanning, machines):
+                selector = node_selector(by_node, per_node)
+                groups[index] = placement_group(
+                    [{"GPU": 1}] * len(selector), strategy="PACK", bundle_label_selector=selector
+                )
+            self._wait_ready([groups[i] for i in spanning], groups, deadline)
         return groups
+
+    def _wait_ready(self, waiting: list[PlacementGroup], groups: list, deadline: float) -> None:
+        timeout_s = max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait([g.ready() for g in waiting], num_returns=len(waiting), timeout=timeout_s)
+        if len(ready) == len(waiting):
+            return
+        for group in groups:
+            if group is not None:
+                remove_placement_group(group)
+        raise PlacementError(
+            f"could not reserve {self.plan.num_nodes} node(s) x {self.plan.devices_per_node} GPUs in time; "
+            f"free GPUs now: {ray.available_resources().get('GPU', 0):g} "
+            "(another job may hold them: see `ray status`)"
+        )
 
     def _probe(self) -> list[DeviceSlot]:
         refs = [
@@ -290,10 +330,13 @@ class ResourceManager:
         count = self.plan.num_nodes * self.plan.devices_per_node
         return [DeviceSlot(LOOPBACK, node_id, str(device), cpus) for device in range(count)]
 
-    def _bundle(self, device: int) -> PlacementGroupSchedulingStrategy:
-        node, slot = divmod(device, self.plan.devices_per_node)
+    def _bundle(self, device: int, capture: bool = False) -> PlacementGroupSchedulingStrategy:
+        """The bundle of global ``device``; ``capture``: what the actor starts lands in its group too."""
+        group, bundle = self.layout.bundle(device)
         return PlacementGroupSchedulingStrategy(
-            self.placement_groups[node], placement_group_bundle_index=slot
+            self.placement_groups[group],
+            placement_group_bundle_index=bundle,
+            placement_group_capture_child_tasks=capture,
         )
 
     def worker_env(self, role_plan: RolePlan, rank: int) -> dict[str, str]:
@@ -310,6 +353,12 @@ class ResourceManager:
         slots = [self.slots[d] for d in worker.devices]
         local_rank = sum(1 for w in role_plan.workers[:rank] if w.node == worker.node)
         threads = max(1, slots[0].num_cpus // self.plan.devices_per_node)
+        if role_plan.workers_on_ray:  # the engine's GPU workers take the devices; the worker its first
+            slots = slots[:1]
+            env |= {
+                "ROLL_ENGINE_BUNDLES": ",".join(str(self.layout.bundle(d)[1]) for d in worker.devices),
+                "ROLL_ENGINE_DEVICE_SHARE": str(self._share(role_plan, rank)),
+            }
         return env | {
             "ROLL_DEVICE": self.device,
             "CUDA_VISIBLE_DEVICES": ",".join(s.gpu_id for s in slots) if self.device == "cuda" else "",
@@ -317,19 +366,35 @@ class ResourceManager:
             "OMP_NUM_THREADS": str(threads),
         }
 
+    def process_only_env(self, role_plan: RolePlan) -> tuple[str, ...]:
+        """Variables of ``worker_env`` that a worker sets in its own process but that stay out of
+        its Ray runtime_env: vLLM hands an engine worker's runtime_env on to the GPU workers it
+        starts on Ray, which must see their node's GPUs (they pick theirs by physical id)."""
+        return ("CUDA_VISIBLE_DEVICES",) if role_plan.workers_on_ray else ()
+
+    def _share(self, role_plan: RolePlan, rank: int, num_roles_sharing: int | None = None) -> float:
+        devices = role_plan.workers[rank].devices
+        sharing = num_roles_sharing or max(len(self.plan.roles_on_device(d)) for d in devices)
+        return int(10_000 / sharing) / 10_000  # Ray counts resources in units of 1e-4
+
     def worker_options(
         self, role_plan: RolePlan, rank: int, num_roles_sharing: int | None = None
     ) -> dict[str, Any]:
         """Ray actor options for worker ``rank``: pinned to the bundle of its first device with a
         1/k share of that GPU (k = roles on its devices unless given), no CPU reservation, and its
-        environment. CPU-only roles get plain actors that are not bound to a bundle."""
-        options = {"num_cpus": 0, "runtime_env": {"env_vars": self.worker_env(role_plan, rank)}}
+        environment (less ``process_only_env``). CPU-only roles get plain actors that are not bound
+        to a bundle. An engine on Ray's executor takes no GPU and captures what it starts (vLLM's
+        GPU workers take the shares) in its placement group."""
+        hidden = self.process_only_env(role_plan)
+        env = {k: v for k, v in self.worker_env(role_plan, rank).items() if k not in hidden}
+        options = {"num_cpus": 0, "runtime_env": {"env_vars": env}}
         if role_plan.cpu_only:
             return options
-        devices = role_plan.workers[rank].devices
-        sharing = num_roles_sharing or max(len(self.plan.roles_on_device(d)) for d in devices)
-        share = int(10_000 / sharing) / 10_000  # Ray counts resources in units of 1e-4
-        return options | {"num_gpus": share, "scheduling_strategy": self._bundle(devices[0])}
+        first = role_plan.workers[rank].devices[0]
+        if role_plan.workers_on_ray:
+            return options | {"num_gpus": 0, "scheduling_strategy": self._bundle(first, capture=True)}
+        share = self._share(role_plan, rank, num_roles_sharing)
+        return options | {"num_gpus": share, "scheduling_strategy": self._bundle(first)}
 
     def check_worker_nodes(self, role_plan: RolePlan, node_ids: list[str]) -> None:
         """Each rank of ``role_plan`` reported the Ray node it runs on (``node_ids``, by rank): raise
@@ -386,6 +451,21 @@ class ResourceManager:
             logging.getLogger("roll").debug(
                 "placement groups not removed within %g s; leaving them", timeout_s
             )
+
+
+def _free_machine_slots(groups: list[PlacementGroup | None], per_node: int) -> dict[str, int]:
+    """Whole nodes of ``per_node`` GPUs each alive Ray node still has once ``groups`` (the ones
+    reserved so far) are taken, by Ray node id, in ``ray.nodes()`` order."""
+    taken: dict[str, int] = {}
+    for group in groups:
+        if group is not None:
+            for node_id in placement_group_table(group)["bundles_to_node_id"].values():
+                taken[node_id] = taken.get(node_id, 0) + 1
+    return {
+        n["NodeID"]: int((n["Resources"].get("GPU", 0.0) - taken.get(n["NodeID"], 0)) // per_node)
+        for n in ray.nodes()
+        if n["Alive"]
+    }
 
 
 def gcs_reachable(timeout_s: float = 2.0) -> bool:

@@ -112,7 +112,6 @@ def _model_options(
 
 VLLM_OVERRIDABLE = {
     "worker_extension_cls",
-    "distributed_executor_backend",
     "logprobs_mode",
     "compilation_config",
     "gdn_prefill_backend",
@@ -137,16 +136,17 @@ def vllm_compilation_config(cfg: VLLMConfig) -> dict[str, Any] | None:
 def vllm_engine_options(
     cfg: VLLMConfig, role_config: RoleConfig, role: str, seed: int, extension_cls: str
 ) -> EngineOptions:
-    """Arguments of ``vllm.LLM``. TP runs inside the worker: "uni" (in-process) for TP=1, "mp"
-    (vLLM's own worker processes on the worker's visible GPUs) for TP>1 -- never vLLM's "ray"
-    backend, which vLLM would otherwise pick inside a Ray actor."""
+    """Arguments of ``vllm.LLM``. ``distributed_executor_backend: mp``: TP runs beside the worker,
+    "uni" (in-process) for TP=1, "mp" (vLLM's own worker processes on the worker's visible GPUs) for
+    TP>1. ``ray``: vLLM's Ray executor, its GPU workers in the worker's placement group (vLLM would
+    pick "ray" by itself inside a Ray actor, so roll always names the backend)."""
     path = f"{role}.strategy_args.strategy_config"
     derived = _model_options(role_config, role, "model", "seed", seed)
     derived |= {
         "worker_extension_cls": (extension_cls, f"{path}.engine_kwargs"),
         "distributed_executor_backend": (
-            "uni" if cfg.tensor_parallel_size == 1 else "mp",
-            f"{path}.engine_kwargs",
+            vllm_executor_backend(cfg),
+            f"{path}.distributed_executor_backend",
         ),
         "enable_sleep_mode": (cfg.sleep_level > 0, f"{path}.sleep_level"),
     }
@@ -177,6 +177,14 @@ def vllm_engine_options(
     for key in VLLM_OVERRIDABLE & engine_kwargs.keys():
         derived[key] = (engine_kwargs.pop(key), f"{path}.engine_kwargs.{key}")
     return _build_options(derived, engine_kwargs, path)
+
+
+def vllm_executor_backend(cfg: VLLMConfig) -> str:
+    """vLLM's ``distributed_executor_backend`` for ``cfg``: "ray" as configured, else "uni" (the
+    model in the worker's process) for TP 1 and "mp" (spawned TP processes) above."""
+    if cfg.workers_on_ray:
+        return "ray"
+    return "uni" if cfg.tensor_parallel_size == 1 else "mp"
 
 
 def gdn_prefill_backend(role_config: RoleConfig) -> str | None:

@@ -5,7 +5,10 @@ need vLLM lives in ``engine_requests``/``engine_options`` and is tested on CPU.
 
 The worker owns ``tensor_parallel_size`` devices and the engine runs TP across them. The engine core
 runs inside the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): for TP=1 the model too
-("uni" executor), for TP>1 vLLM's own worker processes ("mp"). In-process, the model-update calls
+("uni" executor), for TP>1 vLLM's own worker processes ("mp"). With ``distributed_executor_backend:
+ray`` vLLM's Ray executor starts one GPU worker (a Ray actor) per device on the bundles of this
+worker's placement group that the resource manager names (``ray_executor_env``), on one node or
+across whole nodes; this worker then holds no GPU, and the calls below cross vLLM's message queue. In-process, the model-update calls
 (``collective_rpc`` with bucket metadata and CUDA IPC handles) reach the model directly or through
 vLLM's pickled worker queue, with no third process and no msgpack restrictions in between.
 ``vllm.LLM`` is used rather than ``AsyncLLM`` because Ray calls a worker's methods on one thread,
@@ -35,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -101,6 +104,8 @@ class VLLMStrategy:
         # TP>1 worker processes must not be forked from a process that has touched CUDA (a TP=2 test
         # on 2 x H200 failed so: "WorkerProc initialization failed").
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if self.config.workers_on_ray:
+            os.environ.update(ray_executor_env(os.environ))
 
         def options(seed: int) -> EngineOptions:
             return vllm_engine_options(self.config, self.role_config, self.ctx.role, seed, EXTENSION)
@@ -108,7 +113,9 @@ class VLLMStrategy:
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
         self.vision = vision_tokens(self.role_config.model_args.model_name_or_path)
-        self.workers = VLLMWorkerCalls(self.llm, serialize=self.config.tensor_parallel_size > 1)
+        # One call at a time wherever calls cross vLLM's message queue (TP > 1, or Ray's executor).
+        in_process = self.config.tensor_parallel_size == 1 and not self.config.workers_on_ray
+        self.workers = VLLMWorkerCalls(self.llm, serialize=not in_process)
         self._weights_stale = self.config.load_format == "dummy"
 
     def dp_layout(self) -> tuple[int, int, bool]:
@@ -311,6 +318,10 @@ class VLLMStrategy:
         self, meta: Any, handle: Any, verify: bool = False
     ) -> list[tuple[int, int]] | None:
         """Colocated: every TP worker maps the sender's buffer (on this worker's device) and loads it."""
+        if self.config.workers_on_ray:  # refused before launch (placement.check_ray_engines_own_devices)
+            raise RuntimeError(
+                f"{self.ctx.role}: an engine on Ray's executor takes no colocated model update"
+            )
         self._wake_weights()
         device_index = self.ctx.device.index if self.ctx.is_cuda else None
         return _agreed(
@@ -334,9 +345,9 @@ class VLLMStrategy:
         process owns), CPU tensors by value. Counts as a complete model update."""
         self._wake_weights()
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
-        if self.config.tensor_parallel_size == 1:  # the model lives in this process: no copy, no IPC
-            self.workers.call(RollWorkerExtension.roll_load_tensors, named)
-        elif named and named[0][1].is_cuda:
+        if self.config.tensor_parallel_size == 1 and not self.config.workers_on_ray:
+            self.workers.call(RollWorkerExtension.roll_load_tensors, named)  # the model is in this process
+        elif named and named[0][1].is_cuda and not self.config.workers_on_ray:
             meta, flat, handle = shareable_bucket(named)
             self.workers.call(
                 RollWorkerExtension.roll_load_shared_bucket, meta, handle, flat.device.index, False
@@ -360,6 +371,21 @@ class VLLMStrategy:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+
+
+def ray_executor_env(env: Mapping[str, str]) -> dict[str, str]:
+    """vLLM's variables for its Ray executor, from what the resource manager gave this worker
+    (``env``): the bundles of the worker's placement group that hold its devices, in device_mapping
+    order (vLLM's GPU worker of rank i on the i-th), and each GPU worker's share of its device (1/k
+    when k roles time-share it). vLLM 0.24's default Ray executor (V2: its message queues, no Ray
+    compiled graph) is named, not left to vLLM's default. Without the resource manager's variables
+    (an engine started in a placement group of one's own) vLLM takes the group's first bundles."""
+    out = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": env.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")}
+    if env.get("ROLL_ENGINE_BUNDLES"):
+        out["VLLM_RAY_BUNDLE_INDICES"] = env["ROLL_ENGINE_BUNDLES"]
+    if env.get("ROLL_ENGINE_DEVICE_SHARE"):
+        out["VLLM_RAY_PER_WORKER_GPUS"] = env["ROLL_ENGINE_DEVICE_SHARE"]
+    return out
 
 
 def _agreed(results: list[Any]) -> Any:
