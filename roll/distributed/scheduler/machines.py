@@ -74,9 +74,7 @@ def choose_machines(
     return chosen
 
 
-def node_selector(
-    nodes: tuple[int, ...], machines: tuple[str, ...], devices_per_node: int
-) -> list[dict[str, str]]:
-    """Ray's ``bundle_label_selector`` for a group of ``nodes`` on ``machines``: each node's
-    ``devices_per_node`` bundles on its machine, in the group's bundle order."""
+def node_selector(machines: tuple[str, ...], devices_per_node: int) -> list[dict[str, str]]:
+    """Ray's ``bundle_label_selector`` for a group whose nodes are on ``machines`` (in the group's
+    node order): each node's ``devices_per_node`` bundles on its machine, in bundle order."""
     return [{NODE_ID_LABEL: machine} for machine in machines for _ in range(devices_per_node)]
