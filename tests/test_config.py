@@ -92,7 +92,7 @@ BAD_CASES = {
         "num_return_sequences_in_group",
     ),
     "negative_device": ("actor_train.device_mapping", ">= 0"),
-    "vllm_tp_split": ("actor_infer.device_mapping", "span nodes"),
+    "vllm_tp_split": ("actor_infer.strategy_args.strategy_config.distributed_executor_backend", "span nodes"),
     "full_recompute_no_method": (
         "actor_train.strategy_args.strategy_config.recompute_method",
         "needs recompute_method",
