@@ -64,9 +64,6 @@ DATA = {
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
 REFUSED: dict[str, str] = {
-    # ROLL's audio row reader: roll has no audio rows yet (the megatron thinker runs audio).
-    "qwen3-omni__audio_test_80G.yaml": "actor_train.data_args.custom_data_kwargs_func="
-    "roll.datasets.vlm_dataset_utils.audio_test_get_data_kwargs (ROLL's audio rows",
 }
 
 
@@ -385,3 +382,28 @@ def test_video_r1_stops_on_a_megatron_family_without_packed_rows_or_videos(roll_
         "qwen2_5_vl in roll (its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
         "fsdp2_train (reference: hf_infer) with vllm rollouts"
     ]
+
+
+OMNI_AUDIO_FILE = "qwen3-omni__audio_test_80G.yaml"
+
+
+def test_qwen3_omni_audio_rows_dry_run_and_fsdp2_is_refused(roll_workdir, monkeypatch, capsys):
+    """ROLL's audio file: its row reader maps to ``row_layout: audio_test`` (audios under
+    ``audio_folder``) and it dry-runs on megatron_train / megatron_infer / vllm; fsdp2_train does not
+    load Qwen3-Omni's thinker: one ConfigError naming strategy_name and megatron_train."""
+    monkeypatch.chdir(roll_workdir)
+    args = ["--config_path", str(EXAMPLES), "--config_name", OMNI_AUDIO_FILE, "--dry_run"]
+    assert main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "audio_test_get_data_kwargs -> row_layout: audio_test" in out.out + out.err
+    fsdp2 = [
+        "actor_train.strategy_args={strategy_name: fsdp2_train, strategy_config: {}}",
+        "actor_train.model_args.freeze_module_prefix=null",
+    ]
+    assert main([*args, *fsdp2]) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert errors == [
+        "ConfigError: actor_train.strategy_args.strategy_name: fsdp2_train runs vision-language model_type "
+        "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe in roll, not 'qwen3_omni_moe'; use one of "
+        "megatron_train"
+    ], errors

@@ -169,9 +169,14 @@ class DataArgs:
     video_max_pixels: int | None = bounded(None, ge=1)
     video_total_pixels: int | None = bounded(None, ge=1)
     video_folder: str | None = None  # where relative video paths are looked up first
+    # A row's audio files (a name or a list; roll.pipeline.rlvr.data.audio), looked up under
+    # audio_folder first (alibaba/ROLL's key), for a model with an audio tower (Qwen3-Omni).
+    audios: str = "audios"
+    audio_folder: str | None = None
     # "video_r1": rows in Video-R1's layout (problem, problem_type, solution, video), which ROLL's
-    # custom_data_kwargs_func video_r1_get_data_kwargs reads.
-    row_layout: str = one_of("default", "default", "video_r1")
+    # custom_data_kwargs_func video_r1_get_data_kwargs reads; "audio_test": ROLL's audio rows (a
+    # question, audios, reward_model.ground_truth), which its audio_test_get_data_kwargs reads.
+    row_layout: str = one_of("default", "default", "video_r1", "audio_test")
     domain_interleave_probs: dict[str, float] | None = bounded(None, ge=0)
     max_samples: int | None = bounded(None, ge=1)
 

@@ -109,13 +109,9 @@ REWARD_WORKERS = {
     "VideoR1RewardWorker": "video_r1",
 }
 # ROLL's data_args.custom_data_kwargs_func (the function that reads its rows) -> roll's row_layout.
-DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1"}
+DATA_KWARGS_FUNCS = {"video_r1_get_data_kwargs": "video_r1", "audio_test_get_data_kwargs": "audio_test"}
 # ROLL row readers roll knows but does not offer yet -> what they read (the refusal says so).
-UNOFFERED_DATA_KWARGS_FUNCS = {
-    "audio_test_get_data_kwargs": "ROLL's audio rows (prompt text, audios under data_args.audio_folder, for "
-    "Qwen3-Omni's audio tower); roll reads image and video rows only (its megatron Qwen3-Omni thinker "
-    "runs the audio tower, but no audio row reader or rollout feeds it yet)",
-}
+UNOFFERED_DATA_KWARGS_FUNCS: dict[str, str] = {}
 # ROLL's track_with values that roll writes with one of its own trackers.
 TRACKERS = {"ml_tracker": "tensorboard"}  # ROLL's internal experiment tracker
 # ROLL role keys that become reward_kwargs of the mapped reward function.

@@ -118,6 +118,11 @@ _S = "roll.distributed.strategy"
 # megatron-core's model code (with Transformer Engine where installed: seconds to import on a GPU
 # host), imported while the other roles' workers start rather than inside ``initialize``.
 MEGATRON_PRELOAD = ("megatron.core.models.gpt",)
+# The vision-language model types fsdp2_train and hf_infer load (transformers' Auto classes): every
+# one of roll.models.vision.VISION_MODEL_TYPES but Qwen3-Omni (``qwen3_omni_moe``), whose checkpoint
+# transformers builds whole (thinker, talker, code2wav) and whose thinker the Megatron strategies
+# build; the pre-launch check refuses it there, naming strategy_name and the strategies that run it.
+HF_VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
@@ -131,6 +136,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             shares_process_on_cpu=True,
             uses_default_group=False,
             runs_vision=True,
+            vision_model_types=HF_VISION_MODEL_TYPES,
         ),
         StrategySpec(
             "fsdp2_train",
@@ -144,6 +150,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             shares_process_on_cpu=True,
             trains_lora=True,
             runs_vision=True,
+            vision_model_types=HF_VISION_MODEL_TYPES,
         ),
         StrategySpec(
             "megatron_train",

@@ -153,14 +153,17 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
 
 def check_vision_model_type(name: str, strategy: str | None, model_type: str) -> None:
     """A strategy that has run fewer vision-language model types than roll (``StrategySpec.
-    vision_model_types``: SGLang's) refuses the others."""
+    vision_model_types``: SGLang's; fsdp2_train's and hf_infer's, all but Qwen3-Omni) refuses the
+    others, naming the strategies of its side that run the type."""
     spec = get_strategy_spec(strategy) if strategy is not None else None
     allowed = spec.vision_model_types if spec is not None else None
     if allowed is not None and model_type not in allowed:
         runs = [
             s.name
             for s in STRATEGIES.values()
-            if s.runs_vision and s.vision_model_types is None and s.side == spec.side
+            if s.runs_vision
+            and s.side == spec.side
+            and (s.vision_model_types is None or model_type in s.vision_model_types)
         ]
         raise ConfigError(
             f"{name}.strategy_args.strategy_name",

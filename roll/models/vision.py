@@ -48,6 +48,15 @@ from typing import Any
 import torch
 
 from roll.configs.errors import ConfigError
+from roll.models.audio import (
+    AUDIO_END,
+    AUDIO_INPUT_KEYS,
+    AUDIO_PAD,
+    AUDIO_PLACEHOLDER,
+    AUDIO_START,
+    AudioProcessor,
+    concat_audio_inputs,
+)
 from roll.models.model_dir import config_json
 from roll.models.video_prompt import TIMESTAMPED_VIDEO_MODEL_TYPES, timestamped_video_text
 
@@ -119,6 +128,7 @@ class VisionProcessor:
     temporal_patch_size: int = 2
     # Videos written frame by frame with timestamps (Qwen3-VL's processor; roll.models.video_prompt).
     timestamped_videos: bool = False
+    audio: AudioProcessor | None = None  # a model with an audio tower (Qwen3-Omni): roll.models.audio
 
     @classmethod
     def load(cls, path: str, trust_remote_code: bool = False) -> VisionProcessor:
@@ -139,6 +149,10 @@ class VisionProcessor:
                 "model_args.model_name_or_path", f"the tokenizer of {path!r} has no {IMAGE_PAD} token"
             )
         video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+        try:
+            audio = AudioProcessor.load(path, tokenizer, config_json(path))
+        except ValueError as exc:
+            raise ConfigError("model_args.model_name_or_path", str(exc)) from None
         return cls(
             tokenizer,
             image_processor,
@@ -148,6 +162,7 @@ class VisionProcessor:
             None if video_id is None or video_id == tokenizer.unk_token_id else int(video_id),
             int(getattr(image_processor, "temporal_patch_size", 2) or 2),
             config_json(path).get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES,
+            audio,
         )
 
     def image_inputs(self, images: Sequence[Any], pixels: PixelBounds = None) -> dict[str, torch.Tensor]:
@@ -219,11 +234,19 @@ class VisionProcessor:
         return timestamped_video_text(grid, indices, rate, self.merge_size, self.temporal_patch_size)
 
     def encode(
-        self, text: str, images: Sequence[Any], pixels: PixelBounds = None, video_texts: Sequence[str] = ()
+        self,
+        text: str,
+        images: Sequence[Any],
+        pixels: PixelBounds = None,
+        video_texts: Sequence[str] = (),
+        audio_tokens: Sequence[int] = (),
     ) -> list[int]:
-        """Token ids of ``text`` with each image's ``<|image_pad|>`` expanded to its token count and
-        each video's ``<|video_pad|>`` replaced by its ``video_text`` (``video_texts``: per video)."""
+        """Token ids of ``text`` with each image's ``<|image_pad|>`` expanded to its token count,
+        each video's ``<|video_pad|>`` replaced by its ``video_text`` (``video_texts``: per video)
+        and each audio's ``<|audio_pad|>`` expanded to its count (``audio_tokens``: per audio)."""
         expanded = _expand(text, IMAGE_PAD, self.image_tokens(images, pixels) if images else [], "image")
+        if audio_tokens or AUDIO_PAD in expanded:
+            expanded = _expand(expanded, AUDIO_PAD, list(audio_tokens), "audio")
         if video_texts or (VIDEO_PAD in expanded):
             parts = expanded.split(VIDEO_PAD)
             if len(parts) - 1 != len(video_texts):
@@ -245,7 +268,9 @@ def _expand(text: str, pad: str, counts: list[int], what: str) -> str:
 
 def with_image_tokens(text: str) -> str:
     """Prompt text with each ``<image>`` as ``<|vision_start|><|image_pad|><|vision_end|>`` and each
-    ``<video>`` as ``<|vision_start|><|video_pad|><|vision_end|>``."""
+    ``<video>`` as ``<|vision_start|><|video_pad|><|vision_end|>`` and each ``<audio>`` as
+    ``<|audio_start|><|audio_pad|><|audio_end|>`` (Qwen3-Omni's chat template's audio part)."""
+    text = text.replace(AUDIO_PLACEHOLDER, AUDIO_START + AUDIO_PAD + AUDIO_END)
     text = text.replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
     return text.replace(VIDEO_PLACEHOLDER, VISION_START + VIDEO_PAD + VISION_END)
 
@@ -267,7 +292,13 @@ def collapse_image_tokens(ids: Sequence[int], *token_ids: int | None) -> list[in
 # the start of an image (its rope positions), which the engine that sampled them did not. Every
 # strategy gives them zero probability in responses (``exclude_response_tokens``; vLLM a bias), so
 # the sampling and scoring distributions are the same.
-EXCLUDED_TOKEN_KEYS = ("vision_start_token_id", "image_token_id", "video_token_id")
+EXCLUDED_TOKEN_KEYS = (
+    "vision_start_token_id",
+    "image_token_id",
+    "video_token_id",
+    "audio_token_id",  # Qwen3-Omni: an audio's tokens and its start, as an image's
+    "audio_start_token_id",
+)
 EXCLUDED_LOGIT = -1.0e9  # exp() of it is 0 in fp32; finite, so 0 * logit stays 0 in the entropy
 
 
@@ -290,7 +321,7 @@ def exclude_response_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> t
 
 
 def has_vision_inputs(batch: Any) -> bool:
-    """Whether any row of the batch has images or videos."""
+    """Whether any row of the batch has images, videos or audio."""
     return MULTI_MODAL_INPUTS in batch and any(r for r in batch[MULTI_MODAL_INPUTS])
 
 
@@ -298,7 +329,7 @@ def forward_kwargs(
     batch: Any, device: torch.device | str, input_ids: torch.Tensor | None = None, model: Any = None
 ) -> dict[str, torch.Tensor]:
     """The vision inputs of the batch's rows (``VISION_INPUT_KEYS``, each concatenated over the rows
-    that have it, in row order) on ``device``, and with ``input_ids`` [B, T] and a ``model`` whose
+    that have it, in row order; audio inputs, ``AUDIO_INPUT_KEYS``, padded to the longest) on ``device``, and with ``input_ids`` [B, T] and a ``model`` whose
     forward takes them (transformers >= 5) their ``mm_token_type_ids`` (``token_types``); {} for a
     batch without vision inputs."""
     if MULTI_MODAL_INPUTS not in batch:
@@ -311,6 +342,9 @@ def forward_kwargs(
         parts = [r[key] for r in rows if r.get(key) is not None]
         if parts:
             out[key] = torch.cat(parts).to(device)
+    audio = [{k: r[k] for k in AUDIO_INPUT_KEYS} for r in rows if r.get(AUDIO_INPUT_KEYS[0]) is not None]
+    if audio:  # rows' audios differ in length: padded to the longest, the mask says which frames
+        out.update({k: t.to(device) for k, t in concat_audio_inputs(audio).items()})
     if input_ids is not None and model is not None and takes_token_types(model):
         out["mm_token_type_ids"] = token_types(input_ids, model.config).to(device)
     return out

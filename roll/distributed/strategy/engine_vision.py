@@ -17,6 +17,11 @@ writes a video frame by frame with timestamps (Qwen3-VL: ``roll.models.video_pro
 video back as ``<|vision_start|><|video_pad|><|vision_end|>`` and the frames with their metadata
 (``(frames, {"fps", "frames_indices", ...})``), from which vLLM writes the same timestamps and tokens.
 
+Audios (Qwen3-Omni's thinker): ``{"audio": [float32 waveforms at 16 kHz]}``, each run of
+``<|audio_pad|>`` collapsed to one; vLLM's thinker pads each waveform to whole hops and runs the
+model directory's feature extractor, which roll's data path did on the same hop-padded waveform
+(``roll.models.audio``), so both count the same audio tokens.
+
 The engine's outputs are the responses only; the Batch keeps roll's expanded prompt ids, so the
 trainer and the reference score the same tokens the engine conditioned on.
 """
@@ -54,6 +59,7 @@ class VisionTokens:
     bias: dict[int, float] = field(default_factory=dict)
     # (vision start, vision end) of a model writing videos frame by frame (Qwen3-VL); None: one run.
     frames: tuple[int, int] | None = None
+    audio: int | None = None  # the audio token (Qwen3-Omni's thinker_config.audio_token_id)
 
 
 def vision_tokens(model_dir: str | None) -> VisionTokens:
@@ -66,7 +72,9 @@ def vision_tokens(model_dir: str | None) -> VisionTokens:
     if config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES:
         frames = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
     tokens = multimodal_config(config)  # Qwen3-Omni keeps its token ids in thinker_config
-    return VisionTokens(tokens.get("image_token_id"), tokens.get("video_token_id"), bias, frames)
+    return VisionTokens(
+        tokens.get("image_token_id"), tokens.get("video_token_id"), bias, frames, tokens.get("audio_token_id")
+    )
 
 
 def vllm_prompts(
@@ -75,10 +83,13 @@ def vllm_prompts(
     image_token: int | None,
     video_token: int | None = None,
     frames: tuple[int, int] | None = None,
+    audio_token: int | None = None,
 ) -> list[Any] | None:
-    """Per row, vLLM's prompt with the row's images or videos (text rows: their ids as they are);
-    None when the batch carries none, so the caller keeps its text path unchanged. ``frames``: the
-    vision start and end of a model writing videos frame by frame (``VisionTokens.frames``)."""
+    """Per row, vLLM's prompt with the row's images, videos or audios (text rows: their ids as they
+    are); None when the batch carries none, so the caller keeps its text path unchanged. ``frames``:
+    the vision start and end of a model writing videos frame by frame (``VisionTokens.frames``);
+    ``audio_token``: a model with an audio tower (each audio's run of tokens collapsed to one, the
+    waveforms as ``{"audio": [...]}``)."""
     if MULTI_MODAL_DATA not in batch or not any(batch[MULTI_MODAL_DATA]):
         return None
     if image_token is None:
@@ -92,9 +103,9 @@ def vllm_prompts(
             continue
         if frames is not None and video_token is not None:
             ids = collapse_timestamped_videos(ids, video_token, *frames)
-        collapsed = collapse_image_tokens(ids, image_token, video_token)
+        collapsed = collapse_image_tokens(ids, image_token, video_token, audio_token)
         items = {}
-        for kind, token in (("image", image_token), ("video", video_token)):
+        for kind, token in (("image", image_token), ("video", video_token), ("audio", audio_token)):
             values = list(data.get(kind) or [])
             runs = collapsed.count(token) if token is not None else 0
             if runs != len(values):

@@ -141,7 +141,7 @@ class VLLMStrategy:
             for r in vllm_generate_requests(plan, prompts, params)
         ]
         with_images = vllm_prompts(
-            batch, prompts, self.vision.image, self.vision.video, self.vision.frames
+            batch, prompts, self.vision.image, self.vision.video, self.vision.frames, self.vision.audio
         )  # None: text only
         if with_images is not None:  # one request per row, in row order
             requests = [(rid, prompt, sampling) for (rid, _, sampling), prompt in zip(requests, with_images)]

@@ -43,6 +43,8 @@ from typing import Any
 
 from roll.configs.errors import ConfigError
 from roll.configs.role import DataArgs
+from roll.pipeline.rlvr.data.audio import read_audio_test_row, row_audios
+from roll.pipeline.rlvr.data.audio_files import read_row_audios
 from roll.pipeline.rlvr.data.video import FramePlan, VideoOptions, probe_video, read_video_r1_row, row_videos
 from roll.pipeline.rlvr.data.vision import (
     REWARD_MODEL,
@@ -75,6 +77,8 @@ class PromptRow:
     videos: list[str] | None = None  # video paths (``data.video``), their frames decoded per batch
     video_options: VideoOptions | None = None  # its file's frame sampling
     video_plans: list[FramePlan] | None = None  # each video's frames, probed once when the file loads
+    audios: list[str] | None = None  # audio file names (``data.audio``), read per batch
+    audio_folder: str | None = None  # its file's audio_folder
 
 
 @dataclass
@@ -88,6 +92,7 @@ class RawRow:
     images: list[Any] | None = None
     reward_context: dict[str, Any] | None = None
     videos: list[str] | None = None
+    audios: list[str] | None = None
 
 
 @dataclass
@@ -269,6 +274,8 @@ def _json_list(path: Path) -> Iterable[tuple[int, Any]]:
 def _raw_row(row: Any, args: DataArgs, default_tag: str, line: int) -> RawRow:
     if args.row_layout == "video_r1":
         messages, truth, tag, context = read_video_r1_row(row, default_tag)
+    elif args.row_layout == "audio_test":
+        messages, truth, tag, context = read_audio_test_row(row, args, default_tag)
     else:
         (messages, truth, tag), context = parse_row(row, args, default_tag), row_context(row)
     images, videos = row_images(row, args.images), row_videos(row, args.video)
@@ -278,7 +285,10 @@ def _raw_row(row: Any, args: DataArgs, default_tag: str, line: int) -> RawRow:
         messages = place_images(messages, len(images))
     if videos:
         messages = place_images(messages, len(videos), "video")
-    return RawRow(messages, truth, tag, line, images, context, videos)
+    audios = row_audios(row, args.audios) if isinstance(row, dict) else None
+    if audios:
+        messages = place_images(messages, len(audios), "audio")
+    return RawRow(messages, truth, tag, line, images, context, videos, audios)
 
 
 def resolve_files(data_args: DataArgs, path_prefix: str) -> list[Path]:
@@ -322,9 +332,11 @@ def load_prompt_files(
         for row, text, ids in zip(rows, texts, ids_list, strict=True):
             source = f"{path}:{row.line}"
             plans = None
-            if row.images or row.videos:
+            if row.images or row.videos or row.audios:
                 key = f"{path_prefix}.file_name"
-                text, ids, plans = _vision_prompt(text, row, processor, source, key, pixels, video_options)
+                text, ids, plans = _vision_prompt(
+                    text, row, processor, source, key, pixels, video_options, data_args.audio_folder
+                )
             if len(ids) > prompt_length:
                 dataset.too_long.append(f"{source} ({len(ids)} tokens)")
                 continue
@@ -342,6 +354,8 @@ def load_prompt_files(
                     row.videos,
                     video_options if row.videos else None,
                     plans or None,
+                    row.audios,
+                    data_args.audio_folder if row.audios else None,
                 )  # fmt: skip
             )
     if data_args.max_samples is not None:
@@ -362,21 +376,28 @@ def _vision_prompt(
     key: str,
     pixels: tuple[int | None, int | None],
     video_options: VideoOptions,
+    audio_folder: str | None = None,
 ) -> tuple[str, list[int], list[FramePlan]]:
-    """(text with vision tokens, ids with each image's and video's tokens expanded, each video's
-    frame plan) of a row with images or videos."""
+    """(text with vision and audio tokens, ids with each image's, video's and audio's tokens
+    expanded, each video's frame plan) of a row with images, videos or audios."""
     from roll.models.vision import with_image_tokens
 
     if processor is None:
-        what = "images" if row.images else "videos"
+        what = "images" if row.images else "videos" if row.videos else "audios"
         raise ConfigError(key, f"{source}: the row has {what} but the model is not a vision-language model")
+    if row.audios and processor.audio is None:
+        raise ConfigError(
+            key, f"{source}: the row has audios but the model has no audio tower (Qwen3-Omni has)"
+        )
     text = with_image_tokens(text)
     try:
         factor = processor.patch_size * processor.merge_size
         plans = [probe_video(ref, source, i, video_options, factor) for i, ref in enumerate(row.videos or [])]
         videos = [processor.video_text(p.indices, p.rate, p.height, p.width) for p in plans]
         images = decode_images(row.images, source) if row.images else []
-        ids = processor.encode(text, images, pixels, videos)
+        audios = read_row_audios(row.audios, source, audio_folder, processor.audio) if row.audios else []
+        counts = processor.audio.audio_tokens(audios) if audios else []
+        ids = processor.encode(text, images, pixels, videos, counts)
     except ConfigError as exc:
         raise ConfigError(key, exc.message) from None
     except ValueError as exc:

@@ -62,7 +62,6 @@ TYPE_TEMPLATE = {
     "free-form": " Please provide your text answer within the <answer> </answer> tags.",
     "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
 }
-ROW_LAYOUTS = ("default", "video_r1")
 
 
 @dataclass(frozen=True)

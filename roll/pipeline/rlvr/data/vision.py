@@ -28,6 +28,7 @@ from typing import Any
 from roll.configs.errors import ConfigError
 from roll.core.batch import object_array
 from roll.models.vision import MULTI_MODAL_DATA, MULTI_MODAL_INPUTS, VisionProcessor, pixel_kwargs
+from roll.pipeline.rlvr.data.audio_files import audio_fields
 
 REWARD_MODEL = "reward_model"
 # A batch's prompt rows whose vision fields are built later (``with_vision_fields``): validation
@@ -86,13 +87,14 @@ def row_context(row: dict[str, Any]) -> dict[str, Any] | None:
 
 def content_text(content: Any) -> Any:
     """A message's content as text: a list of parts (``{"type": "image"}``, ``{"type": "text",
-    "text": ...}``) becomes the text with ``<image>`` for each image part; anything else is kept."""
+    "text": ...}``) becomes the text with ``<image>`` for each image part (``<video>``, ``<audio>``
+    likewise); anything else is kept."""
     if not isinstance(content, list):
         return content
     out = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("image", "video"):
+        if kind in ("image", "video", "audio"):
             out.append(f"<{kind}>")
         elif kind == "text" and isinstance(part.get("text"), str):
             out.append(part["text"])
@@ -204,29 +206,28 @@ def engine_video_metadata(plan: Any) -> dict[str, Any]:
 
 def vision_fields(rows: Sequence[Any], processor: VisionProcessor) -> dict[str, list[Any]]:
     """The per-row non-tensor fields of a VL batch: ``multi_modal_inputs`` (pixel values and image
-    grid), ``multi_modal_data`` (the images, for vLLM, with ``mm_processor_kwargs`` holding the
-    file's ``image_min/max_pixels`` where set, so the engine resizes alike) and ``reward_context``
-    (the row's options with ``image_sizes``); None entries for a text row."""
+    grid; audio features, ``roll.pipeline.rlvr.data.audio``), ``multi_modal_data`` (the images, for
+    vLLM, with ``mm_processor_kwargs`` holding the file's ``image_min/max_pixels`` where set, so the
+    engine resizes alike; the audio waveforms) and ``reward_context`` (the row's options with
+    ``image_sizes``); None entries for a text row."""
     inputs, data, contexts = [], [], []
     for row in rows:
         context = dict(row.reward_context or {})
+        mm: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
         if row.videos:
             mm, engine = video_fields(row, processor)
-            inputs.append(mm)
-            data.append(engine)
         elif row.images:
             images = decode_images(row.images, row.source)
             mm = processor.image_inputs(images, row.pixels)
-            inputs.append(mm)
-            data.append(
-                {
-                    "image": images,
-                    **({"mm_processor_kwargs": pixel_kwargs(row.pixels)} if pixel_kwargs(row.pixels) else {}),
-                }
-            )
+            engine = {"image": images}
+            if pixel_kwargs(row.pixels):
+                engine["mm_processor_kwargs"] = pixel_kwargs(row.pixels)
             context["image_sizes"] = processor.image_sizes(mm["image_grid_thw"])
-        else:
-            inputs.append(None)
-            data.append(None)
+        if getattr(row, "audios", None):
+            audio_mm, audio_engine = audio_fields(row, processor.audio)
+            mm, engine = {**mm, **audio_mm}, {**engine, **audio_engine}
+        inputs.append(mm or None)
+        data.append(engine or None)
         contexts.append(context or None)
     return {MULTI_MODAL_INPUTS: inputs, MULTI_MODAL_DATA: data, "reward_context": contexts}
