@@ -1,14 +1,19 @@
 """A tiny Qwen3-Omni-MoE (thinker only, as the Thinking edition) saved as a model directory: the
 tokenizer of tests/tiny_vl.py plus the audio tokens, a Qwen2-VL image processor with 16-pixel
-patches, for the CPU tests and the GPU tests.
+patches and a 32-bin WhisperFeatureExtractor (one preprocessor_config.json, as Qwen's releases), for
+the CPU tests and the GPU tests; ``write_wav`` writes a stand-in audio file with the stdlib.
 
-    model_dir = build_tiny_qwen3_omni_dir(tmp / "model")   # config, random weights, tokenizer, image processor
+    model_dir = build_tiny_qwen3_omni_dir(tmp / "model")   # config, random weights, tokenizer, processors
+    write_wav(tmp / "a.wav", seconds=1.0)                  # a 16 kHz mono tone, 16-bit PCM
 """
 
 from __future__ import annotations
 
+import json
+import wave
 from pathlib import Path
 
+import numpy as np
 import torch
 from tiny_qwen3_vl import MAX_PIXELS, MIN_PIXELS
 from tiny_vl import build_tiny_vl_tokenizer, save_vl_dir, spread_matrices, vision_token_ids
@@ -18,11 +23,39 @@ AUDIO_TOKENS = ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")
 MEL_BINS = 32
 
 
+# The tokenizer attributes Qwen3OmniMoeProcessor reads (what vLLM loads), as Qwen's tokenizer names them.
+NAMED_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+
+
 def build_tiny_omni_tokenizer():
-    """tests/tiny_vl.py's tokenizer with Qwen3-Omni's audio tokens."""
+    """tests/tiny_vl.py's tokenizer with Qwen3-Omni's audio tokens and their names
+    (``tokenizer.audio_token``, ...)."""
     tok = build_tiny_vl_tokenizer()
     tok.add_tokens(list(AUDIO_TOKENS), special_tokens=True)
-    return tok
+    specials = {
+        k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token") if getattr(tok, k)
+    }
+    return type(tok)(tokenizer_object=tok._tokenizer, extra_special_tokens=NAMED_TOKENS, **specials)
+
+
+def write_wav(path: Path, seconds: float, rate: int = 16000, pitch: float = 440.0) -> Path:
+    """A mono tone of ``seconds`` at ``rate`` (16-bit PCM), written with the stdlib ``wave``."""
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (0.5 * np.sin(2 * np.pi * pitch * t) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.tobytes())
+    return path
 
 
 def tiny_qwen3_omni_config(tok) -> Qwen3OmniMoeConfig:
@@ -90,15 +123,34 @@ def tiny_qwen3_omni_config(tok) -> Qwen3OmniMoeConfig:
     return Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False)
 
 
-def build_tiny_qwen3_omni_dir(path: Path, seed: int = 0, std: float | None = 0.1) -> Path:
-    """Random weights (``seed``; every matrix N(0, ``std``)), the tokenizer and a Qwen2-VL image
-    processor with 16-pixel patches in ``path``; the checkpoint names the thinker's tensors
-    ``thinker.*`` as Qwen's releases do."""
-    from transformers import Qwen2VLImageProcessor, Qwen3OmniMoeForConditionalGeneration
+def build_tiny_qwen3_omni_dir(
+    path: Path, seed: int = 0, std: float | None = 0.1, full_processor: bool = False
+) -> Path:
+    """Random weights (``seed``; every matrix N(0, ``std``)), the tokenizer, a Qwen2-VL image
+    processor with 16-pixel patches and a ``MEL_BINS``-bin WhisperFeatureExtractor in ``path``; the
+    checkpoint names the thinker's tensors ``thinker.*`` as Qwen's releases do. ``full_processor``
+    also saves ``Qwen3OmniMoeProcessor`` built from these pieces and a Qwen2-VL video processor
+    (which needs torchvision), as vLLM loads it."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3OmniMoeForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
 
     tok = build_tiny_omni_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(tiny_qwen3_omni_config(tok))
     spread_matrices(model, std)
     processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16)
-    return save_vl_dir(path, model, tok, processor, False)
+    save_vl_dir(path, model, tok, processor, False)
+    extractor = WhisperFeatureExtractor(feature_size=MEL_BINS)
+    if full_processor:
+        from transformers import Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor
+
+        video = Qwen2VLVideoProcessor(patch_size=16, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+        Qwen3OmniMoeProcessor(processor, video, extractor, tok).save_pretrained(path)
+    config = path / "preprocessor_config.json"  # the image processor's keys and the extractor's
+    merged = {**json.loads(config.read_text()), **extractor.to_dict()} if config.is_file() else None
+    if merged is not None:
+        config.write_text(json.dumps(merged, indent=2))
+    return path

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import wave
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def audio_token_count(frames: int, n_window: int) -> int:
 class AudioProcessor:
     """The model's feature extractor and how one waveform becomes audio tokens."""
 
-    feature_extractor: Any
+    feature_extractor: Any = field(repr=False)
     audio_token_id: int
     n_window: int
 
