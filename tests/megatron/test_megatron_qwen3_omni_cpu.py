@@ -10,7 +10,12 @@ two gloo ranks on CPU, fp32:
   with the same weights;
 - a training loss (mean cross-entropy of the image row) and its gradients at the final norm, a
   router and the vision tower's merger equal transformers' (EP 2: each rank's non-expert gradients
-  are the whole model's).
+  are the whole model's);
+- through roll's data path and strategy: rows with audio files (two lengths, one row with an image
+  too), an image row and a text row, left-padded with random responses, scored by megatron_train
+  (TP 2 + SP) equal transformers' thinker's response log-probs (1e-4).
+
+All of it runs in one spawned pair of gloo ranks (most of the test's time is their imports).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
-from tiny_qwen3_omni import MEL_BINS, build_tiny_qwen3_omni_dir  # noqa: E402
+from tiny_qwen3_omni import MEL_BINS, build_tiny_qwen3_omni_dir, write_wav  # noqa: E402
+from tiny_vl import detection_rows  # noqa: E402
 from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
+from vl_checks import check_log_probs  # noqa: E402
 
 AUDIO_FRAMES = 150  # 20 audio tokens (transformers' _get_feat_extract_output_lengths)
 AUDIO_TOKENS = 20
@@ -98,6 +105,75 @@ def _hf_reference(path: Path, scratch: Path) -> None:
     grads = {theirs: dict(thinker.named_parameters())[theirs].grad.clone() for _, theirs in GRADS}
     loss = float(_loss(out, image["input_ids"]))
     torch.save({"rows": rows, "logits": logits, "grads": grads, "loss": loss}, scratch / "reference.pt")
+
+
+def _audio_case(path: Path, scratch: Path) -> None:
+    """``scratch / "batch.pt"``: an audio row, an image row, an image + audio row and a text row
+    (roll's default layout: ``audios`` under ``audio_folder``) through roll's data path, with random
+    responses; ``scratch / "want.pt"``: transformers' thinker's log-probs of them."""
+    import json
+
+    from roll.configs.role import DataArgs
+    from roll.distributed.strategy.generation import build_generation_batch
+    from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor
+    from roll.pipeline.rlvr.data.dataset import load_prompt_files
+    from roll.pipeline.rlvr.data.sampler import to_batch
+
+    (scratch / "audios").mkdir()
+    write_wav(scratch / "audios" / "a.wav", 0.37)  # 37 frames: 5 audio tokens
+    write_wav(scratch / "audios" / "b.wav", 0.2, pitch=600.0)  # 20 frames: 3 audio tokens
+    image = detection_rows(scratch / "images", 1)[0]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "<audio>Count the words."}],
+            "audios": ["a.wav"],
+            "ground_truth": "3",
+        },
+        image,
+        {**image, "prompt": [{"role": "user", "content": "<image><audio>Both?"}], "audios": ["b.wav"]},
+        {"prompt": [{"role": "user", "content": "Red?"}], "ground_truth": "red"},
+    ]
+    (scratch / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    processor = VisionProcessor.load(str(path))
+    args = DataArgs(
+        file_name=[str(scratch / "rows.jsonl")], messages="prompt", audio_folder=str(scratch / "audios")
+    )
+    loaded = load_prompt_files(args, processor.tokenizer, 40, "actor_train.data_args", processor)
+    assert len(loaded) == 4, loaded.bad_rows + loaded.too_long
+    prompts = to_batch(loaded.rows, processor.tokenizer.pad_token_id, 40, processor)
+    assert [sorted(r) if r else None for r in prompts[MULTI_MODAL_INPUTS]][::3] == [
+        ["feature_attention_mask", "input_features"],
+        None,
+    ]
+    gen = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 300, (6 - i % 3,), generator=gen).tolist() for i in range(4)]
+    batch = build_generation_batch(prompts, responses, None, 1, processor.tokenizer.pad_token_id, 6)
+    torch.save(batch, scratch / "batch.pt")
+    torch.save(_hf_log_probs(path, batch), scratch / "want.pt")
+
+
+def _hf_log_probs(path: Path, batch) -> torch.Tensor:
+    """transformers' thinker's response log-probs [B, R] (0 at padding), the multimodal tokens
+    excluded from responses as roll scores them; each row scored alone (in a left-padded batch,
+    transformers scores the image + audio row 3e-3 away from its score alone, which roll matches)."""
+    thinker = _hf_thinker(path)
+    return torch.cat([_hf_row_log_probs(thinker, batch.index([i])) for i in range(len(batch))])
+
+
+def _hf_row_log_probs(thinker, batch) -> torch.Tensor:
+    from roll.models.vision import exclude_response_tokens, forward_kwargs, response_excluded_tokens
+
+    with torch.no_grad():
+        logits = thinker(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            **forward_kwargs(batch, "cpu"),
+        ).logits.float()
+    logits = exclude_response_tokens(logits, response_excluded_tokens(thinker.config))
+    width = batch["responses"].shape[1]
+    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
+    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch["response_mask"].bool(), logps, torch.zeros_like(logps))
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -219,11 +295,14 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
         bad += _check_logits(unwrap(chunks[0]), ref, "ep2")
         bad += _check_train_grads(unwrap(chunks[0]), ref)
         ps.destroy_model_parallel()
+        layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+        bad += check_log_probs(path, Path(scratch), "audio rows", "megatron_train", layout)
 
 
 def test_qwen3_omni_thinker_matches_transformers(tmp_path: Path) -> None:
     model = build_tiny_qwen3_omni_dir(tmp_path / "model")
     _hf_reference(model, tmp_path)
+    _audio_case(model, tmp_path)
     bad = run_two_ranks(_worker, (str(model), str(tmp_path)), tmp_path)
     assert not bad, "\n".join(bad)
 
