@@ -149,8 +149,7 @@ def build_tiny_qwen3_omni_dir(
 
         video = Qwen2VLVideoProcessor(patch_size=16, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
         Qwen3OmniMoeProcessor(processor, video, extractor, tok).save_pretrained(path)
-    config = path / "preprocessor_config.json"  # the image processor's keys and the extractor's
-    merged = {**json.loads(config.read_text()), **extractor.to_dict()} if config.is_file() else None
-    if merged is not None:
-        config.write_text(json.dumps(merged, indent=2))
+    # one preprocessor_config.json with the image processor's keys and the extractor's (no key in common)
+    merged = {**json.loads(processor.to_json_string()), **json.loads(extractor.to_json_string())}
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
     return path
