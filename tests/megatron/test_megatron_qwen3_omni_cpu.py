@@ -13,7 +13,8 @@ two gloo ranks on CPU, fp32:
   are the whole model's);
 - through roll's data path and strategy: rows with audio files (two lengths, one row with an image
   too), an image row and a text row, left-padded with random responses, scored by megatron_train
-  (TP 2 + SP) equal transformers' thinker's response log-probs (1e-4).
+  (TP 2 + SP, padded rows) and by megatron_infer at CP 2 (packed rows, as ROLL's audio_test_80G's
+  reference) equal transformers' thinker's response log-probs (1e-4).
 
 All of it runs in one spawned pair of gloo ranks (most of the test's time is their imports).
 """
@@ -297,6 +298,10 @@ def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> N
         ps.destroy_model_parallel()
         layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
         bad += check_log_probs(path, Path(scratch), "audio rows", "megatron_train", layout)
+        # ROLL's audio_test_80G reference: megatron_infer at CP 2 (each rank's zig-zag share of the
+        # packed row, audio features placed by the whole row)
+        cp2 = {"context_parallel_size": 2}
+        bad += check_log_probs(path, Path(scratch), "audio rows, infer cp2", "megatron_infer", cp2)
 
 
 def test_qwen3_omni_thinker_matches_transformers(tmp_path: Path) -> None:
