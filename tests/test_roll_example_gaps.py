@@ -204,9 +204,9 @@ def test_model_download_type_is_dropped_with_a_note(capsys):
         ),
         ("rewards: {j: {judge_model_type: cluster}}", "judge_model_type='cluster' (ROLL: api asks"),
         (
-            "actor_train: {data_args: {custom_data_kwargs_func: x.audio_test_get_data_kwargs}}",
-            "custom_data_kwargs_func=x.audio_test_get_data_kwargs (unknown ROLL row reader; known: "
-            "video_r1_get_data_kwargs",
+            "actor_train: {data_args: {custom_data_kwargs_func: x.speech_get_data_kwargs}}",
+            "custom_data_kwargs_func=x.speech_get_data_kwargs (unknown ROLL row reader; known: "
+            "video_r1_get_data_kwargs, audio_test_get_data_kwargs",
         ),
         (
             "reward_system_config: {skip_special_tokens: false}",
