@@ -63,8 +63,7 @@ DATA = {
 
 VIDEO_FILE = "video-rlvr__video_r1.yaml"
 # File -> the words of its one-line refusal (what roll lacks); every other file dry-runs.
-REFUSED: dict[str, str] = {
-}
+REFUSED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
