@@ -406,3 +406,10 @@ def test_qwen3_omni_audio_rows_dry_run_and_fsdp2_is_refused(roll_workdir, monkey
         "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe in roll, not 'qwen3_omni_moe'; use one of "
         "megatron_train"
     ], errors
+    # Training the audio tower is not run: megatron_train with it trainable is refused before launch.
+    assert main([*args, "actor_train.model_args.freeze_module_prefix=vision_model"]) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("ConfigError")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "ConfigError: actor_train.model_args.freeze_module_prefix: ['vision_model'] leaves Qwen3-Omni's audio "
+        "tower trainable"
+    ), errors

@@ -128,6 +128,8 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
             f"with mcore_adapter); use one of {', '.join(runs)}",
         )
     check_vision_model_type(name, strategy, model_type)
+    if model_type == "qwen3_omni_moe" and strategy == "megatron_train":
+        check_audio_tower_frozen(name, role.model_args.freeze_module_prefix)
     for key, value, why in (
         ("model_type", role.model_args.model_type, "a value head on a vision-language model (critic)"),
         ("lora_rank", role.model_args.lora_rank, "LoRA adapters on a vision-language model"),
@@ -149,6 +151,23 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
                 f"{cfg.context_parallel_size} does not run with {model_type} on Megatron (roll's context "
                 "parallelism splits packed rows; its forward runs on padded rows); set it to 1",
             )
+
+
+# Prefixes of freeze_module_prefix that name Qwen3-Omni's whole audio tower (ROLL's and roll's names).
+AUDIO_TOWER_PREFIXES = ("audio_model", "audio_tower", "model.audio_tower", "thinker.audio_tower")
+
+
+def check_audio_tower_frozen(name: str, prefixes: list[str] | None) -> None:
+    """Training Qwen3-Omni's audio tower is not run in roll: a rank without audio rows would skip
+    the tower's gradient reduction (the idle tower runs cover the vision tower only), so
+    megatron_train needs it frozen, as ROLL's files do (``audio_model``)."""
+    if not any(p in AUDIO_TOWER_PREFIXES for p in prefixes or []):
+        raise ConfigError(
+            f"{name}.model_args.freeze_module_prefix",
+            f"{prefixes!r} leaves Qwen3-Omni's audio tower trainable, which roll has not run (ranks "
+            "without audio rows would not join its gradient reduction); add audio_model, as ROLL's "
+            "qwen3-omni files do",
+        )
 
 
 def check_vision_model_type(name: str, strategy: str | None, model_type: str) -> None:
