@@ -15,8 +15,7 @@ import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from gloo_ranks import process_group
+from gloo_ranks import process_group, start_processes
 from tiny_models import VOCAB_SIZE, build_tiny_model_dir
 
 from roll.configs.pipeline_config import RLVRConfig
@@ -46,10 +45,6 @@ torch.set_num_threads(1)
 # Ray workers cannot import this test module by name; ship its classes and functions by value.
 ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
-# Spawned, not forked: in a full test session earlier tests have started threads (Ray, gloo,
-# torch's pools) in this process, and a forked child of a threaded parent can crash (a SIGSEGV in
-# megatron's initialize_model_parallel was seen in CI).
-START_METHOD = "spawn"
 
 
 def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -225,12 +220,7 @@ def run_transport(
     members = [("sender", s, [specs[s]], s) for s in range(num_senders)]
     members += [("receiver", r, specs, receiver_gpus[r]) for r in range(num_receivers)]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _transport_member,
-            args=(members, out_dir, backend, bucket_bytes),
-            nprocs=len(members),
-            start_method=START_METHOD if backend == "gloo" else "spawn",
-        )
+        start_processes(_transport_member, len(members), members, out_dir, backend, bucket_bytes)
         sent = {s: torch.load(f"{out_dir}/sender{s}.pt") for s in range(num_senders)}
         for r in range(num_receivers):
             per_version = torch.load(f"{out_dir}/receiver{r}.pt")
@@ -380,13 +370,7 @@ def run_megatron_to_receivers(tmp_path, backend: str) -> dict[str, list[int]]:
         for case in cases
     }
     out_dir = str(tmp_path)
-    start = START_METHOD if backend == "gloo" else "spawn"
-    mp.start_processes(
-        _megatron_member,
-        args=(free_port(), cases, specs, ckpts, out_dir, backend),
-        nprocs=4,
-        start_method=start,
-    )
+    start_processes(_megatron_member, 4, free_port(), cases, specs, ckpts, out_dir, backend)
     per_sender = {}
     for case in cases:
         want = load_file(f"{ckpts[MEGATRON_CASES[case][0]]}/model.safetensors")
