@@ -32,9 +32,10 @@ def _restore_rendezvous_env():
             os.environ[name] = value
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def example(tmp_path_factory) -> Path:
-    """The default example's model and data: the prepared one, or a quick one made here."""
+    """The default example's model and data: the prepared one, or a quick one made here, once per
+    test session (the tests only read it; a fresh checkout, as on CI, has no prepared one)."""
     if (EXAMPLE / "sft_model").is_dir():
         return EXAMPLE
     out = tmp_path_factory.mktemp("example")
