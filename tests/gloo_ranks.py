@@ -16,9 +16,11 @@ import contextlib
 import datetime
 import os
 import pickle
+import random
 import sys
 from collections.abc import Callable, Iterator
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -66,10 +68,14 @@ def start_processes(fn: Callable[..., None], nprocs: int, *args) -> None:
 
 def _forked(i: int, path: list[str], env: dict[str, str], payload: bytes) -> None:
     """Process ``i``, forked from the fork server: the starting process's import path and
-    environment, then its function and arguments, unpickled only now."""
+    environment, Python's and numpy's global generators seeded afresh (forked ones would all share
+    the server's state; a spawned process seeds them from the OS), then its function and arguments,
+    unpickled only now."""
     sys.path[:] = path
     os.environ.clear()
     os.environ.update(env)
+    random.seed()
+    numpy.random.seed()
     fn, args = pickle.loads(payload)
     fn(i, *args)
 
