@@ -137,6 +137,9 @@ def step_grads(strategy, micro_batches: list[Batch], loss_fn=policy_loss) -> dic
 def _worker(rank: int, world_size: int, port: int, model: str, scratch: str, device: str) -> None:
     """Every case on this rank (``device`` "cpu", or "cuda": this rank's GPU over NCCL)."""
     device = f"cuda:{rank}" if device == "cuda" else device
+    if device.startswith("cuda"):  # fp32 as on CPU: cuDNN runs the tower's Conv3d in TF32 by default
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     batch = torch.load(Path(scratch, "batch.pt"), weights_only=False)
     mine = batch.index([0, 1] if rank == 0 else [4, 5])  # rank 0: image rows, rank 1: text rows
     out: dict = {}

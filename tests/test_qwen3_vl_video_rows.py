@@ -192,8 +192,13 @@ def test_vllm_requests_hold_one_placeholder_per_video_and_the_frames_metadata(se
     for row, request in zip(
         load(setup[0], processor).rows, vllm_prompts(batch, ids, tokens.image, tokens.video, tokens.frames)
     ):
-        want = processor.tokenizer(row.prompt_text, add_special_tokens=False)["input_ids"]
-        assert request["prompt_token_ids"] == want  # what vLLM's Qwen3-VL processing expands
+        # The template's placeholder inside the video's outer start and end: vLLM 0.24's Qwen3-VL
+        # processing replaces the inner start-video-end, so the expanded prompt is roll's row.
+        template = processor.tokenizer(row.prompt_text, add_special_tokens=False)["input_ids"]
+        at = template.index(tokens.video)
+        want = template[:at] + [start, tokens.video, end] + template[at + 1 :]
+        assert template[at - 1 : at + 2] == [start, tokens.video, end]
+        assert request["prompt_token_ids"] == want
         ((frames, metadata),) = request["multi_modal_data"]["video"]
         assert frames.shape == (4, 64, 64, 3)
         assert metadata == {
@@ -211,8 +216,8 @@ def test_vllm_requests_hold_one_placeholder_per_video_and_the_frames_metadata(se
 def test_collapse_keeps_other_layouts():
     v, s, e, t = 9, 7, 8, 5  # video, start, end, a time token
     one = [1, s, t, t, s, v, v, e, t, s, v, v, e, e, 2]
-    assert collapse_timestamped_videos(one, v, s, e) == [1, s, v, e, 2]
+    assert collapse_timestamped_videos(one, v, s, e) == [1, s, s, v, e, e, 2]
     two = one[:-1] + [3, s, t, s, v, e, e]
-    assert collapse_timestamped_videos(two, v, s, e) == [1, s, v, e, 3, s, v, e]
+    assert collapse_timestamped_videos(two, v, s, e) == [1, s, s, v, e, e, 3, s, s, v, e, e]
     for kept in ([s, v, v, e], [s, t, s, v, e], [s, t, e, e], [s, t, s, e, e]):  # Qwen2-VL's; cut; no tokens
         assert collapse_timestamped_videos(kept, v, s, e) == kept

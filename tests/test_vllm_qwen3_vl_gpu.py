@@ -60,7 +60,9 @@ def _engine(model: Path, limits: dict[str, int]):
     )
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+# MoE first: the engines share this process's vLLM parallel state, which the first engine builds,
+# and only a MoE model's build makes the expert-parallel group a MoE engine needs.
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
 def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe: bool) -> None:
     """``moe``: Qwen3-VL-MoE, its checkpoint in the released layout (stacked, transposed experts)."""
     model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1, moe=moe)
@@ -75,7 +77,9 @@ def test_qwen3_vl_generate_with_images_matches_transformers(tmp_path: Path, moe:
     assert_close(out["infer_logprobs"], want, out["response_mask"], "Qwen3-VL generate with images")
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+# MoE first: the engines share this process's vLLM parallel state, which the first engine builds,
+# and only a MoE model's build makes the expert-parallel group a MoE engine needs.
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
 def test_qwen3_vl_generate_with_videos_matches_transformers(tmp_path: Path, moe: bool) -> None:
     pytest.importorskip("av")  # the frames are decoded with PyAV
     model = build_tiny_qwen3_vl_dir(tmp_path / "model", full_processor=True, std=0.1, moe=moe)

@@ -98,6 +98,10 @@ def tiny_qwen3_omni_config(tok) -> Qwen3OmniMoeConfig:
         "temporal_patch_size": 2,
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": [0, 1],
+        # What vLLM's thinker reads instead of num_position_embeddings (the published config carries
+        # both): a grid of image_size / patch_size = 8 positions per side, an Embedding like transformers'.
+        "image_size": 128,
+        "apply_vit_abs_pos_embed": True,
     }
     audio = {
         "num_mel_bins": MEL_BINS,

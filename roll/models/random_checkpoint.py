@@ -239,6 +239,9 @@ def _qwen3_omni_moe() -> tuple[str, dict[str, Any]]:
         temporal_patch_size=2,
         num_position_embeddings=2304,
         deepstack_visual_indexes=[8, 16, 24],
+        # vLLM's thinker reads these (48 x 48 = 2304 positions of 16-pixel patches).
+        image_size=768,
+        apply_vit_abs_pos_embed=True,
     )
     audio = dict(
         d_model=1280,

@@ -14,9 +14,12 @@ no ``second_per_grid_ts``.
 
 roll writes that text with transformers' own ``Qwen3VLProcessor.replace_video_token`` (given the
 grid and the frames' indices and rate), without building the processor, whose video processor
-needs torchvision. vLLM takes such a prompt with each video back as one
+needs torchvision. vLLM takes such a prompt with each video's frames back as one
 ``<|vision_start|><|video_pad|><|vision_end|>`` (``collapse_timestamped_videos``) and the frames with
-their metadata, and writes the same tokens itself.
+their metadata, and writes the same tokens itself. vLLM 0.24 replaces that whole placeholder with the
+frames (each with its own vision start and end), where transformers keeps the template's start and end
+around them, so the placeholder is sent inside the video's outer start and end, which vLLM keeps: the
+engine's prompt is then roll's, token for token.
 
 >>> timestamped_video_text([2, 4, 4], [0, 2, 5, 7], 4.0, merge_size=2, temporal_patch_size=2)
 '<0.2 seconds><|vision_start|><|video_pad|>...<|vision_end|><1.5 seconds><|vision_start|>...<|vision_end|>'
@@ -59,8 +62,9 @@ def timestamped_video_text(
 
 def collapse_timestamped_videos(ids: Sequence[int], video: int, start: int, end: int) -> list[int]:
     """``ids`` with each video written frame by frame (``start`` [time] ``start`` ``video``... ``end``
-    per temporal patch, then ``end``) as ``start video end``: the prompt as vLLM takes it, which
-    writes the frames again from the video's metadata. Other tokens are kept."""
+    per temporal patch, then ``end``) as ``start start video end end``: the prompt as vLLM takes it,
+    which writes the frames again from the video's metadata in place of the inner ``start video end``
+    (see the module docstring). Other tokens are kept."""
     out: list[int] = []
     i = 0
     while i < len(ids):
@@ -69,7 +73,7 @@ def collapse_timestamped_videos(ids: Sequence[int], video: int, start: int, end:
             out.append(int(ids[i]))
             i += 1
         else:
-            out += [start, video, end]
+            out += [start, start, video, end, end]
             i = stop
     return out
 

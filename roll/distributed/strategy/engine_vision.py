@@ -14,8 +14,9 @@ collapsed to one, and ``mm_processor_kwargs`` holding the frames' sampling ``fps
 ``second_per_grid_ts``) and their pixel area as ``min_pixels``/``max_pixels``, so the engine keeps
 roll's frames as they are (``roll.pipeline.rlvr.data.vision.video_fields``). A model whose prompt
 writes a video frame by frame with timestamps (Qwen3-VL: ``roll.models.video_prompt``) gets each such
-video back as ``<|vision_start|><|video_pad|><|vision_end|>`` and the frames with their metadata
-(``(frames, {"fps", "frames_indices", ...})``), from which vLLM writes the same timestamps and tokens.
+video's frames back as ``<|vision_start|><|video_pad|><|vision_end|>`` inside the video's outer start
+and end, and the frames with their metadata (``(frames, {"fps", "frames_indices", ...})``), from which
+vLLM writes the same timestamps and tokens.
 
 Audios (Qwen3-Omni's thinker): ``{"audio": [float32 waveforms at 16 kHz]}``, each run of
 ``<|audio_pad|>`` collapsed to one; vLLM's thinker pads each waveform to whole hops and runs the
