@@ -291,10 +291,13 @@ def test_the_timeline_is_the_last_ranks_marks_of_the_role_that_finished_last(cap
     assert metrics["startup/timeline.at.initialized_s"] == pytest.approx(20.0)
     assert metrics["startup/timeline.imports_wait_s"] == pytest.approx(2.5)
     assert "start-up of actor_train (its last rank" in caplog.text and "at.initialized 20.0" in caplog.text
+    start.record_driver_marks(timer, {"ray": t0 + 2.0, "probed": t0 + 3.5})
     start.record_initialize(timer, "reference", [report(3.0, 7.0, 25.0)])  # a later wave ends after
     metrics = startup_metrics(timer)
     assert metrics["startup/timeline.at.initialized_s"] == pytest.approx(25.0)
     assert "startup/timeline.imports_wait_s" not in metrics  # that role waited for no imports
+    assert metrics["startup/timeline.driver.ray_s"] == pytest.approx(2.0)  # kept across roles
+    assert metrics["startup/timeline.driver.probed_s"] == pytest.approx(3.5)
 
 
 def test_a_workers_start_marks_run_from_its_process_start_to_its_initialize():

@@ -121,13 +121,18 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
         elif device == "cuda" and _join_local_cluster(kwargs):
             pass
         elif device == "cuda":
-            start_local_ray(None, kwargs)
+            start_local_ray(None, kwargs | {"_system_config": NO_WORKER_PRESTART})
         else:
-            # No idle Python workers at start: every roll actor brings its own environment, so Ray
-            # could not hand them one, and on a small CPU machine they compete with the start-up.
-            no_prestart = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-            start_local_ray(plan.num_nodes * plan.devices_per_node, kwargs | {"_system_config": no_prestart})
+            start_local_ray(
+                plan.num_nodes * plan.devices_per_node, kwargs | {"_system_config": NO_WORKER_PRESTART}
+            )
     return device
+
+
+# No idle Python workers at start for a private Ray: every roll actor brings its own environment, so
+# Ray could not hand them one, and they compete with the start-up (one per CPU: 32 processes importing
+# Ray's worker beside the driver's checks and the actors' own imports on a 2-GPU host).
+NO_WORKER_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
@@ -269,15 +274,20 @@ class ResourceManager:
         self, plan: PlacementPlan, device: str = "auto", log_to_driver: bool = True, timeout_s: float = 300
     ):
         self.plan = plan
+        # When each part of the start was done (epoch seconds): the start-up timeline's driver marks.
+        self.marks: dict[str, float] = {}
         private = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         self.device = init_ray(plan, device, log_to_driver)
+        self.marks["ray"] = time.time()
         nodes = [(n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
         check_capacity(plan, nodes, self.device)
         self.layout = GroupLayout.of(plan)
         self.placement_groups = self._reserve(timeout_s)
+        self.marks["reserved"] = time.time()
         # A private CPU Ray started here is this machine, its slots numbered in bundle order: no
         # probe tasks (each one a Python worker process to start before any worker can).
         self.slots = self._local_slots() if private and self.device == "cpu" else self._probe()
+        self.marks["probed"] = time.time()
 
     def _reserve(self, timeout_s: float) -> list[PlacementGroup]:
         """One placement group per node group of the plan: a node alone is one machine's

@@ -243,6 +243,7 @@ def start_clusters(run: RLVRRun, timer: StageTimer) -> None:
         else:
             start_workers(config, run.plan, run.resources, hosted, run.clusters)
         check_worker_nodes(run)
+    record_driver_marks(timer, getattr(run.resources, "marks", {}))
     with timer("initialize"):
         waves = init_waves(
             run.plan, run.clusters, all_at_once=on_cpu_slots(config), fixed_memory=fixed_engine_memory(config)
@@ -281,6 +282,14 @@ def check_worker_nodes(run: RLVRRun) -> None:
         logger.log(level, "placement: %s", line)
 
 
+def record_driver_marks(timer: StageTimer, marks: dict[str, float]) -> None:
+    """When Ray was up, the devices reserved and the device slots probed (``ResourceManager.marks``),
+    in seconds after the driver's start, as ``timeline.driver.<mark>`` (``startup/timeline.driver.ray_s``
+    ...): with the workers' marks, where the start-up went before the workers' processes started."""
+    since = process_started_at()
+    timer.times.update({f"time/timeline.driver.{name}": at - since for name, at in marks.items()})
+
+
 def record_initialize(timer: StageTimer, role: str, per_rank: list[dict[str, Any] | None] | None) -> None:
     """The slowest rank's ``initialize`` seconds of ``role`` as start-up phase
     ``initialize.<role>`` (``startup/initialize.<role>_s``): which role the start-up waited on.
@@ -302,7 +311,7 @@ def record_initialize(timer: StageTimer, role: str, per_rank: list[dict[str, Any
         ", ".join(f"{name} {value:.1f}" for name, value in marks.items()),
     )
     if marks.get("at.initialized", 0.0) >= timer.times.get("time/timeline.at.initialized", float("-inf")):
-        for key in [k for k in timer.times if k.startswith("time/timeline.")]:
+        for key in [k for k in timer.times if k.startswith("time/timeline.") and ".driver." not in k]:
             del timer.times[key]
         timer.times.update({f"time/timeline.{name}": value for name, value in marks.items()})
 
