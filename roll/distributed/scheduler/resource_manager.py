@@ -121,7 +121,7 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
         elif device == "cuda" and _join_local_cluster(kwargs):
             pass
         elif device == "cuda":
-            start_local_ray(None, kwargs | {"_system_config": NO_WORKER_PRESTART})
+            start_local_ray(None, kwargs)
         else:
             start_local_ray(
                 plan.num_nodes * plan.devices_per_node, kwargs | {"_system_config": NO_WORKER_PRESTART}
@@ -129,9 +129,10 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
     return device
 
 
-# No idle Python workers at start for a private Ray: every roll actor brings its own environment, so
-# Ray could not hand them one, and they compete with the start-up (one per CPU: 32 processes importing
-# Ray's worker beside the driver's checks and the actors' own imports on a 2-GPU host).
+# No idle Python workers at start for a private Ray on CPU slots: every roll actor brings its own
+# environment, so Ray could not hand them one, and on a small CPU machine they compete with the
+# start-up. (On a GPU machine they serve the device probes; whether turning them off there helps is
+# unmeasured.)
 NO_WORKER_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
