@@ -75,6 +75,7 @@ def tiny_qwen3_omni_config(tok) -> Qwen3OmniMoeConfig:
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "norm_topk_prob": True,
+        "tie_word_embeddings": False,  # vLLM's thinker reads it from text_config
         "max_position_embeddings": 1024,
         "rope_parameters": {
             "rope_type": "default",

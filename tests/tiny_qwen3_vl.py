@@ -72,6 +72,7 @@ def tiny_qwen3_vl_moe_config(tok) -> Qwen3VLMoeConfig:
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,  # 2I != H: the stacks are not square
         "decoder_sparse_step": 1,
+        "norm_topk_prob": True,  # vLLM's Qwen3-VL-MoE reads it (transformers always normalizes)
     }
     keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return Qwen3VLMoeConfig(

@@ -399,6 +399,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             num_experts_per_tok=8,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            norm_topk_prob=True,  # vLLM's Qwen3-VL-MoE reads it
         ),
         dict(depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]),
         tied=False,
