@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from roll.pipeline.rlvr.data.fields import row_files
 from roll.pipeline.rlvr.data.vision import REWARD_MODEL, content_text, row_context
 
 # ROLL's audio_test_format_prompt's question template (vlm_dataset_utils.py).
@@ -36,13 +37,7 @@ AUDIO_TEST_TEMPLATE = (
 
 def row_audios(row: dict[str, Any], field: str) -> list[str] | None:
     """A row's audio file names, None when it has none; ValueError for a field of the wrong shape."""
-    audios = row.get(field)
-    if audios is None:
-        return None
-    audios = audios if isinstance(audios, list) else [audios]
-    if not all(isinstance(a, str) and a for a in audios):
-        raise ValueError(f"wrong type: {field} must be an audio file name or a list of them")
-    return audios or None
+    return row_files(row, field, "an audio file name")
 
 
 def read_audio_test_row(

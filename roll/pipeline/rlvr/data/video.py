@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from roll.configs.errors import ConfigError
+from roll.pipeline.rlvr.data.fields import row_files
 
 # Qwen's qwen_vl_utils defaults (used where data_args leaves a key unset): frames, and merged
 # patches (tokens) per frame / per video, times factor**2 pixels each.
@@ -112,13 +113,7 @@ def video_r1_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def row_videos(row: dict[str, Any], field: str) -> list[str] | None:
     """A row's video paths, None when it has none; ValueError for a field of the wrong shape."""
-    videos = row.get(field)
-    if videos is None:
-        return None
-    videos = videos if isinstance(videos, list) else [videos]
-    if not all(isinstance(v, str) and v for v in videos):
-        raise ValueError(f"wrong type: {field} must be a video path or a list of paths")
-    return videos or None
+    return row_files(row, field, "a video path")
 
 
 def smart_resize(
