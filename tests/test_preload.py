@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from roll.distributed.executor.worker import Worker
 from roll.utils.preload import preload
+from roll.utils.start_marks import StartMarks
 
 
 def test_preload_imports_installed_modules_on_a_thread_and_skips_missing_ones(tmp_path, monkeypatch):
@@ -38,6 +39,7 @@ def test_create_strategy_waits_for_the_preload(monkeypatch):
 
     worker = Worker.__new__(Worker)
     worker._preloading = Thread()
+    worker.start_marks = StartMarks()
     worker.role = "actor_infer"
     worker.role_config = SimpleNamespace(strategy_args=SimpleNamespace(strategy_name="hf_infer"))
     worker.ctx = None
@@ -47,6 +49,7 @@ def test_create_strategy_waits_for_the_preload(monkeypatch):
     )
     worker.create_strategy()
     assert order == ["joined", "built"] and worker._preloading is None and worker.strategy == "strategy"
+    assert "imports_wait" in worker.start_marks.spans  # the start-up timeline's wait for the preload
 
 
 def test_every_strategys_preload_names_a_module_of_its_installed_package():
