@@ -593,3 +593,32 @@ def test_a_rank_that_fails_after_another_node_went_down_names_that_node(monkeypa
     assert line.startswith(
         "actor_train rank 0 on node 1 (127.0.0.1): RayActorError: the worker process died"
     ), line
+
+
+@pytest.mark.parametrize("host, kept", [("127.0.0.1", True), ("10.0.0.5", False)])
+def test_joining_a_loopback_ray_address_keeps_it_loopback(monkeypatch, host, kept):
+    """A cluster started on 127.0.0.1 (``ray start --node-ip-address=127.0.0.1``): ray.init would
+    turn the address into the machine's (its ENABLE_RAY_CLUSTER flag, read when Ray was imported)
+    and dial a port nothing listens on, until its GCS client timed out (seen on a 2-GPU host)."""
+    from ray._private import ray_constants, services
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        seen = {}
+
+        def fake_init(**kwargs):
+            seen["canonical"] = services.canonicalize_bootstrap_address(kwargs["address"])
+            seen["flag"] = ray_constants.ENABLE_RAY_CLUSTER
+
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(ray, "init", fake_init)
+        monkeypatch.setattr(resource_manager, "check_ray_address", lambda address: None)
+        monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+        monkeypatch.setenv("RAY_ADDRESS", f"{host}:{port}")
+        init_ray(PlacementPlan(2, 8, {}, ()), "cuda")
+    assert seen["flag"] is (not kept)
+    if kept:
+        assert seen["canonical"] == f"127.0.0.1:{port}"
+    assert ray_constants.ENABLE_RAY_CLUSTER  # restored

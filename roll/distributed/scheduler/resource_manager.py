@@ -115,7 +115,8 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
     with keep_signal_handlers():
         if address:
             check_ray_address(address)
-            ray.init(address=address, **kwargs)
+            with loopback_kept(address.partition(":")[0] == LOOPBACK):
+                ray.init(address=address, **kwargs)
         elif device == "cuda" and plan.num_nodes > 1:
             ray.init(**kwargs)
         elif device == "cuda" and _join_local_cluster(kwargs):
@@ -137,12 +138,26 @@ NO_WORKER_PRESTART = {"enable_worker_prestart": False, "prestart_worker_first_dr
 
 
 def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
-    """Start a private Ray whose every port (GCS, raylet, workers, agents) listens on 127.0.0.1 only.
+    """Start a private Ray whose every port (GCS, raylet, workers, agents) listens on 127.0.0.1 only
+    (``loopback_kept``)."""
+    with loopback_kept():
+        ray.init(address="local", num_gpus=num_gpus, _node_ip_address=LOOPBACK, **kwargs)
+
+
+@contextlib.contextmanager
+def loopback_kept(keep: bool = True) -> Iterator[None]:
+    """While Ray starts or joins, keep 127.0.0.1 as the node's and the GCS's address (``keep``).
 
     Ray binds its servers to loopback only when the node's IP is 127.0.0.1, and ``ray.init`` turns a
-    loopback ``_node_ip_address`` into the machine's address unless ``ENABLE_RAY_CLUSTER`` (env
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) is off, so it is off while Ray starts; the processes
-    started then inherit the variable."""
+    loopback ``_node_ip_address``, or a loopback GCS address to join, into the machine's address
+    unless ``ENABLE_RAY_CLUSTER`` (env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, read when Ray is
+    imported) is off: a driver joining a cluster started on loopback (``ray start
+    --node-ip-address=127.0.0.1``, benchmarks/two_nodes_one_host.py) then dialled the machine's
+    address, where nothing listens, until its GCS client timed out. So the flag is off meanwhile; the
+    processes started then inherit the variable."""
+    if not keep:
+        yield
+        return
     from ray._private import ray_constants
 
     saved_env = os.environ.get(LOCAL_ONLY_ENV)
@@ -150,7 +165,7 @@ def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
     os.environ[LOCAL_ONLY_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(address="local", num_gpus=num_gpus, _node_ip_address=LOOPBACK, **kwargs)
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:
