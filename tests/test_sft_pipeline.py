@@ -209,7 +209,7 @@ def test_recipe_configs_plan_and_fit_their_model(name, capsys):
     import transformers
 
     from roll.launch.sft import main
-    from roll.models.megatron.families import check_model_fits
+    from roll.models.megatron.model_fit import check_model_fits
 
     assert main(["--config_name", name, "--dry_run"]) == 0
     assert "megatron_train" in capsys.readouterr().out

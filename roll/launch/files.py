@@ -24,7 +24,8 @@ from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangCon
 from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
 from roll.models.expert_parallel import check_experts, config_experts
-from roll.models.megatron.families import VISION_FAMILIES, check_model_fits, get_family
+from roll.models.megatron.families import VISION_FAMILIES, get_family
+from roll.models.megatron.model_fit import check_model_fits
 from roll.models.model_dir import check_model_dir, config_json
 from roll.models.ulysses import check_heads
 from roll.models.vision import (

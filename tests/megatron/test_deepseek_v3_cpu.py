@@ -52,7 +52,7 @@ from two_rank_training import (  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.models.megatron import convert, families  # noqa: E402
+from roll.models.megatron import convert, families, model_fit  # noqa: E402
 
 YARN = {
     "rope_type": "yarn",
@@ -334,7 +334,7 @@ def test_unsupported_options_name_the_key(overrides, key) -> None:
     for name, value in overrides.items():
         setattr(config, name, value)
     with pytest.raises(ConfigError, match=rf"^model_args.model_name_or_path: config.json {key}=") as err:
-        families.check_model_fits(config, MegatronConfig())
+        model_fit.check_model_fits(config, MegatronConfig())
     assert "deepseek_v3" in str(err.value)
 
 
@@ -342,12 +342,12 @@ def test_layout_checks_name_the_key() -> None:
     with pytest.raises(
         ConfigError, match=r"tensor_model_parallel_size: 8 does not divide the model's num_attention_heads"
     ):
-        families.check_model_fits(deepseek_config(), MegatronConfig(tensor_model_parallel_size=8))
+        model_fit.check_model_fits(deepseek_config(), MegatronConfig(tensor_model_parallel_size=8))
     with pytest.raises(
         ConfigError, match=r"expert_model_parallel_size: 3 does not divide the model's number of experts"
     ):
-        families.check_model_fits(deepseek_config(), MegatronConfig(expert_model_parallel_size=3))
-    families.check_model_fits(
+        model_fit.check_model_fits(deepseek_config(), MegatronConfig(expert_model_parallel_size=3))
+    model_fit.check_model_fits(
         deepseek_config(), MegatronConfig(tensor_model_parallel_size=4, expert_model_parallel_size=8)
     )
 
@@ -366,7 +366,7 @@ def test_recipe_plans_and_fits_deepseek_v3(capsys) -> None:
     assert main(["--config_name", RECIPE, "--config_path", str(repo / "examples/config"), "--dry_run"]) == 0
     assert "megatron_train" in capsys.readouterr().out
     config = load_sft_config(repo / "examples/config" / f"{RECIPE}.yaml")
-    families.check_model_fits(
+    model_fit.check_model_fits(
         transformers.DeepseekV3Config(), config.actor_train.strategy_args.strategy_config
     )
 

@@ -35,7 +35,8 @@ from vl_packed_checks import check_gradients, check_log_probs, check_mixed_ranks
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.models.megatron.families import check_model_fits, padded_rows_only  # noqa: E402
+from roll.models.megatron.families import padded_rows_only  # noqa: E402
+from roll.models.megatron.model_fit import check_model_fits  # noqa: E402
 
 
 def _worker(rank: int, world_size: int, port: int, path: str, scratch: str) -> None:

@@ -37,7 +37,7 @@ from vl_checks import check_saved, export_and_save  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.models.megatron.families import check_model_fits  # noqa: E402
+from roll.models.megatron.model_fit import check_model_fits  # noqa: E402
 
 TRAINING["recompute_full"] = {"recompute_granularity": "full", "tensor_model_parallel_size": 2}
 

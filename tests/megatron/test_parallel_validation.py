@@ -1,4 +1,4 @@
-"""MegatronConfig.validate (layout vs devices) and families.check_model_fits (layout vs model).
+"""MegatronConfig.validate (layout vs devices) and model_fit.check_model_fits (layout vs model).
 
 Pure checks: no process groups, no megatron-core import (the family tables import only torch).
 """
@@ -11,7 +11,7 @@ import transformers
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
-from roll.models.megatron import families
+from roll.models.megatron import families, model_fit
 
 PATH = "actor_train.strategy_args.strategy_config"
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 200}
@@ -154,7 +154,9 @@ def test_validate_accepts(kwargs: dict, devices: int) -> None:
     ],
 )
 def test_check_model_fits_rejects(hf, kwargs: dict, key: str) -> None:
-    assert error_key(lambda: families.check_model_fits(hf, MegatronConfig(**kwargs), PATH)) == f"{PATH}.{key}"
+    assert (
+        error_key(lambda: model_fit.check_model_fits(hf, MegatronConfig(**kwargs), PATH)) == f"{PATH}.{key}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -181,14 +183,14 @@ def test_check_model_fits_rejects(hf, kwargs: dict, key: str) -> None:
     ],
 )
 def test_check_model_fits_accepts(hf, kwargs: dict) -> None:
-    families.check_model_fits(hf, MegatronConfig(**kwargs), PATH)
+    model_fit.check_model_fits(hf, MegatronConfig(**kwargs), PATH)
 
 
 def test_unknown_model_type_names_the_model_path_and_lists_families() -> None:
     hf = transformers.GPT2Config()
     hf._name_or_path = "/models/gpt2"
     with pytest.raises(ConfigError) as info:
-        families.check_model_fits(hf, MegatronConfig(), PATH)
+        model_fit.check_model_fits(hf, MegatronConfig(), PATH)
     assert info.value.path == "model_args.model_name_or_path"
     assert "'gpt2'" in info.value.message and "/models/gpt2" in info.value.message
     for model_type in ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"):
@@ -208,7 +210,7 @@ def test_unknown_model_type_names_the_model_path_and_lists_families() -> None:
 )
 def test_unsupported_hf_options(hf, what: str) -> None:
     with pytest.raises(ConfigError, match=what) as info:
-        families.check_model_fits(hf, MegatronConfig(), PATH)
+        model_fit.check_model_fits(hf, MegatronConfig(), PATH)
     assert info.value.path == "model_args.model_name_or_path"
 
 

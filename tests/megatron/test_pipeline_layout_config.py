@@ -20,7 +20,7 @@ from roll.configs.build import build_dataclass  # noqa: E402
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.pipeline_layout import PipelineLayout  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.models.megatron import families  # noqa: E402
+from roll.models.megatron import model_fit  # noqa: E402
 
 PATH = "actor_train.strategy_args.strategy_config"
 KEY = f"{PATH}.pipeline_model_parallel_layout"
@@ -120,20 +120,20 @@ def test_rank_layers_without_a_layout(kwargs: dict, num_layers: int, layers: lis
 
 def test_model_check_counts_the_layouts_decoder_layers() -> None:
     hf = transformers.Qwen2Config(**TINY, intermediate_size=128, num_hidden_layers=4)
-    families.check_model_fits(hf, load("E|tt|tt|L"), PATH)
+    model_fit.check_model_fits(hf, load("E|tt|tt|L"), PATH)
     with pytest.raises(ConfigError) as info:
-        families.check_model_fits(hf, load("E|ttt|tt|L"), PATH)
+        model_fit.check_model_fits(hf, load("E|ttt|tt|L"), PATH)
     assert info.value.path == KEY and "places 5 decoder layers (t), the model has 4" in info.value.message
 
 
 def test_qwen3_vl_deepstack_layers_need_a_first_chunk_that_holds_them() -> None:
     hf = tiny_qwen3_vl_config(build_tiny_vl_tokenizer())  # 4 layers, deepstack after layers 0 and 1
     with pytest.raises(ConfigError) as info:
-        families.check_model_fits(hf, load("E|tt|tt|L"), PATH)
+        model_fit.check_model_fits(hf, load("E|tt|tt|L"), PATH)
     assert (
         info.value.path == KEY and "puts 0 decoder layers in the first pipeline chunk" in info.value.message
     )
-    families.check_model_fits(hf, load("Ett|t|t|L"), PATH)
+    model_fit.check_model_fits(hf, load("Ett|t|t|L"), PATH)
 
 
 def test_converter_takes_the_layout_and_names_its_flag(tmp_path: Path) -> None:

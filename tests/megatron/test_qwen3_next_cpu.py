@@ -64,7 +64,7 @@ from two_rank_training import (  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import MegatronConfig  # noqa: E402
-from roll.models.megatron import convert, families  # noqa: E402
+from roll.models.megatron import convert, families, model_fit  # noqa: E402
 
 MTP = {
     "mtp.fc.weight": (64, 128),
@@ -263,14 +263,14 @@ def test_mtp_tensors_are_skipped_with_a_log_line(tmp_path: Path, caplog) -> None
 )
 def test_bad_layouts_name_the_key(layout, key, words) -> None:
     with pytest.raises(ConfigError, match=rf"^strategy_args.strategy_config.{key}: .*{words}"):
-        families.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(**layout))
+        model_fit.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(**layout))
 
 
 def test_context_parallelism_splits_the_linear_key_heads() -> None:
     """CP runs the Gated DeltaNet layers on 1 / (TP x CP) of the key heads (2 here)."""
-    families.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(context_parallel_size=2))
+    model_fit.check_model_fits(tiny_qwen3_next_config(), MegatronConfig(context_parallel_size=2))
     with pytest.raises(ConfigError, match=r"context_parallel_size: 2: TP x CP = 2 x 2 does not divide"):
-        families.check_model_fits(
+        model_fit.check_model_fits(
             tiny_qwen3_next_config(), MegatronConfig(tensor_model_parallel_size=2, context_parallel_size=2)
         )
 
@@ -280,8 +280,8 @@ def test_tp_must_divide_the_linear_key_heads() -> None:
     with pytest.raises(
         ConfigError, match=r"tensor_model_parallel_size: 2 does not divide .* linear_num_key_heads"
     ):
-        families.check_model_fits(config, MegatronConfig(tensor_model_parallel_size=2))
-    families.check_model_fits(config, MegatronConfig())
+        model_fit.check_model_fits(config, MegatronConfig(tensor_model_parallel_size=2))
+    model_fit.check_model_fits(config, MegatronConfig())
 
 
 @pytest.mark.parametrize(
@@ -299,7 +299,7 @@ def test_unsupported_options_name_the_key(overrides, key) -> None:
     for name, value in overrides.items():
         setattr(config, name, value)
     with pytest.raises(ConfigError, match=rf"^model_args.model_name_or_path: config.json {key}=.*qwen3_next"):
-        families.check_model_fits(config, MegatronConfig())
+        model_fit.check_model_fits(config, MegatronConfig())
 
 
 def test_megatron_generation_is_refused() -> None:

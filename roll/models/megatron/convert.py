@@ -72,7 +72,7 @@ def check_layout(hf_dir: str | Path, cfg: MegatronConfig) -> Any:
     """The HF config, after checking that the model splits into ``cfg`` (ConfigError naming --tp etc.)."""
     from transformers import AutoConfig
 
-    from roll.models.megatron.families import check_model_fits
+    from roll.models.megatron.model_fit import check_model_fits
 
     if not (Path(hf_dir) / "config.json").is_file():
         raise ConfigError(str(hf_dir), "not a Hugging Face model directory (no config.json)")

@@ -21,7 +21,7 @@ import torch
 
 from roll.configs.errors import ConfigError
 from roll.configs.strategy_configs import MegatronConfig
-from roll.models.megatron import families
+from roll.models.megatron import families, model_fit
 from roll.models.megatron.gated_delta_net import VARIANT as GDN_VARIANT
 
 # (transformer_config, megatron_cfg, num_experts or None) -> one transformer layer's ModuleSpec
@@ -72,7 +72,7 @@ def _parallel_kwargs(cfg: MegatronConfig, moe: bool) -> dict[str, Any]:
 
 
 def transformer_config_from_hf(
-    hf_config: Any, megatron_cfg: MegatronConfig, dtype: torch.dtype, path: str = families.STRATEGY_PATH
+    hf_config: Any, megatron_cfg: MegatronConfig, dtype: torch.dtype, path: str = model_fit.STRATEGY_PATH
 ) -> Any:
     """megatron-core TransformerConfig for ``hf_config`` under ``megatron_cfg``'s layout.
 
@@ -84,7 +84,7 @@ def transformer_config_from_hf(
 
     if dtype not in _DTYPE_FLAGS:
         raise ValueError(f"dtype must be one of {list(_DTYPE_FLAGS)}, got {dtype}")
-    families.check_model_fits(hf_config, megatron_cfg, path)
+    model_fit.check_model_fits(hf_config, megatron_cfg, path)
     kwargs = families.transformer_kwargs(hf_config)
     kwargs.update(_parallel_kwargs(megatron_cfg, moe="num_moe_experts" in kwargs))
     kwargs.update(_DTYPE_FLAGS[dtype])
