@@ -226,13 +226,11 @@ class Cluster:
         added = []
         for rank in range(self.world_size):
             options = resource_manager.worker_options(role_plan, rank)
-            env = {**extra_env, **options["runtime_env"]["env_vars"]}
-            options["runtime_env"] = {"env_vars": env}
-            # The process's own environment may hold more than its Ray runtime_env (see
-            # ``ResourceManager.process_only_env``: an engine on Ray's executor).
-            hidden = resource_manager.process_only_env(role_plan)
-            own = {k: v for k, v in resource_manager.worker_env(role_plan, rank).items() if k in hidden}
-            args = (role, role_config, pipeline_config, rank, self.world_size, env | own)
+            options["runtime_env"] = {"env_vars": {**extra_env, **options["runtime_env"]["env_vars"]}}
+            # The process's own environment is the whole worker_env: its Ray runtime_env may hold
+            # less (``ResourceManager.process_only_env``: an engine on Ray's executor).
+            env = {**extra_env, **resource_manager.worker_env(role_plan, rank)}
+            args = (role, role_config, pipeline_config, rank, self.world_size, env)
             if hosts is None:
                 self.workers.append(remote_cls.options(**options).remote(*args))
             else:
