@@ -53,14 +53,20 @@ def vl_prompts(root: Path, model_dir: Path) -> Batch:
     return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
 
 
-def video_prompts(root: Path, model_dir: Path) -> Batch:
+def video_prompts(
+    root: Path, model_dir: Path, video_args: dict | None = None, prompt_length: int = VIDEO_PROMPT_LENGTH
+) -> Batch:
+    """Two Video-R1 rows through roll's data path (``video_args``: the model's frame options,
+    Qwen2.5-VL's by default)."""
     pytest.importorskip("av")  # the frames are decoded with PyAV
     processor = VisionProcessor.load(str(model_dir))
     (root / "videos.json").write_text(json.dumps(video_r1_rows(root / "videos", 2)))
-    args = DataArgs(file_name=[str(root / "videos.json")], row_layout="video_r1", **VIDEO_ARGS)
-    rows = load_prompt_files(args, processor.tokenizer, VIDEO_PROMPT_LENGTH, "data_args", processor)
+    args = DataArgs(
+        file_name=[str(root / "videos.json")], row_layout="video_r1", **(video_args or VIDEO_ARGS)
+    )
+    rows = load_prompt_files(args, processor.tokenizer, prompt_length, "data_args", processor)
     assert len(rows) == 2 and not rows.bad_rows
-    return to_batch(rows.rows, processor.tokenizer.pad_token_id, VIDEO_PROMPT_LENGTH, processor)
+    return to_batch(rows.rows, processor.tokenizer.pad_token_id, prompt_length, processor)
 
 
 def hf_vl(path: Path):

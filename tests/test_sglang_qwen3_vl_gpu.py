@@ -18,7 +18,6 @@ the module's engine fixture is parametrized and pytest finishes one model's test
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -35,16 +34,12 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
 from engine_vl_gpu import check_generate, hf_sampled_logprobs, hf_vl, save_image_rows, vl_prompts  # noqa: E402
+from engine_vl_gpu import video_prompts as shared_video_prompts  # noqa: E402
 from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
-from tiny_vl import video_r1_rows  # noqa: E402
 
-from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.generation import prompt_token_lists  # noqa: E402
-from roll.models.vision import VisionProcessor  # noqa: E402
-from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
-from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
 
 PROMPT_LENGTH = 700  # the tiny tokenizer spends ~530 tokens on Video-R1's template
 
@@ -65,13 +60,7 @@ def setup(request, tmp_path_factory):
 
 
 def video_prompts(root: Path, model: Path) -> Batch:
-    pytest.importorskip("av")  # the frames are decoded with PyAV
-    processor = VisionProcessor.load(str(model))
-    (root / "videos.json").write_text(json.dumps(video_r1_rows(root / "videos", 2)))
-    args = DataArgs(file_name=[str(root / "videos.json")], row_layout="video_r1", **QWEN3_VIDEO_ARGS)
-    rows = load_prompt_files(args, processor.tokenizer, PROMPT_LENGTH, "data_args", processor)
-    assert len(rows) == 2 and not rows.bad_rows
-    return to_batch(rows.rows, processor.tokenizer.pad_token_id, PROMPT_LENGTH, processor)
+    return shared_video_prompts(root, model, QWEN3_VIDEO_ARGS, PROMPT_LENGTH)
 
 
 def check_prompt_lengths(strategy, prompts: Batch) -> None:
