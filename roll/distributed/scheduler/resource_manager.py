@@ -115,7 +115,8 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
     with keep_signal_handlers():
         if address:
             check_ray_address(address)
-            with loopback_kept(address.partition(":")[0] == LOOPBACK):
+            loopback = address.partition(":")[0] == LOOPBACK
+            with loopback_kept() if loopback else contextlib.nullcontext():
                 ray.init(address=address, **kwargs)
         elif device == "cuda" and plan.num_nodes > 1:
             ray.init(**kwargs)
@@ -145,8 +146,8 @@ def start_local_ray(num_gpus: int | None, kwargs: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def loopback_kept(keep: bool = True) -> Iterator[None]:
-    """While Ray starts or joins, keep 127.0.0.1 as the node's and the GCS's address (``keep``).
+def loopback_kept() -> Iterator[None]:
+    """While Ray starts or joins, keep 127.0.0.1 as the node's and the GCS's address.
 
     Ray binds its servers to loopback only when the node's IP is 127.0.0.1, and ``ray.init`` turns a
     loopback ``_node_ip_address``, or a loopback GCS address to join, into the machine's address
@@ -155,9 +156,6 @@ def loopback_kept(keep: bool = True) -> Iterator[None]:
     --node-ip-address=127.0.0.1``, benchmarks/two_nodes_one_host.py) then dialled the machine's
     address, where nothing listens, until its GCS client timed out. So the flag is off meanwhile; the
     processes started then inherit the variable."""
-    if not keep:
-        yield
-        return
     from ray._private import ray_constants
 
     saved_env = os.environ.get(LOCAL_ONLY_ENV)
