@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 pytest.importorskip("megatron.core")
 
 import compat  # noqa: E402
-from tiny_qwen3_omni import MEL_BINS, build_tiny_qwen3_omni_dir, write_wav  # noqa: E402
-from tiny_vl import detection_rows  # noqa: E402
+from omni_cases import audio_batch, hf_thinker, thinker_log_probs  # noqa: E402
+from tiny_qwen3_omni import MEL_BINS, build_tiny_qwen3_omni_dir  # noqa: E402
 from two_rank_training import megatron_rank, run_two_ranks  # noqa: E402
 from vl_checks import check_log_probs  # noqa: E402
 
@@ -88,16 +88,9 @@ def _rows(path: Path) -> list[dict]:
     ]
 
 
-def _hf_thinker(path: Path):
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    return model.thinker.eval()
-
-
 def _hf_reference(path: Path, scratch: Path) -> None:
     """transformers' logits of each row and the image row's loss gradients, saved for the ranks."""
-    thinker, rows = _hf_thinker(path), _rows(path)
+    thinker, rows = hf_thinker(path), _rows(path)
     with torch.no_grad():
         logits = [thinker(attention_mask=torch.ones_like(r["input_ids"]), **r).logits for r in rows]
     image = rows[1]
@@ -109,72 +102,11 @@ def _hf_reference(path: Path, scratch: Path) -> None:
 
 
 def _audio_case(path: Path, scratch: Path) -> None:
-    """``scratch / "batch.pt"``: an audio row, an image row, an image + audio row and a text row
-    (roll's default layout: ``audios`` under ``audio_folder``) through roll's data path, with random
-    responses; ``scratch / "want.pt"``: transformers' thinker's log-probs of them."""
-    import json
-
-    from roll.configs.role import DataArgs
-    from roll.distributed.strategy.generation import build_generation_batch
-    from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor
-    from roll.pipeline.rlvr.data.dataset import load_prompt_files
-    from roll.pipeline.rlvr.data.sampler import to_batch
-
-    (scratch / "audios").mkdir()
-    write_wav(scratch / "audios" / "a.wav", 0.37)  # 37 frames: 5 audio tokens
-    write_wav(scratch / "audios" / "b.wav", 0.2, pitch=600.0)  # 20 frames: 3 audio tokens
-    image = detection_rows(scratch / "images", 1)[0]
-    rows = [
-        {
-            "prompt": [{"role": "user", "content": "<audio>Count the words."}],
-            "audios": ["a.wav"],
-            "ground_truth": "3",
-        },
-        image,
-        {**image, "prompt": [{"role": "user", "content": "<image><audio>Both?"}], "audios": ["b.wav"]},
-        {"prompt": [{"role": "user", "content": "Red?"}], "ground_truth": "red"},
-    ]
-    (scratch / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    processor = VisionProcessor.load(str(path))
-    args = DataArgs(
-        file_name=[str(scratch / "rows.jsonl")], messages="prompt", audio_folder=str(scratch / "audios")
-    )
-    loaded = load_prompt_files(args, processor.tokenizer, 40, "actor_train.data_args", processor)
-    assert len(loaded) == 4, loaded.bad_rows + loaded.too_long
-    prompts = to_batch(loaded.rows, processor.tokenizer.pad_token_id, 40, processor)
-    assert [sorted(r) if r else None for r in prompts[MULTI_MODAL_INPUTS]][::3] == [
-        ["feature_attention_mask", "input_features"],
-        None,
-    ]
-    gen = torch.Generator().manual_seed(0)
-    responses = [torch.randint(3, 300, (6 - i % 3,), generator=gen).tolist() for i in range(4)]
-    batch = build_generation_batch(prompts, responses, None, 1, processor.tokenizer.pad_token_id, 6)
+    """``scratch / "batch.pt"``: ``omni_cases.audio_batch``; ``scratch / "want.pt"``: transformers'
+    thinker's log-probs of it."""
+    batch = audio_batch(path, scratch)
     torch.save(batch, scratch / "batch.pt")
-    torch.save(_hf_log_probs(path, batch), scratch / "want.pt")
-
-
-def _hf_log_probs(path: Path, batch) -> torch.Tensor:
-    """transformers' thinker's response log-probs [B, R] (0 at padding), the multimodal tokens
-    excluded from responses as roll scores them; each row scored alone (in a left-padded batch,
-    transformers scores the image + audio row 3e-3 away from its score alone, which roll matches)."""
-    thinker = _hf_thinker(path)
-    return torch.cat([_hf_row_log_probs(thinker, batch.index([i])) for i in range(len(batch))])
-
-
-def _hf_row_log_probs(thinker, batch) -> torch.Tensor:
-    from roll.models.vision import exclude_response_tokens, forward_kwargs, response_excluded_tokens
-
-    with torch.no_grad():
-        logits = thinker(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            **forward_kwargs(batch, "cpu"),
-        ).logits.float()
-    logits = exclude_response_tokens(logits, response_excluded_tokens(thinker.config))
-    width = batch["responses"].shape[1]
-    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
-    logps = logps.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-    return torch.where(batch["response_mask"].bool(), logps, torch.zeros_like(logps))
+    torch.save(thinker_log_probs(path, batch), scratch / "want.pt")
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -248,7 +180,7 @@ def _check_export_and_save(chunks, path: str, scratch: Path) -> list[str]:
     save_hf_checkpoint(chunks, _top_config(path), out, tokenizer_dir=path)
     dist.barrier()
     if dist.get_rank() == 0:
-        original, saved = _hf_thinker(Path(path)).state_dict(), _hf_thinker(out).state_dict()
+        original, saved = hf_thinker(Path(path)).state_dict(), hf_thinker(out).state_dict()
         bad += [
             f"saved: {n} differs in transformers" for n, t in original.items() if not torch.equal(saved[n], t)
         ]

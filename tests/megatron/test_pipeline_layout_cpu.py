@@ -61,7 +61,9 @@ def _step(strategy, batch: Batch) -> float:
     """One optimizer step on this DP rank's rows, one row per micro-batch; the loss over all DP."""
     dp_rank, dp_size, _ = strategy.dp_layout()
     mine = batch.chunk(dp_size)[dp_rank]
-    loss = torch.tensor(strategy.train_step(mine.split(1), pg_loss)["loss"], dtype=torch.float64)
+    loss = torch.tensor(
+        strategy.train_step(mine.split(1), pg_loss)["loss"], dtype=torch.float64, device=strategy.ctx.device
+    )
     dist.all_reduce(loss)
     return float(loss) / dist.get_world_size()
 
@@ -71,8 +73,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def _run(path: str, layout: dict, batch: Batch) -> dict:
-    strategy = train_strategy(path, layout)
+def _run(path: str, layout: dict, batch: Batch, device: str) -> dict:
+    strategy = train_strategy(path, layout, device=device)
     mine = [len(unwrap(chunk).decoder.layers) for chunk in strategy.model]
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
@@ -81,26 +83,28 @@ def _run(path: str, layout: dict, batch: Batch) -> dict:
         "chunks": len(strategy.model),
         "vpp": strategy.config.virtual_pipeline_model_parallel_size,
         "loaded": full_hf_weights(strategy),
-        "log_probs": strategy.compute_log_probs(batch)["log_probs"],
+        "log_probs": strategy.compute_log_probs(batch)["log_probs"].cpu(),
     }
     out["loss"] = _step(strategy, batch)
     out["trained"] = full_hf_weights(strategy)
     return out
 
 
-def _greedy(path: str, layout: dict, batch: Batch) -> torch.Tensor:
-    infer = train_strategy(path, layout, strategy="megatron_infer")
+def _greedy(path: str, layout: dict, batch: Batch, device: str) -> torch.Tensor:
+    infer = train_strategy(path, layout, strategy="megatron_infer", device=device)
     prompts = batch.select(["prompts", "prompt_mask"])
-    return infer.generate(prompts, SamplingParams(n=1, max_new_tokens=6, temperature=0.0))["responses"]
+    sampling = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    return infer.generate(prompts, sampling)["responses"].cpu()
 
 
-def check(path: str) -> list[str]:
+def check(path: str, device: str = "cpu") -> list[str]:
+    """Every layout of ``LAYOUTS`` against PP=1 on this rank (CPU, or CUDA device ``rank``)."""
     bad: list[str] = []
     original = safetensors.torch.load_file(str(Path(path) / "model.safetensors"))
     batch = pg_batch(5, rows=4)
-    ref = _run(path, PP1, batch)
+    ref = _run(path, PP1, batch, device)
     for text, vpp in LAYOUTS.items():
-        got = _run(path, _layout(text), batch)
+        got = _run(path, _layout(text), batch, device)
         if got["vpp"] != vpp or got["chunks"] != (vpp or 1):
             bad.append(f"{text}: VPP {got['vpp']} with {got['chunks']} chunks, want {vpp}")
         want_layers = PipelineLayout.parse(text).rank_layers(2)
@@ -122,8 +126,8 @@ def check(path: str) -> list[str]:
                 f"{text}: weights after the step differ from PP=1's by {diff:.2e} (the step moved {moved:.2e})"
             )
         dist.barrier()
-    want = _greedy(path, PP1, batch)
-    got = _greedy(path, _layout("Et|tttL"), batch)
+    want = _greedy(path, PP1, batch, device)
+    got = _greedy(path, _layout("Et|tttL"), batch, device)
     if not torch.equal(got, want):
         bad.append(f"megatron_infer Et|tttL greedy tokens {got.tolist()} != PP=1's {want.tolist()}")
     return bad

@@ -95,18 +95,24 @@ def hf_log_probs_and_grad_norm(path: str, batch: Batch) -> tuple[torch.Tensor, f
 
 
 def full_hf_weights(strategy) -> dict[str, torch.Tensor]:
-    """Every HF tensor of a megatron strategy's model, gathered on every rank."""
-    mine = {n: t.detach().clone() for n, t in export_hf_weights(strategy.model)}
+    """Every HF tensor of a megatron strategy's model, gathered on every rank, on CPU."""
+    mine = {n: t.detach().to("cpu", copy=True) for n, t in export_hf_weights(strategy.model)}
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return {n: t for part in parts for n, t in part.items()}
 
 
 def train_strategy(
-    path: str, layout: dict, weight_decay: float = 0.0, strategy: str = "megatron_train", **model_args
+    path: str,
+    layout: dict,
+    weight_decay: float = 0.0,
+    strategy: str = "megatron_train",
+    device: str = "cpu",
+    **model_args,
 ):
     """megatron_train (fp32, lr 1e-2, clip 1.0; or ``strategy``, e.g. megatron_infer) on this
-    process's rank of the default group; ``model_args``: more ``ModelArgs`` fields."""
+    process's rank of the default group, on CPU or (``device="cuda"``) CUDA device ``rank``;
+    ``model_args``: more ``ModelArgs`` fields."""
     from roll.distributed.strategy.registry import load_strategy_class
 
     role = RoleConfig(
@@ -116,7 +122,8 @@ def train_strategy(
         infer_batch_size=2,
     )
     rank = dist.get_rank()
-    ctx = WorkerContext("actor", rank, dist.get_world_size(), rank, torch.device("cpu"), seed=7)
+    where = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    ctx = WorkerContext("actor", rank, dist.get_world_size(), rank, where, seed=7)
     strategy = load_strategy_class(strategy)(role, ctx)
     strategy.initialize()
     compat.seed(7)

@@ -24,6 +24,9 @@ from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
 from roll.core.batch import Batch
 from roll.core.worker_context import WorkerContext
 
+# transformers' response log-probs of a batch: (model, batch, dtype, device) -> [B, R] on CPU
+Reference = Callable[[Path, Batch, torch.dtype, str], torch.Tensor]
+
 FP32_MAX_DIFF = 1e-4
 BF16_MEAN_DIFF = 2e-2
 
@@ -82,12 +85,14 @@ def one_device_worker(rank: int, world_size: int, port: int, path: str) -> None:
         dist.barrier()
 
 
-def one_device_mismatches(model: Path, batch: Batch, scratch: Path) -> list[str]:
+def one_device_mismatches(
+    model: Path, batch: Batch, scratch: Path, reference: Reference = hf_log_probs
+) -> list[str]:
     """Saves ``batch`` beside ``model`` (``scratch``), scores it on megatron_infer on one device and
-    returns where it is off transformers' bounds."""
+    returns where it is off transformers' bounds (``reference``: see ``log_prob_mismatches``)."""
     torch.save(batch, scratch / "batch.pt")
     spawn_ranks(one_device_worker, 1, str(model))
-    return log_prob_mismatches(model, batch, scratch, {"": "megatron_{dtype}.pt"})
+    return log_prob_mismatches(model, batch, scratch, {"": "megatron_{dtype}.pt"}, reference)
 
 
 def two_device_worker(
@@ -122,13 +127,16 @@ def two_device_worker(
         dist.barrier()
 
 
-def log_prob_mismatches(model: Path, batch: Batch, scratch: Path, files: dict[str, str]) -> list[str]:
+def log_prob_mismatches(
+    model: Path, batch: Batch, scratch: Path, files: dict[str, str], reference: Reference = hf_log_probs
+) -> list[str]:
     """Each ``files`` entry (label -> file name under ``scratch`` with ``{dtype}``) against
-    transformers' log-probs on CUDA: fp32 max |diff| and bf16 mean |diff| over the response tokens."""
+    transformers' log-probs on CUDA (``reference(model, batch, dtype, "cuda")``, by default
+    ``vl_cases.hf_log_probs``): fp32 max |diff| and bf16 mean |diff| over the response tokens."""
     mask = batch["response_mask"].bool()
     bad = []
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        want = hf_log_probs(model, batch, torch_dtype, "cuda")
+        want = reference(model, batch, torch_dtype, "cuda")
         for label, pattern in files.items():
             diff = (torch.load(scratch / pattern.format(dtype=dtype)) - want).abs()[mask]
             tag = f"{label} {dtype}" if label else dtype
