@@ -36,11 +36,12 @@ from roll.distributed.executor.dispatch import (
     split_for_dp,
 )
 from roll.distributed.executor.worker import Worker
-from roll.distributed.scheduler import resource_manager
+from roll.distributed.scheduler import ray_start, resource_manager
 from roll.distributed.scheduler.cluster import Cluster
 from roll.distributed.scheduler.errors import WorkerError, WorkerTimeout
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement, plan_role
-from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity, init_ray
+from roll.distributed.scheduler.ray_start import init_ray
+from roll.distributed.scheduler.resource_manager import ResourceManager, check_capacity
 from roll.distributed.scheduler.watchdog import Deadline
 
 # Ray workers cannot import this test module by name; ship its classes by value.
@@ -409,16 +410,16 @@ def test_gpu_driver_starts_loopback_ray_only_for_one_node(monkeypatch, num_nodes
         keys = ("address", "_node_ip_address", "num_gpus")
         calls.append({k: kwargs[k] for k in keys if k in kwargs})
         if kwargs.get("address") == "local":
-            assert os.environ[resource_manager.LOCAL_ONLY_ENV] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
+            assert os.environ[ray_start.LOCAL_ONLY_ENV] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
-    monkeypatch.setattr(resource_manager, "ray_start_address", lambda: "10.0.0.5:6379" if existing else None)
+    monkeypatch.setattr(ray_start, "ray_start_address", lambda: "10.0.0.5:6379" if existing else None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv(resource_manager.LOCAL_ONLY_ENV, raising=False)
+    monkeypatch.delenv(ray_start.LOCAL_ONLY_ENV, raising=False)
     assert init_ray(PlacementPlan(num_nodes, 8, {}, ()), "cuda") == "cuda"
     assert calls == expected
-    assert resource_manager.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
+    assert ray_start.LOCAL_ONLY_ENV not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
 
 
 def test_only_the_ray_start_address_file_is_joined_and_only_while_its_gcs_answers(monkeypatch, tmp_path):
@@ -432,11 +433,11 @@ def test_only_the_ray_start_address_file_is_joined_and_only_while_its_gcs_answer
         live = f"127.0.0.1:{listener.getsockname()[1]}"
         monkeypatch.setattr(services, "find_gcs_addresses", lambda: {live})  # what "auto" would take
         monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
-        assert resource_manager.ray_start_address() is None
+        assert ray_start.ray_start_address() is None
         monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: live)
-        assert resource_manager.ray_start_address() == live
+        assert ray_start.ray_start_address() == live
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: live)  # closed now
-    assert resource_manager.ray_start_address() is None
+    assert ray_start.ray_start_address() is None
 
 
 def test_a_ray_address_nobody_answers_is_one_config_error(monkeypatch):
@@ -449,7 +450,37 @@ def test_a_ray_address_nobody_answers_is_one_config_error(monkeypatch):
     with pytest.raises(ConfigError, match=f"RAY_ADDRESS.*no Ray cluster answers at {dead}.*ray start --head"):
         init_ray(PlacementPlan(2, 8, {}, ()), "cuda")
     for other in ("auto", "ray://10.0.0.5:10001"):  # Ray's own forms pass through to ray.init
-        resource_manager.check_ray_address(other)
+        ray_start.check_ray_address(other)
+
+
+def test_a_join_uses_the_auth_mode_the_environment_names_when_it_joins(monkeypatch):
+    """Ray caches ``RAY_AUTH_MODE`` when it is imported: a driver that names token authentication
+    after that (the two-node GPU test did) must still send the token, and a failed join without it
+    says what to set."""
+    from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+
+    seen = []
+
+    def fake_init(**kwargs):
+        seen.append(get_authentication_mode() == AuthenticationMode.TOKEN)
+        raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:1.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray_start, "check_ray_address", lambda address: None)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    try:
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        with pytest.raises(ConnectionError) as err:
+            init_ray(PlacementPlan(2, 8, {}, ()), "cuda")
+        assert seen == [True] and "RAY_AUTH_MODE" not in str(err.value)
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+        with pytest.raises(ConnectionError, match="run this driver with RAY_AUTH_MODE=token"):
+            init_ray(PlacementPlan(2, 8, {}, ()), "cuda")
+        assert seen == [True, False]
+    finally:
+        monkeypatch.undo()
+        Config.initialize("")  # Ray's mode as the restored environment says
 
 
 def test_each_method_gets_its_stage_timeout():
@@ -614,7 +645,7 @@ def test_joining_a_loopback_ray_address_keeps_it_loopback(monkeypatch, host, kep
 
         monkeypatch.setattr(ray, "is_initialized", lambda: False)
         monkeypatch.setattr(ray, "init", fake_init)
-        monkeypatch.setattr(resource_manager, "check_ray_address", lambda address: None)
+        monkeypatch.setattr(ray_start, "check_ray_address", lambda address: None)
         monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
         monkeypatch.setenv("RAY_ADDRESS", f"{host}:{port}")
         init_ray(PlacementPlan(2, 8, {}, ()), "cuda")

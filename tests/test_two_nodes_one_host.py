@@ -65,3 +65,33 @@ def test_the_launcher_keeps_the_pythonpath_it_was_given(monkeypatch):
     assert env["RAY_ADDRESS"] == "127.0.0.1:6390"
     monkeypatch.delenv("PYTHONPATH")
     assert two_nodes_one_host.launcher_env("127.0.0.1:6390")["PYTHONPATH"] == str(REPO)
+
+
+def test_a_driver_joins_the_two_nodes_in_process(tmp_path, monkeypatch):
+    """The driver imported Ray before its environment named the cluster (address, token
+    authentication), as the two-node GPU test's does: ``init_ray`` still joins, and sees both nodes."""
+    import ray
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from two_nodes_one_host import LOCAL_ONLY, TOKEN_AUTH, TwoNodes
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from ray._raylet import Config
+
+    from roll.distributed.scheduler.placement import PlacementPlan
+    from roll.distributed.scheduler.ray_start import init_ray
+
+    assert not ray.is_initialized()
+    nodes = TwoNodes(gpus_per_node=1, cpus_per_node=1, out=tmp_path)
+    nodes.start()
+    try:
+        for key, value in {**LOCAL_ONLY, **TOKEN_AUTH, "RAY_ADDRESS": nodes.address}.items():
+            monkeypatch.setenv(key, value)
+        init_ray(PlacementPlan(2, 1, {}, ()), "cpu")
+        assert sum(1 for n in ray.nodes() if n["Alive"]) == 2
+    finally:
+        ray.shutdown()
+        nodes.stop()
+        monkeypatch.undo()
+        Config.initialize("")

@@ -21,7 +21,7 @@ from roll.configs.timeouts import WorkerTimeoutsConfig
 
 # Named values come from the tables that implement them (see roll.configs.ranges).
 TRACKERS = "roll.utils.tracking:TRACKERS"
-DEVICES = "roll.distributed.scheduler.resource_manager:DEVICES"
+DEVICES = "roll.distributed.scheduler.ray_start:DEVICES"
 # numpy's generators take seeds in [0, 2**32).
 MAX_SEED = 2**32 - 1
 

@@ -1,7 +1,7 @@
 """torch ``TCPStore`` rendezvous that stays on loopback when the run does.
 
 torch's store master listens on every interface. On a single-node run Ray gives every worker the
-node address 127.0.0.1 (see ``resource_manager.start_local_ray``), so the process groups' stores
+node address 127.0.0.1 (see ``ray_start.start_local_ray``), so the process groups' stores
 can listen on loopback too: the master binds the socket itself and hands it to torch.
 
     store = open_tcp_store("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timeout)

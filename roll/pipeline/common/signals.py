@@ -6,7 +6,7 @@ down and exits with ``128 + signal number`` (143 for SIGTERM, 130 for SIGINT). A
 during that clean-up, or a clean-up still running after ``CLEANUP_GRACE_S``, ends the driver at once.
 
 Ray's ``ray.init`` installs its own SIGTERM handler in the driver (``sys.exit``, with a C++ stack
-dump); ``resource_manager.init_ray`` puts these back after it::
+dump); ``ray_start.init_ray`` puts these back after it::
 
     take_signals()                # init_ray keeps these handlers (Ray's init replaces them)
     try:

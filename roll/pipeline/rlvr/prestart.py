@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from roll.configs.pipeline_config import RLVRConfig
 from roll.core.roles import Role
 from roll.distributed.scheduler.placement import PlacementPlan, plan_placement
-from roll.distributed.scheduler.resource_manager import reinstall_signal_handlers
+from roll.distributed.scheduler.ray_start import reinstall_signal_handlers
 
 if TYPE_CHECKING:
     from roll.distributed.executor.worker_host import HostRef

@@ -104,7 +104,7 @@ def shutdown(run: RLVRRun | None, graceful: bool = True) -> None:
 
 def on_cpu_slots(config: RLVRConfig) -> bool:
     """Whether the run's device ids are CPU slots (``device: cpu``, or ``auto`` without CUDA)."""
-    from roll.distributed.scheduler.resource_manager import resolve_device
+    from roll.distributed.scheduler.ray_start import resolve_device
 
     return resolve_device(config.device) == "cpu"
 
