@@ -11,6 +11,7 @@ tests/engine_gpu.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,35 @@ def video_prompts(
     rows = load_prompt_files(args, processor.tokenizer, prompt_length, "data_args", processor)
     assert len(rows) == 2 and not rows.bad_rows
     return to_batch(rows.rows, processor.tokenizer.pad_token_id, prompt_length, processor)
+
+
+SGLANG_LOG_DIR = Path(os.environ.get("ROLL_SGLANG_LOG_DIR", "/tmp/roll_sglang_logs"))
+
+
+def sglang_logs_to(name: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``SGLANG_LOG_DIR / f"{name}.log"`` (env ROLL_SGLANG_LOG_DIR), where every SGLang process of
+    the engines started after this (the schedulers too: they read
+    ``SGLANG_LOGGING_CONFIG_PATH`` when they configure logging) logs to stderr and to ``path``, so a
+    scheduler's traceback ("Scheduler hit an exception") survives the engine killing this process
+    (a dead scheduler makes SGLang's engine SIGKILL its own process, pytest here) and stderr shows it
+    with ``pytest -s``."""
+    SGLANG_LOG_DIR.mkdir(parents=True, exist_ok=True)
+    path = SGLANG_LOG_DIR / f"{name}.log"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "[%(asctime)s %(process)d] %(levelname)s %(name)s: %(message)s"}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stderr"},
+            "file": {"class": "logging.FileHandler", "formatter": "plain", "filename": str(path)},
+        },
+        "root": {"level": "INFO", "handlers": ["stderr", "file"]},
+    }
+    config_file = path.with_suffix(".logging.json")
+    config_file.write_text(json.dumps(config))
+    monkeypatch.setenv("SGLANG_LOGGING_CONFIG_PATH", str(config_file))
+    print(f"SGLang logs: {path}")
+    return path
 
 
 def hf_vl(path: Path):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_vl_gpu import save_image_rows, vl_prompts  # noqa: E402
 from test_sglang_vision import vl_strategy  # noqa: E402
 from test_vllm_sglang_strategies import fake_engines, prompt_batch  # noqa: E402, F401 - the fixture
-from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, build_tiny_qwen3_vl_dir  # noqa: E402
+from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, SGLANG_DEEPSTACK, build_tiny_qwen3_vl_dir  # noqa: E402
 from tiny_vl import video_r1_rows  # noqa: E402
 
 from roll.configs.role import DataArgs  # noqa: E402
@@ -52,7 +52,7 @@ IMAGE, VIDEO, START = 50, 51, 52  # the tokens of SGLangVision tests that need n
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
 def model(request, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sglang_qwen3_vl")
-    return build_tiny_qwen3_vl_dir(root / "model", moe=request.param)
+    return build_tiny_qwen3_vl_dir(root / "model", moe=request.param, deepstack=SGLANG_DEEPSTACK)
 
 
 def video_batch(model: Path, n: int = 2) -> Batch:
@@ -178,3 +178,20 @@ def test_both_model_types_start_with_their_tokens(model):
         True,
     )
     assert set(vision.excluded) >= {config["image_token_id"], config["video_token_id"]}
+
+
+def test_a_moe_without_three_deepstack_layers_is_refused_for_sglang(tmp_path):
+    """SGLang 0.5.16's Qwen3-VL-MoE adds deepstack after 3 decoder layers whatever the config says
+    (sglang_vision.SGLANG_MOE_DEEPSTACK): a checkpoint with 2 is refused, naming the key; the dense
+    model reads its count and is not."""
+    from roll.configs.errors import ConfigError
+    from roll.distributed.strategy.sglang_vision import check_sglang_deepstack
+
+    moe = build_tiny_qwen3_vl_dir(tmp_path / "moe", moe=True, deepstack=(0, 1))
+    with pytest.raises(ConfigError, match=r"deepstack_visual_indexes is \[0, 1\].*3 deepstack"):
+        sglang_vision(str(moe))
+    dense = json.loads(
+        (build_tiny_qwen3_vl_dir(tmp_path / "dense", deepstack=(0, 1)) / "config.json").read_text()
+    )
+    check_sglang_deepstack(dense)
+    assert sglang_vision(str(tmp_path / "dense")).timestamped

@@ -13,7 +13,10 @@ the module's engine fixture is parametrized and pytest finishes one model's test
 - compute_log_probs on video rows: SGLang's input log-probs renormalized without the vision tokens
   equal transformers'.
 
-    pytest tests/test_sglang_qwen3_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
+    pytest -s -x tests/test_sglang_qwen3_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
+
+SGLang's logs (a scheduler's traceback included) also go to /tmp/roll_sglang_logs/qwen3_vl_<model>.log
+(engine_vl_gpu.sglang_logs_to): a scheduler that dies makes the engine SIGKILL pytest.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ pytestmark = [
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
-from engine_vl_gpu import check_generate, hf_sampled_logprobs, hf_vl, save_image_rows, vl_prompts  # noqa: E402
+from engine_vl_gpu import (  # noqa: E402
+    check_generate,
+    hf_sampled_logprobs,
+    hf_vl,
+    save_image_rows,
+    sglang_logs_to,
+    vl_prompts,
+)
 from engine_vl_gpu import video_prompts as shared_video_prompts  # noqa: E402
-from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
+from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, SGLANG_DEEPSTACK, build_tiny_qwen3_vl_dir, released_layout  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
@@ -48,14 +58,18 @@ PROMPT_LENGTH = 700  # the tiny tokenizer spends ~530 tokens on Video-R1's templ
 def setup(request, tmp_path_factory):
     """(root, model directory, its engine); the engine shut down before the next model's starts."""
     root = tmp_path_factory.mktemp("sglang_qwen3_vl_gpu")
-    model = build_tiny_qwen3_vl_dir(root / "model", full_processor=True, std=0.1, moe=request.param)
+    model = build_tiny_qwen3_vl_dir(
+        root / "model", full_processor=True, std=0.1, moe=request.param, deepstack=SGLANG_DEEPSTACK
+    )
     if request.param:
         released_layout(model)
     save_image_rows(root)
-    strategy = make_strategy("sglang", model, mem_fraction_static=0.3, disable_cuda_graph=True)
-    assert strategy.vision.timestamped
-    yield root, model, strategy
-    strategy.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        sglang_logs_to("qwen3_vl_moe" if request.param else "qwen3_vl_dense", env)
+        strategy = make_strategy("sglang", model, mem_fraction_static=0.3, disable_cuda_graph=True)
+        assert strategy.vision.timestamped
+        yield root, model, strategy
+        strategy.shutdown()
     torch.cuda.empty_cache()
 
 

@@ -14,7 +14,10 @@ attention, pytorch sampler, no CUDA graphs; the vision tower on ``triton_attn``,
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``)
   makes the engine sample like the new weights.
 
-    pytest tests/test_sglang_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
+    pytest -s -x tests/test_sglang_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
+
+SGLang's logs (a scheduler's traceback included) also go to /tmp/roll_sglang_logs/qwen2_5_vl.log
+(engine_vl_gpu.sglang_logs_to): a scheduler that dies makes the engine SIGKILL pytest.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from engine_vl_gpu import (  # noqa: E402
     hf_sampled_logprobs,
     hf_vl,
     save_vl_models,
+    sglang_logs_to,
     video_prompts,
     vl_prompts,
 )
@@ -56,9 +60,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    strategy = make_strategy("sglang", models[1], mem_fraction_static=0.3, disable_cuda_graph=True)
-    yield strategy
-    strategy.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        sglang_logs_to("qwen2_5_vl", env)
+        strategy = make_strategy("sglang", models[1], mem_fraction_static=0.3, disable_cuda_graph=True)
+        yield strategy
+        strategy.shutdown()
     torch.cuda.empty_cache()
 
 

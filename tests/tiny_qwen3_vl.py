@@ -17,12 +17,14 @@ from transformers import AutoModelForImageTextToText, Qwen3VLConfig, Qwen3VLMoeC
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16
 # Video-R1 rows (tiny_vl.video_r1_rows: 8 frames at 4 fps): 4 frames of 64 x 64 at 2 fps, 2 temporal
 # patches of 2 x 2 merged patches (4 video tokens each), at 0.25 s and 1.5 s (shown "0.2", "1.5").
+# SGLang 0.5.16's Qwen3-VL-MoE adds deepstack after 3 decoder layers (roll refuses other counts).
+SGLANG_DEEPSTACK = (0, 1, 2)
 QWEN3_VIDEO_ARGS = {"video_fps": 2.0, "video_min_pixels": 64 * 64, "video_max_pixels": 64 * 64}
 
 
-def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
+def tiny_qwen3_vl_config(tok, deepstack: tuple[int, ...] = (0, 1)) -> Qwen3VLConfig:
     """4 decoder layers (head size 32, interleaved mrope over 16 frequencies), a 3-block tower whose
-    blocks 0 and 1 feed deepstack (added after decoder layers 0 and 1)."""
+    blocks ``deepstack`` (0 and 1) feed deepstack (added after decoder layers 0 and 1)."""
     text = {
         "vocab_size": len(tok),
         "hidden_size": 128,
@@ -53,7 +55,7 @@ def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0, 1],
+        "deepstack_visual_indexes": list(deepstack),
     }
     return Qwen3VLConfig(
         text_config=text,
@@ -63,9 +65,9 @@ def tiny_qwen3_vl_config(tok) -> Qwen3VLConfig:
     )
 
 
-def tiny_qwen3_vl_moe_config(tok) -> Qwen3VLMoeConfig:
+def tiny_qwen3_vl_moe_config(tok, deepstack: tuple[int, ...] = (0, 1)) -> Qwen3VLMoeConfig:
     """The tiny Qwen3-VL with every decoder layer a MoE layer: 4 experts of size 32, top 2."""
-    dense = tiny_qwen3_vl_config(tok).to_dict()
+    dense = tiny_qwen3_vl_config(tok, deepstack).to_dict()
     text = {
         **dense["text_config"],
         "num_experts": 4,
@@ -84,17 +86,23 @@ def tiny_qwen3_vl_moe_config(tok) -> Qwen3VLMoeConfig:
 
 
 def build_tiny_qwen3_vl_dir(
-    path: Path, seed: int = 0, std: float | None = None, full_processor: bool = False, moe: bool = False
+    path: Path,
+    seed: int = 0,
+    std: float | None = None,
+    full_processor: bool = False,
+    moe: bool = False,
+    deepstack: tuple[int, ...] = (0, 1),
 ) -> Path:
     """Random weights (``seed``; ``std``: every matrix drawn from N(0, std), so log-probs spread
     out), the tokenizer and a Qwen2-VL image processor with 16-pixel patches in ``path``;
     ``full_processor`` also loads and saves ``AutoProcessor`` (``Qwen3VLProcessor``, whose video
-    processor needs torchvision), as vLLM loads it."""
+    processor needs torchvision), as vLLM loads it. ``deepstack``: the tower blocks that feed
+    deepstack (SGLANG_DEEPSTACK for SGLang's Qwen3-VL-MoE, which assumes Qwen's 3)."""
     from transformers import Qwen2VLImageProcessor
 
     tok = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
-    config = (tiny_qwen3_vl_moe_config if moe else tiny_qwen3_vl_config)(tok)
+    config = (tiny_qwen3_vl_moe_config if moe else tiny_qwen3_vl_config)(tok, deepstack)
     model = AutoModelForImageTextToText.from_config(config)
     spread_matrices(model, std)
     processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16)

@@ -23,6 +23,7 @@ from roll.configs.strategies import STRATEGIES, get_strategy_spec
 from roll.configs.strategy_configs import FSDP2Config, MegatronConfig, SGLangConfig, VLLMConfig
 from roll.core.roles import Role, RoleKind
 from roll.distributed.strategy.engine_options import check_engine_ep, check_engine_tp
+from roll.distributed.strategy.sglang_vision import check_sglang_deepstack
 from roll.models.expert_parallel import check_experts, config_experts
 from roll.models.megatron.families import VISION_FAMILIES, get_family
 from roll.models.megatron.model_fit import check_model_fits
@@ -129,6 +130,10 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
             f"with mcore_adapter); use one of {', '.join(runs)}",
         )
     check_vision_model_type(name, strategy, model_type)
+    if strategy == "sglang":
+        check_sglang_deepstack(
+            config_json(role.model_args.model_name_or_path), f"{name}.model_args.model_name_or_path"
+        )
     if model_type == "qwen3_omni_moe" and strategy == "megatron_train":
         check_audio_tower_frozen(name, role.model_args.freeze_module_prefix)
     for key, value, why in (

@@ -53,6 +53,12 @@ PROCESSOR_OUTPUT = "processor_output"
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 EXCLUDED_BIAS = -1.0e4  # as vLLM's (engine_vision): exp underflows to 0, finite in the log-probs
+# SGLang 0.5.16's Qwen3-VL-MoE language model adds deepstack after decoder layers range(3), whatever
+# vision_config.deepstack_visual_indexes holds (sglang/srt/models/qwen3_vl_moe.py, Qwen3MoeLLMModel:
+# "we use 3 as len(config.vision_config.deepstack_visual_indexes)"); Qwen's released MoE checkpoints
+# have 3. With fewer, decoder layer len(indexes) gets an empty slice added to its residual (a
+# RuntimeError in the scheduler, which then kills the engine's process); with more, the rest is dropped.
+SGLANG_MOE_DEEPSTACK = 3
 
 
 @dataclass(frozen=True)
@@ -163,12 +169,28 @@ def sglang_vision(model_dir: str | None) -> SGLangVision:
             f"sglang runs vision-language model_type {', '.join(allowed)} in roll, not "
             f"{config.get('model_type')!r}; generate with vllm",
         )
+    check_sglang_deepstack(config)
     merge = int((config.get("vision_config") or {}).get("spatial_merge_size") or 2)
     excluded = tuple(response_excluded_tokens(config))
     timestamped = config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES
     return SGLangVision(
         config.get("image_token_id"), config.get("video_token_id"), merge, excluded, timestamped
     )
+
+
+def check_sglang_deepstack(config: Mapping[str, Any], key: str = "model_args.model_name_or_path") -> None:
+    """A ConfigError for a Qwen3-VL-MoE whose ``vision_config.deepstack_visual_indexes`` does not
+    hold ``SGLANG_MOE_DEEPSTACK`` layers (SGLang 0.5.16 assumes that many; see its comment)."""
+    if config.get("model_type") != "qwen3_vl_moe":
+        return
+    indexes = (config.get("vision_config") or {}).get("deepstack_visual_indexes") or []
+    if len(indexes) != SGLANG_MOE_DEEPSTACK:
+        raise ConfigError(
+            key,
+            f"vision_config.deepstack_visual_indexes is {list(indexes)}: SGLang 0.5.16 runs Qwen3-VL-MoE "
+            f"with {SGLANG_MOE_DEEPSTACK} deepstack layers only (as Qwen's released checkpoints have); "
+            "generate with vllm",
+        )
 
 
 def row_inputs(batch: Batch) -> list[Mapping[str, Any] | None] | None:
