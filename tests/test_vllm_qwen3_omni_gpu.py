@@ -4,7 +4,9 @@ torchvision or a GPU): roll's data path builds image rows, audio rows (wav files
 ``audio_folder``) and an image + audio row; vLLM gets one token per image and audio with the PIL
 images and the hop-padded 16 kHz waveforms (``engine_vision.vllm_prompts``); the prompt ids vLLM
 expands equal roll's row ids (so both count the same audio tokens), and its sampled-token log-probs
-equal transformers' thinker (bf16 tolerance, tests/engine_gpu.py). Then a model update: another
+equal transformers' thinker (bf16 tolerance, tests/engine_gpu.py; each row's difference is printed
+first, by modality) once roll has put vLLM 0.24's image positions right
+(roll/distributed/strategy/vllm_omni_positions.py). Then a model update: another
 checkpoint's ``thinker.*`` tensors, under the names roll's trainers send, and the engine samples as
 transformers does with those weights.
 
@@ -38,6 +40,7 @@ from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.engine_vision import vllm_prompts  # noqa: E402
 from roll.distributed.strategy.generation import prompt_token_lists  # noqa: E402
+from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension  # noqa: E402
 from roll.models.vision import (  # noqa: E402
     VisionProcessor,
     exclude_response_tokens,
@@ -48,6 +51,18 @@ from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
 from roll.pipeline.rlvr.data.sampler import to_batch  # noqa: E402
 
 PROMPT_LENGTH = 64
+MODALITIES = ["image", "audio", "image", "audio", "image+audio"]  # omni_prompts' rows
+
+
+def print_row_diffs(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, n: int, what: str) -> None:
+    """Each output row's mean and max |log-prob difference|, named by its prompt's modality (a GPU
+    run then says which modality is off before assert_close fails)."""
+    for row in range(len(got)):
+        keep = mask[row].bool()
+        diff = (got[row].float() - want[row].float()).abs()[keep]
+        if diff.numel():
+            label = MODALITIES[row // n]
+            print(f"{what} row {row} ({label}): mean |diff| {diff.mean():.4f}, max {diff.max():.4f}")
 
 
 def omni_prompts(root: Path, model: Path) -> Batch:
@@ -122,6 +137,8 @@ def test_qwen3_omni_generates_with_images_and_audio_and_updates(tmp_path: Path) 
         sleep_level=0,
         engine_kwargs={"limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0}},
     )
+    # initialize fixed vLLM 0.24's image positions (vllm_omni_positions): its probe now comes out right
+    assert engine.workers.call(RollWorkerExtension.roll_fix_mrope_positions) == ["correct"]
     # the prompt vLLM expands (its thinker's processing counts image and audio tokens) is roll's row
     ids = prompt_token_lists(prompts)
     tokens = engine.vision
@@ -132,6 +149,7 @@ def test_qwen3_omni_generates_with_images_and_audio_and_updates(tmp_path: Path) 
     out = engine.generate(prompts, params)
     assert torch.equal(out["prompts"][::2], prompts["prompts"]) and out["response_mask"].sum() > 0
     want = hf_sampled_logprobs(hf_thinker(a), out)
+    print_row_diffs(out["infer_logprobs"], want, out["response_mask"], params.n, "generate")
     assert_close(
         out["infer_logprobs"], want, out["response_mask"], "Qwen3-Omni generate with images and audio"
     )
@@ -146,6 +164,9 @@ def test_qwen3_omni_generates_with_images_and_audio_and_updates(tmp_path: Path) 
     assert all(name.startswith("thinker.") for name in stored)
     engine.load_weights(iter(stored.items()))
     after = engine.generate(prompts, params)
+    print_row_diffs(
+        after["infer_logprobs"], hf_sampled_logprobs(new, after), after["response_mask"], params.n, "after"
+    )
     assert_close(
         after["infer_logprobs"], hf_sampled_logprobs(new, after), after["response_mask"], "after update"
     )

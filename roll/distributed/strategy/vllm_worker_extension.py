@@ -27,6 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from roll.distributed.strategy.vllm_omni_positions import fix_qwen3_omni_positions
 from roll.distributed.transport.engine_receive import EngineReceiver
 
 P = ParamSpec("P")
@@ -79,6 +80,11 @@ class RollWorkerExtension:
 
     def roll_weight_version(self) -> int | None:
         return getattr(self, "_roll_version", None)
+
+    def roll_fix_mrope_positions(self) -> str:
+        """Qwen3-Omni's image positions as transformers lays them (``vllm_omni_positions``): what
+        was done ("fixed", "correct", "not qwen3-omni")."""
+        return fix_qwen3_omni_positions(self.model_runner.get_model())
 
     def roll_manual_seed(self, seed: int) -> int:
         """Seed this worker's torch generators: vLLM samples unseeded requests from them."""
