@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,9 +46,11 @@ RAY_CLI = (
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
 )
 LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# ``ray start`` (Ray 2.60) turns on token authentication (the token in ~/.ray/auth_token); every
-# client of the cluster (``ray status``, the driver) must then say so too.
-TOKEN_AUTH = {"RAY_AUTH_MODE": "token"}
+# The two nodes run with token authentication (``ray start`` in Ray 2.60 turns it on where a token
+# exists, and refuses to start in token mode without one), under a token of their own: a fresh
+# machine has no ~/.ray/auth_token. Every client of the cluster (``ray status``, the driver) carries
+# the same two variables.
+TOKEN_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def node_env(node: int, gpus_per_node: int) -> dict[str, str]:

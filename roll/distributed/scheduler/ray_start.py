@@ -165,6 +165,7 @@ def token_auth_synced() -> None:
         return
     if (get_authentication_mode() == AuthenticationMode.TOKEN) != (want.lower() == "token"):
         Config.initialize("")
+    if want.lower() == "token":  # the token too is read once: take the one the environment has now
         AuthenticationTokenLoader.instance().reset_cache()
 
 
