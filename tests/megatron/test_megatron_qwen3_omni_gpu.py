@@ -36,6 +36,7 @@ from two_rank_training import pg_loss  # noqa: E402
 from vl_gpu_checks import (  # noqa: E402
     log_prob_mismatches,
     one_device_mismatches,
+    strategy,
     tf32_off,
     train_step_mismatches,
     two_device_worker,
@@ -62,20 +63,10 @@ def test_megatron_qwen3_omni_log_probs_match_transformers_on_cuda(tmp_path: Path
 
 
 def _train_step_cp2(path: str, rank: int, world_size: int) -> dict:
-    from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
-    from roll.core.worker_context import WorkerContext
-    from roll.distributed.strategy.registry import load_strategy_class
     from roll.models.megatron.hf_io import unwrap
 
-    role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=path, dtype="bf16", freeze_module_prefix=FROZEN),
-        training_args=TrainingArgs(learning_rate=1e-5, max_grad_norm=1.0),
-        strategy_args=StrategyArgs("megatron_train", {"context_parallel_size": 2}),
-        infer_batch_size=2,
-    )
-    ctx = WorkerContext("actor", rank, world_size, rank, torch.device("cuda", rank), seed=7)
-    built = load_strategy_class("megatron_train")(role, ctx)
-    built.initialize()
+    cp2 = {"context_parallel_size": 2}
+    built = strategy(path, "bf16", "megatron_train", cp2, rank, world_size, freeze_module_prefix=FROZEN)
     batch = torch.load(Path(path).parent / "batch.pt", weights_only=False)
     batch.tensors["advantages"] = torch.linspace(-1.0, 1.0, batch["responses"].numel()).view_as(
         batch["responses"]

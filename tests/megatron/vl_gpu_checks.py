@@ -36,13 +36,13 @@ def tf32_off() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def strategy(path: str, dtype: str, name: str, layout: dict, rank: int, world_size: int):
-    """The initialized strategy ``name`` (``layout``: its strategy_config) of rank ``rank`` on CUDA
-    device ``rank``."""
+def strategy(path: str, dtype: str, name: str, layout: dict, rank: int, world_size: int, **model_args):
+    """The initialized strategy ``name`` (``layout``: its strategy_config; ``model_args``: more
+    ``ModelArgs`` fields) of rank ``rank`` on CUDA device ``rank``."""
     from roll.distributed.strategy.registry import load_strategy_class
 
     role = RoleConfig(
-        model_args=ModelArgs(model_name_or_path=path, dtype=dtype),
+        model_args=ModelArgs(model_name_or_path=path, dtype=dtype, **model_args),
         training_args=TrainingArgs(learning_rate=1e-5, max_grad_norm=1.0),
         strategy_args=StrategyArgs(name, dict(layout)),
         infer_batch_size=2,
