@@ -195,6 +195,27 @@ def test_vllm_executor_backend_comes_from_its_key(tp, backend, engine):
     assert opts.sources["distributed_executor_backend"] == key
 
 
+def test_vllm_engine_across_nodes_runs_without_custom_all_reduce():
+    """vLLM's custom all-reduce takes TP workers that share /dev/shm for one node's and indexes this
+    node's GPU ids with the peer's rank: Ray nodes on one machine failed so (IndexError, vLLM 0.24)."""
+    cfg = VLLMConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    across = vllm_engine_options(cfg, role("vllm", cfg), "actor_infer", 1, "E", spans_nodes=True)
+    assert across.kwargs["disable_custom_all_reduce"] is True
+    key = "actor_infer.strategy_args.strategy_config.distributed_executor_backend"
+    assert across.sources["disable_custom_all_reduce"] == key
+    assert (
+        "disable_custom_all_reduce"
+        not in vllm_engine_options(cfg, role("vllm", cfg), "actor_infer", 1, "E").kwargs
+    )
+    own = VLLMConfig(
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        engine_kwargs={"disable_custom_all_reduce": False},
+    )
+    kept = vllm_engine_options(own, role("vllm", own), "actor_infer", 1, "E", spans_nodes=True)
+    assert kept.kwargs["disable_custom_all_reduce"] is False  # engine_kwargs has the last word
+
+
 def test_vllm_executor_backend_in_engine_kwargs_names_the_key():
     """Placement follows the typed key (a Ray engine gets a placement group), so the engine may not
     be told another backend behind the planner's back."""

@@ -161,7 +161,7 @@ def test_engine_across_two_nodes_gets_one_group_and_its_gpu_workers_land_on_thei
         assert strategy.placement_group_bundle_index == 0 and strategy.placement_group.id == spanning.id
         env = options["runtime_env"]["env_vars"]
         assert "CUDA_VISIBLE_DEVICES" not in env and env["ROLL_ENGINE_BUNDLES"] == "0,1,2,3"
-        assert env["ROLL_ENGINE_DEVICE_SHARE"] == "1.0"
+        assert env["ROLL_ENGINE_DEVICE_SHARE"] == "1.0" and env["ROLL_ENGINE_NODES"] == "2"
         assert rm.worker_env(infer, 0)["CUDA_VISIBLE_DEVICES"] == ""  # CPU slots; its first device on GPUs
         assert "actor_infer ranks 0" in rm.describe().splitlines()[1]
 

@@ -5,8 +5,10 @@ Two ``ray start`` nodes (``benchmarks/two_nodes_one_host.py``'s ``TwoNodes``): t
 Ray gives each node's GPU the id it sees there (0 and 1, the physical ids). actor_infer runs
 ``distributed_executor_backend: ray`` at TP 2 on devices 0-1 with ``num_gpus_per_node: 1``: the
 plan makes nodes 0 and 1 one placement group, the worker sits on bundle 0 with no GPU, and vLLM's
-Ray executor starts a GPU worker on each bundle, one per node. Checked: the GPU workers run on
-both nodes; greedy tokens equal a one-GPU (TP 1, mp) engine's on the same weights, and their
+Ray executor starts a GPU worker on each bundle, one per node. The engine spans nodes, so roll
+turns vLLM's custom all-reduce off: both nodes share this host's /dev/shm, vLLM's test for "one
+node", and with it on vLLM 0.24 failed to start (IndexError: device_id 1 is out of range for
+assigned_physical_gpu_ids [0], docs/strategies.md). Checked: the GPU workers run on both nodes; greedy tokens equal a one-GPU (TP 1, mp) engine's on the same weights, and their
 log-probs transformers' within bf16 tolerance; a model update (``load_weights``, by value through
 every GPU worker's ``RollWorkerExtension``) makes the engine score like the new weights; sleep
 and wake keep the greedy tokens.
@@ -52,11 +54,13 @@ class EngineWorker(Worker):
     """actor_infer's worker with the calls this test makes on its vllm strategy."""
 
     @register(Dispatch.ONE_TO_ALL)
-    def start(self) -> list[tuple[str, str]]:
-        """Start the engine; (Ray node id, CUDA device) of each of its GPU workers."""
+    def start(self) -> tuple[list[tuple[str, str]], bool]:
+        """Start the engine; (Ray node id, CUDA device) of each of its GPU workers, and whether its
+        custom all-reduce is off."""
         self.create_strategy()
         self.strategy.initialize()
-        return self.strategy.llm.collective_rpc(_where)
+        parallel = self.strategy.llm.llm_engine.vllm_config.parallel_config
+        return self.strategy.llm.collective_rpc(_where), parallel.disable_custom_all_reduce
 
     @register(Dispatch.ONE_TO_ALL)
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
@@ -137,8 +141,9 @@ def test_tp2_engine_across_two_nodes(models, one_gpu_tokens, tmp_path, monkeypat
         rm = ResourceManager(plan, "cuda", log_to_driver=True)
         print(rm.describe())
         engine = Cluster("actor_infer", EngineWorker, rm, rp, role)
-        (where,) = engine.call(EngineWorker.start)
+        ((where, no_custom_all_reduce),) = engine.call(EngineWorker.start)
         print("GPU workers (Ray node, device):", where)
+        assert no_custom_all_reduce, "an engine across nodes runs without vLLM's custom all-reduce"
         assert [node for node, _ in where] == [rm.slots[0].node_id, rm.slots[1].node_id]
         assert rm.slots[0].node_id != rm.slots[1].node_id
 

@@ -20,8 +20,9 @@ the nodes an engine spans share one placement group (``plan.node_groups``), its 
 one machine per node by Ray's node-id label; the worker sits on its first device's bundle with no
 GPU and ``placement_group_capture_child_tasks``, and vLLM starts one GPU worker per device on the
 bundles listed in ``ROLL_ENGINE_BUNDLES``, each taking the worker's ``1/k`` share
-(``ROLL_ENGINE_DEVICE_SHARE``). Its ``CUDA_VISIBLE_DEVICES`` (its first device) stays out of its
-Ray runtime_env, which vLLM hands on to those GPU workers: they must see their node's GPUs.
+(``ROLL_ENGINE_DEVICE_SHARE``); ``ROLL_ENGINE_NODES`` is how many nodes those devices span. Its
+``CUDA_VISIBLE_DEVICES`` (its first device) stays out of its Ray runtime_env, which vLLM hands on to
+those GPU workers: they must see their node's GPUs.
 
 CPU mode (``device: cpu``, or ``auto`` without CUDA): a private local Ray is started with one fake
 GPU per device slot, so the same placement code runs and device ids are CPU slots.
@@ -201,6 +202,7 @@ class ResourceManager:
             env |= {
                 "ROLL_ENGINE_BUNDLES": ",".join(str(self.layout.bundle(d)[1]) for d in worker.devices),
                 "ROLL_ENGINE_DEVICE_SHARE": str(self._share(role_plan, rank)),
+                "ROLL_ENGINE_NODES": str(len({d // self.plan.devices_per_node for d in worker.devices})),
             }
         return env | {
             "ROLL_DEVICE": self.device,

@@ -115,6 +115,7 @@ VLLM_OVERRIDABLE = {
     "logprobs_mode",
     "compilation_config",
     "gdn_prefill_backend",
+    "disable_custom_all_reduce",
 }
 # ``cuda_graph_sizes: null``: decode batches are padded up to the next power of two.
 DEFAULT_CUDA_GRAPH_SIZES = [1 << i for i in range(10)]  # 1 ... 512
@@ -134,12 +135,25 @@ def vllm_compilation_config(cfg: VLLMConfig) -> dict[str, Any] | None:
 
 
 def vllm_engine_options(
-    cfg: VLLMConfig, role_config: RoleConfig, role: str, seed: int, extension_cls: str
+    cfg: VLLMConfig,
+    role_config: RoleConfig,
+    role: str,
+    seed: int,
+    extension_cls: str,
+    spans_nodes: bool = False,
 ) -> EngineOptions:
     """Arguments of ``vllm.LLM``. ``distributed_executor_backend: mp``: TP runs beside the worker,
     "uni" (in-process) for TP=1, "mp" (vLLM's own worker processes on the worker's visible GPUs) for
     TP>1. ``ray``: vLLM's Ray executor, its GPU workers in the worker's placement group (vLLM would
-    pick "ray" by itself inside a Ray actor, so roll always names the backend)."""
+    pick "ray" by itself inside a Ray actor, so roll always names the backend).
+
+    ``spans_nodes`` (the engine's devices lie on more than one node): vLLM's custom all-reduce is
+    turned off, as vLLM does itself for its own multi-node launch. Its Ray executor gives each GPU
+    worker the GPU ids of its own Ray node only, but the custom all-reduce decides "one node" by
+    whether the TP workers share /dev/shm: Ray nodes on one machine (or in containers sharing its
+    IPC namespace) pass that test, and the all-reduce's peer check then looks up the peer's local
+    rank among this node's ids (vLLM 0.24: ``IndexError: device_id 1 is out of range for
+    assigned_physical_gpu_ids``). Across real machines the test fails and vLLM skips it anyway."""
     path = f"{role}.strategy_args.strategy_config"
     derived = _model_options(role_config, role, "model", "seed", seed)
     derived |= {
@@ -150,6 +164,8 @@ def vllm_engine_options(
         ),
         "enable_sleep_mode": (cfg.sleep_level > 0, f"{path}.sleep_level"),
     }
+    if spans_nodes:
+        derived["disable_custom_all_reduce"] = (True, f"{path}.distributed_executor_backend")
     for key in (
         "tensor_parallel_size",
         "gpu_memory_utilization",

@@ -107,9 +107,12 @@ class VLLMStrategy:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if self.config.workers_on_ray:
             os.environ.update(ray_executor_env(os.environ))
+        spans_nodes = self.config.workers_on_ray and int(os.environ.get("ROLL_ENGINE_NODES", "1")) > 1
 
         def options(seed: int) -> EngineOptions:
-            return vllm_engine_options(self.config, self.role_config, self.ctx.role, seed, EXTENSION)
+            return vllm_engine_options(
+                self.config, self.role_config, self.ctx.role, seed, EXTENSION, spans_nodes=spans_nodes
+            )
 
         started = start_engine(ENGINES["vllm"], options, self.role_config, self.ctx)
         self._vllm, self.llm, self.pad_token_id = started.module, started.engine, started.pad_token_id
