@@ -9,6 +9,10 @@ records the multimodal arguments of ``Engine.generate``:
 - ids that do not hold one run of expanded tokens per image are refused by row;
 - scoring: image rows go with their images, and the input log-probs are renormalized without the
   vision tokens (what roll's forward computes, checked against log_softmax of masked logits);
+- rope positions: every vision row's dict holds transformers' positions of its ids and the delta
+  that continues them (``sglang_positions``), which for a Qwen2.5-VL video put the text after it
+  where transformers 5 does, 3 positions before SGLang's own rule (tests/sglang_rope_rule.py); for
+  images the two agree;
 - a vision-language model type roll has not run on SGLang is refused when the engine starts.
 """
 
@@ -24,6 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sglang_rope_rule import sglang_positions  # noqa: E402
 from test_vllm_sglang_strategies import (  # noqa: E402
     FakeServerArgs,
     FakeSGLangEngine,
@@ -42,6 +47,7 @@ from roll.configs.strategy_configs import SGLangConfig  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.engine_requests import ScoringRequest  # noqa: E402
 from roll.distributed.strategy.registry import load_strategy_class  # noqa: E402
+from roll.distributed.strategy.sglang_positions import DELTA, POSITIONS  # noqa: E402
 from roll.distributed.strategy.sglang_vision import (  # noqa: E402
     SGLangVision,
     masked_input_logprobs,
@@ -181,6 +187,55 @@ def test_ids_without_one_expanded_run_per_image_are_refused(ids, match):
         vision.request_kwargs(batch, [ids], n=1)
 
 
+# ------------------------------------------------------------------------------ rope positions
+
+
+def test_a_qwen2_5_vl_video_row_carries_transformers_positions_not_sglangs(vl_dir):
+    """The tiny model's video (2 temporal patches of 2 x 2 merged patches, 1 s each,
+    ``tokens_per_second`` 4: temporal positions 4 apart): transformers 5 starts the text after it one
+    past the largest spatial position, SGLang's rule one past the largest temporal one, 3 later.
+    The dict holds transformers', and the delta continues them for the response."""
+    config = tiny_vl_config(build_tiny_vl_tokenizer())
+    vision = sglang_vision(str(vl_dir))
+    assert vision.positions.hf_config.vision_config.tokens_per_second == 4
+    start, end, video = config.vision_start_token_id, config.vision_end_token_id, config.video_token_id
+    ids = [5, 5, 5, start, *[video] * 8, end, 6, 6, 6, 6]
+    inputs = {
+        "pixel_values_videos": torch.ones(32, 6),
+        "video_grid_thw": grid((2, 4, 4)),
+        "second_per_grid_ts": torch.tensor([1.0]),
+    }
+    image, item = vision.row_data(ids, inputs, 0)
+    assert image is None and item["pixel_values_videos"] is inputs["pixel_values_videos"]
+    text = list(range(4))
+    after = [6, 7, 8, 9, 10]  # vision end and the text after: transformers 5
+    assert item[POSITIONS].tolist() == [
+        text + [4, 4, 4, 4, 8, 8, 8, 8] + after,
+        text + [4, 4, 5, 5, 4, 4, 5, 5] + after,
+        text + [4, 5, 4, 5, 4, 5, 4, 5] + after,
+    ]
+    assert item[DELTA].tolist() == [[11 - len(ids)]]  # the first response token at 11
+    theirs = sglang_positions(ids, config.image_token_id, video, [], [[2, 4, 4]], video_intervals=[4.0])
+    assert torch.equal(theirs[:, :12], item[POSITIONS][:, :12])
+    assert torch.equal(theirs[:, 12:], item[POSITIONS][:, 12:] + 3)  # what SGLang computes without them
+    # scoring sends prompt + response: the response where the generate request's delta puts it
+    _, scored = vision.row_data([*ids, 7, 7], inputs, 0)
+    assert scored[POSITIONS][:, len(ids) :].tolist() == [[11, 12]] * 3
+    assert torch.equal(scored[POSITIONS][:, : len(ids)], item[POSITIONS])
+
+
+def test_image_rows_carry_the_positions_sglang_computes_too(vl_dir):
+    config = tiny_vl_config(build_tiny_vl_tokenizer())
+    vision = sglang_vision(str(vl_dir))
+    image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    ids = [5, start, *[image] * 2, end, 6, start, *[image] * 4, end, 7, 8]
+    item, video = vision.row_data(ids, images((1, 2, 4), (1, 4, 4)), 0)
+    assert video is None
+    want = sglang_positions(ids, image, config.video_token_id, [[1, 2, 4], [1, 4, 4]], [])
+    assert torch.equal(item[POSITIONS], want)
+    assert item[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(ids)]]
+
+
 # ----------------------------------------------------------------------------- the strategy
 
 
@@ -198,6 +253,7 @@ def test_generate_sends_expanded_ids_and_each_rows_images(fake_engines, vl_dir):
     assert [len(d) for d in call["image_data"]] == [1, 1, 0, 0, 1, 1] and "video_data" not in call
     assert call["image_data"][0][0]["pixel_values"] is row0["pixel_values"]
     assert call["image_data"][5][0]["image_grid_thw"] is row2["image_grid_thw"]
+    assert call["image_data"][0][0][POSITIONS].shape == (3, 5)  # transformers' positions (sglang_positions)
     bias = {str(t): -1.0e4 for t in response_excluded_tokens(config)}
     assert len(bias) == 3 and all(sp["logit_bias"] == bias for sp in call["sampling_params"])
     assert torch.equal(out["prompts"][::2], batch["prompts"])

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.models.megatron.packed_vision import keep_whole_row, vision_inputs, with_vision_features
-from roll.models.vision import token_types
+from roll.models.rope_index import rope_index_positions
 from roll.models.vision_tower import idle_tower_output, tower_wants_grads
 
 
@@ -73,30 +72,6 @@ def mrope_positions(
         video_grid_thw=video_grid_thw,
         second_per_grid_ts=second_per_grid_ts,
     )
-
-
-def rope_index_positions(
-    model_class: Any,
-    input_ids: torch.Tensor,
-    hf_config: Any,
-    *,
-    image_grid_thw: torch.Tensor | None,
-    video_grid_thw: torch.Tensor | None,
-    **extra: Any,
-) -> torch.Tensor:
-    """[3, B, S] rope positions of rows starting at column 0 from ``model_class.get_rope_index``
-    (transformers' Qwen2.5-VL / Qwen3-VL model class; ``extra``: its further keyword arguments);
-    rows without images or videos count up on all three axes."""
-    if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)
-    host = SimpleNamespace(config=hf_config)  # get_rope_index reads only the config and this method
-    host.get_vision_position_ids = partial(model_class.get_vision_position_ids, host)
-    types = token_types(input_ids, hf_config)
-    positions, _ = model_class.get_rope_index(
-        host, input_ids, types, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, **extra
-    )
-    return positions
 
 
 def vision_parts(
