@@ -23,7 +23,7 @@ from roll.configs.role import DataArgs
 from roll.core.batch import Batch
 from roll.core.sampling import SamplingParams
 from roll.models.logprobs import response_log_probs
-from roll.models.vision import VisionProcessor
+from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor
 from roll.pipeline.rlvr.data.dataset import load_prompt_files
 from roll.pipeline.rlvr.data.sampler import to_batch
 
@@ -110,14 +110,37 @@ def hf_sampled_logprobs(model, out) -> torch.Tensor:
     return response_log_probs(model, out.to("cuda"), temperature=1.0)["log_probs"].cpu()
 
 
+def row_modalities(batch: Batch) -> list[str]:
+    """Each row's media by its ``multi_modal_inputs``: "image", "video", "image+video" or "text"."""
+    rows = batch[MULTI_MODAL_INPUTS] if MULTI_MODAL_INPUTS in batch else [None] * len(batch)
+    out = []
+    for inputs in rows:
+        inputs = inputs or {}
+        kinds = [k for k, key in (("image", "image_grid_thw"), ("video", "video_grid_thw")) if key in inputs]
+        out.append("+".join(kinds) or "text")
+    return out
+
+
+def print_row_diffs(got: torch.Tensor, want: torch.Tensor, out: Batch, what: str) -> None:
+    """Each row's mean and max |log-prob difference| over its response, named by the row's media (a
+    GPU run then says which rows are off before assert_close fails)."""
+    mask = out["response_mask"]
+    for row, label in enumerate(row_modalities(out)):
+        diff = (got[row].float() - want[row].float()).abs()[mask[row].bool()]
+        if diff.numel():
+            print(f"{what} row {row} ({label}): mean |diff| {diff.mean():.4f}, max {diff.max():.4f}")
+
+
 def check_generate(engine, prompts: Batch, model_dir: Path, what: str) -> None:
     """Two samples of each prompt keep roll's expanded prompt ids, and their sampled-token log-probs
-    equal transformers' forward on ``model_dir`` (the engine's weights)."""
+    equal transformers' forward on ``model_dir`` (the engine's weights); each row's difference is
+    printed first."""
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
     assert out["responses"].shape[0] == 2 * len(prompts)
     assert torch.equal(out["prompts"][::2], prompts["prompts"])  # roll's expanded ids stay in the batch
     assert out["response_mask"].sum() > 0
     want = hf_sampled_logprobs(hf_vl(model_dir), out)
+    print_row_diffs(out["infer_logprobs"], want, out, what)
     assert_close(out["infer_logprobs"], want, out["response_mask"], what)
 
 

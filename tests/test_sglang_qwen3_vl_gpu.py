@@ -40,6 +40,7 @@ from engine_vl_gpu import (  # noqa: E402
     check_generate,
     hf_sampled_logprobs,
     hf_vl,
+    print_row_diffs,
     save_image_rows,
     sglang_logs_to,
     vl_prompts,
@@ -108,5 +109,7 @@ def test_compute_log_probs_of_video_rows_matches_transformers(setup):
     root, model, strategy = setup
     out = strategy.generate(video_prompts(root, model), SamplingParams(n=2, max_new_tokens=16, seed=11))
     scored = strategy.compute_log_probs(out)["log_probs"]
-    assert_close(scored, hf_sampled_logprobs(hf_vl(model), out), out["response_mask"], "scoring video rows")
+    want = hf_sampled_logprobs(hf_vl(model), out)
+    print_row_diffs(scored, want, out, "scoring video rows")
+    assert_close(scored, want, out["response_mask"], "scoring video rows")
     assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")

@@ -8,11 +8,15 @@ attention, pytorch sampler, no CUDA graphs; the vision tower on ``triton_attn``,
   pixel values on the same weights (bf16 tolerance, tests/engine_gpu.py), which they would not if
   an image were dropped, resized or placed at other rope positions;
 - generate with videos: ROLL's Video-R1 rows, ``pixel_values_videos`` with their grid and
-  ``second_per_grid_ts``, against transformers the same way;
+  ``second_per_grid_ts``, against transformers the same way; the dicts hold transformers' rope
+  positions (roll.distributed.strategy.sglang_positions): SGLang's own rule puts the text after the
+  tiny model's video 3 positions later (1 x H200, 2026-11-28, without them: mean 0.0575, max 0.168);
 - compute_log_probs on image rows: SGLang's input log-probs renormalized without the vision tokens
   equal transformers' (and the sampling log-probs);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``)
   makes the engine sample like the new weights.
+
+Each row's mean and max |diff| is printed, with its media, before each check asserts.
 
     pytest -s -x tests/test_sglang_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
 
@@ -44,6 +48,7 @@ from engine_vl_gpu import (  # noqa: E402
     check_load_weights,
     hf_sampled_logprobs,
     hf_vl,
+    print_row_diffs,
     save_vl_models,
     sglang_logs_to,
     video_prompts,
@@ -77,7 +82,9 @@ def test_compute_log_probs_of_image_rows_matches_transformers(engine, models):
     root, a, _ = models
     out = engine.generate(vl_prompts(root, a), SamplingParams(n=2, max_new_tokens=16, seed=11))
     scored = engine.compute_log_probs(out)["log_probs"]
-    assert_close(scored, hf_sampled_logprobs(hf_vl(a), out), out["response_mask"], "scoring image rows")
+    want = hf_sampled_logprobs(hf_vl(a), out)
+    print_row_diffs(scored, want, out, "scoring image rows")
+    assert_close(scored, want, out["response_mask"], "scoring image rows")
     assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
 
 
