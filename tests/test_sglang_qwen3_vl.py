@@ -13,9 +13,8 @@ checked here is what SGLang reads:
   times are in the prompt); the ids hold one vision start + run of ``h * w / 4`` video tokens per
   temporal patch;
 - image rows: one dict with all of a row's images, a run of ``t * h * w / 4`` image tokens each;
-- each dict also holds transformers' rope positions of the row (``sglang_positions``), which for
-  Qwen3-VL are what SGLang's own rule computes (tests/sglang_rope_rule.py): a video's patches each a
-  ``[1, h, w]`` grid;
+- no dict holds rope positions: transformers' positions of these rows (``sglang_positions``) are what
+  SGLang's own rule computes (tests/sglang_rope_rule.py): a video's patches each a ``[1, h, w]`` grid;
 - a video written as one run (Qwen2.5-VL's layout) is refused for Qwen3-VL, and the other way round;
 - both model types start the engine (``StrategySpec.vision_model_types``) with ``timestamped`` set.
 """
@@ -107,7 +106,7 @@ def test_video_requests_are_the_trainers_ids_with_their_times_and_one_dict_per_r
         assert "<0.2 seconds><|vision_start|>" in text and "<1.5 seconds><|vision_start|>" in text
         for request in (2 * i, 2 * i + 1):
             (item,) = call["video_data"][request]
-            assert set(item) == {"format", "pixel_values_videos", "video_grid_thw", POSITIONS, DELTA}
+            assert set(item) == {"format", "pixel_values_videos", "video_grid_thw"}  # SGLang's positions
             assert item["format"] == "processor_output"
             assert item["pixel_values_videos"] is inputs["pixel_values_videos"]
             assert item["video_grid_thw"] is inputs["video_grid_thw"]
@@ -118,8 +117,9 @@ def test_video_requests_are_the_trainers_ids_with_their_times_and_one_dict_per_r
         assert patch_runs(row, start, vision.video) == [h * w // 4] * t
         assert inputs["pixel_values_videos"].shape[0] == t * h * w  # what SGLang splits by the grid
         want = sglang_positions(row, vision.image, vision.video, [], [[t, h, w]], split_videos=True)
-        assert torch.equal(item[POSITIONS], want)  # transformers' positions are SGLang's here
-        assert item[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(row)]]
+        ours = vision.positions(row, inputs)
+        assert torch.equal(ours[POSITIONS], want)  # transformers' positions are SGLang's here
+        assert ours[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(row)]]
 
 
 def test_scoring_video_rows_sends_their_videos(fake_engines, model):  # noqa: F811
@@ -143,11 +143,11 @@ def test_image_requests_hold_each_rows_images_at_their_runs(fake_engines, model)
     assert call["input_ids"] == prompt_token_lists(batch) and "video_data" not in call
     for row, data, inputs in zip(call["input_ids"], call["image_data"], batch[MULTI_MODAL_INPUTS]):
         (item,) = data
-        assert set(item) == {"format", "pixel_values", "image_grid_thw", POSITIONS, DELTA}
+        assert set(item) == {"format", "pixel_values", "image_grid_thw"}
         assert item["pixel_values"] is inputs["pixel_values"]
         grid = inputs["image_grid_thw"]
         want = sglang_positions(row, strategy.vision.image, strategy.vision.video, grid.tolist(), [])
-        assert torch.equal(item[POSITIONS], want)
+        assert torch.equal(strategy.vision.positions(row, inputs)[POSITIONS], want)
         assert token_runs(row, strategy.vision.image) == (grid.prod(dim=1) // 4).tolist()
 
 

@@ -9,8 +9,8 @@ records the multimodal arguments of ``Engine.generate``:
 - ids that do not hold one run of expanded tokens per image are refused by row;
 - scoring: image rows go with their images, and the input log-probs are renormalized without the
   vision tokens (what roll's forward computes, checked against log_softmax of masked logits);
-- rope positions: every vision row's dict holds transformers' positions of its ids and the delta
-  that continues them (``sglang_positions``), which for a Qwen2.5-VL video put the text after it
+- rope positions: a Qwen2.5-VL video row's dict holds transformers' positions of its ids and the delta
+  that continues them (``sglang_positions``), which put the text after the video
   where transformers 5 does, 3 positions before SGLang's own rule (tests/sglang_rope_rule.py); for
   images the two agree;
 - a vision-language model type roll has not run on SGLang is refused when the engine starts.
@@ -224,16 +224,18 @@ def test_a_qwen2_5_vl_video_row_carries_transformers_positions_not_sglangs(vl_di
     assert torch.equal(scored[POSITIONS][:, : len(ids)], item[POSITIONS])
 
 
-def test_image_rows_carry_the_positions_sglang_computes_too(vl_dir):
+def test_image_rows_leave_the_positions_to_sglang_whose_rule_agrees(vl_dir):
     config = tiny_vl_config(build_tiny_vl_tokenizer())
     vision = sglang_vision(str(vl_dir))
     image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
     ids = [5, start, *[image] * 2, end, 6, start, *[image] * 4, end, 7, 8]
-    item, video = vision.row_data(ids, images((1, 2, 4), (1, 4, 4)), 0)
-    assert video is None
+    inputs = images((1, 2, 4), (1, 4, 4))
+    item, video = vision.row_data(ids, inputs, 0)
+    assert video is None and POSITIONS not in item and DELTA not in item
     want = sglang_positions(ids, image, config.video_token_id, [[1, 2, 4], [1, 4, 4]], [])
-    assert torch.equal(item[POSITIONS], want)
-    assert item[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(ids)]]
+    ours = vision.positions(ids, inputs)
+    assert torch.equal(ours[POSITIONS], want)
+    assert ours[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(ids)]]
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -253,7 +255,7 @@ def test_generate_sends_expanded_ids_and_each_rows_images(fake_engines, vl_dir):
     assert [len(d) for d in call["image_data"]] == [1, 1, 0, 0, 1, 1] and "video_data" not in call
     assert call["image_data"][0][0]["pixel_values"] is row0["pixel_values"]
     assert call["image_data"][5][0]["image_grid_thw"] is row2["image_grid_thw"]
-    assert call["image_data"][0][0][POSITIONS].shape == (3, 5)  # transformers' positions (sglang_positions)
+    assert POSITIONS not in call["image_data"][0][0]  # SGLang's own positions equal transformers' here
     bias = {str(t): -1.0e4 for t in response_excluded_tokens(config)}
     assert len(bias) == 3 and all(sp["logit_bias"] == bias for sp in call["sampling_params"])
     assert torch.equal(out["prompts"][::2], batch["prompts"])

@@ -15,9 +15,10 @@ after the video sits ``(t - 1) * step + 1 - max(h, w) / merge`` positions later 
 (the tiny test model: 3), and every response token with it. Qwen3-VL writes each temporal patch as
 its own ``[1, h, w]`` run, so both rules agree there.
 
-So every vision row's dict carries transformers' positions of its ids ([3, L]) and the delta that
-continues them for the response (SGLang decodes token ``i`` at ``i + delta``): the position a text
-token right after the ids takes in transformers, less the ids' length.
+So a Qwen2.5-VL row with a video carries transformers' positions of its ids ([3, L]) and the delta
+that continues them for the response (SGLang decodes token ``i`` at ``i + delta``): the position a
+text token right after the ids takes in transformers, less the ids' length. Other rows, where the two
+rules agree, leave the positions to SGLang (the path the GPU tests ran before this module).
 
 >>> positions = rope_positions(model_dir)          # None for a model type without a rope index
 >>> extra = positions(ids, inputs)                 # {"mrope_positions": [3, L], "mrope_position_delta": [[d]]}

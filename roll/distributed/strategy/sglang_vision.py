@@ -8,9 +8,9 @@ holding the HF processor's tensors for all of the request's images; with such a 
 ``input_ids``, SGLang keeps the ids as given (its ``load_mm_data`` fast path), finds each image at a
 run of image tokens and splits ``pixel_values`` per image by ``image_grid_thw``. roll's rows
 already hold both halves: the expanded prompt ids the trainer scores and the processor's pixel
-inputs (``multi_modal_inputs``), so they go as they are, without a second resize. Each dict also
-holds transformers' 3-D rope positions of the row (``sglang_positions``): SGLang's own rule puts
-the text after a Qwen2.5-VL video elsewhere than transformers 5 does::
+inputs (``multi_modal_inputs``), so they go as they are, without a second resize. A Qwen2.5-VL row
+with a video also holds transformers' 3-D rope positions of the row (``sglang_positions``): SGLang's
+own rule puts the text after such a video elsewhere than transformers 5 does::
 
     vision = sglang_vision(model_dir)                      # config.json's vision tokens (text: inert)
     kwargs = vision.request_kwargs(batch, prompts, n=4)    # {"image_data": [...], "video_data": [...]}
@@ -131,8 +131,10 @@ class SGLangVision:
             out.append(
                 {"format": PROCESSOR_OUTPUT, **{k: inputs[k] for k in keys if inputs.get(k) is not None}}
             )
-        if self.positions is not None and any(d is not None for d in out):
-            # SGLang reads them from the request's first dict; each of the row's dicts holds them
+        if self.positions is not None and out[1] is not None and not self.timestamped:
+            # A Qwen2.5-VL video, where SGLang's rule and transformers' differ (sglang_positions); images
+            # and Qwen3-VL's per-patch videos get the same positions from both, so SGLang computes them.
+            # SGLang reads them from the request's first dict; each of the row's dicts holds them.
             extra = self.positions(ids, inputs)
             out = [None if d is None else {**d, **extra} for d in out]
         return out[0], out[1]
