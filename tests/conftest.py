@@ -12,6 +12,12 @@ import pytest
 import ray
 import yaml
 
+from roll.models.qwen_rope_rule import use_qwen_rope_rule
+
+# Qwen2.5-VL's rope positions by Qwen's rule, as every roll path computes them: the tests' own
+# transformers references (in this process) must lay them the same way.
+use_qwen_rope_rule()
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "output" / "default_example"
 SHIM = REPO / "tests" / "megatron" / "ray_cpu_shim"

@@ -46,3 +46,22 @@ def sglang_positions(
             out.append(torch.stack([tt, hh, ww]) + next_pos)
         next_pos = int(out[-1].max()) + 1
     return torch.cat(out, dim=1)
+
+
+def trainer_positions(hf_config, ids: list[int], inputs: dict) -> torch.Tensor:
+    """[3, len(ids)] positions roll's trainers compute for one row (``rope_index_positions`` with the
+    model type's class: Qwen2.5-VL by Qwen's rule, ``roll.models.qwen_rope_rule``)."""
+    from roll.models.rope_index import rope_index_class, rope_index_positions
+
+    extra = {}
+    if inputs.get("second_per_grid_ts") is not None:
+        extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"])
+    grid = lambda key: None if inputs.get(key) is None else torch.as_tensor(inputs[key])  # noqa: E731
+    return rope_index_positions(
+        rope_index_class(hf_config.model_type),
+        torch.tensor([ids]),
+        hf_config,
+        image_grid_thw=grid("image_grid_thw"),
+        video_grid_thw=grid("video_grid_thw"),
+        **extra,
+    )[:, 0]

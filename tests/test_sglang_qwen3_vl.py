@@ -13,8 +13,8 @@ checked here is what SGLang reads:
   times are in the prompt); the ids hold one vision start + run of ``h * w / 4`` video tokens per
   temporal patch;
 - image rows: one dict with all of a row's images, a run of ``t * h * w / 4`` image tokens each;
-- no dict holds rope positions: transformers' positions of these rows (``sglang_positions``) are what
-  SGLang's own rule computes (tests/sglang_rope_rule.py): a video's patches each a ``[1, h, w]`` grid;
+- no dict holds rope positions: the trainers' positions of these rows are what SGLang's own rule
+  computes (tests/sglang_rope_rule.py): a video's patches each a ``[1, h, w]`` grid;
 - a video written as one run (Qwen2.5-VL's layout) is refused for Qwen3-VL, and the other way round;
 - both model types start the engine (``StrategySpec.vision_model_types``) with ``timestamped`` set.
 """
@@ -33,17 +33,17 @@ pytest.importorskip("av")  # PyAV decodes the videos (the [vision] extra)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_vl_gpu import save_image_rows, vl_prompts  # noqa: E402
-from sglang_rope_rule import sglang_positions  # noqa: E402
+from sglang_rope_rule import sglang_positions, trainer_positions  # noqa: E402
 from test_sglang_vision import vl_strategy  # noqa: E402
 from test_vllm_sglang_strategies import fake_engines, prompt_batch  # noqa: E402, F401 - the fixture
 from tiny_qwen3_vl import QWEN3_VIDEO_ARGS, SGLANG_DEEPSTACK, build_tiny_qwen3_vl_dir  # noqa: E402
 from tiny_vl import video_r1_rows  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 from roll.configs.role import DataArgs  # noqa: E402
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.generation import prompt_token_lists  # noqa: E402
-from roll.distributed.strategy.sglang_positions import DELTA, POSITIONS  # noqa: E402
 from roll.distributed.strategy.sglang_vision import SGLangVision, sglang_vision, token_runs  # noqa: E402
 from roll.models.vision import MULTI_MODAL_INPUTS, VisionProcessor  # noqa: E402
 from roll.pipeline.rlvr.data.dataset import load_prompt_files  # noqa: E402
@@ -117,9 +117,8 @@ def test_video_requests_are_the_trainers_ids_with_their_times_and_one_dict_per_r
         assert patch_runs(row, start, vision.video) == [h * w // 4] * t
         assert inputs["pixel_values_videos"].shape[0] == t * h * w  # what SGLang splits by the grid
         want = sglang_positions(row, vision.image, vision.video, [], [[t, h, w]], split_videos=True)
-        ours = vision.positions(row, inputs)
-        assert torch.equal(ours[POSITIONS], want)  # transformers' positions are SGLang's here
-        assert ours[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(row)]]
+        ours = trainer_positions(AutoConfig.from_pretrained(model), row, inputs)
+        assert torch.equal(ours, want)  # the trainers' positions are SGLang's here
 
 
 def test_scoring_video_rows_sends_their_videos(fake_engines, model):  # noqa: F811
@@ -147,7 +146,7 @@ def test_image_requests_hold_each_rows_images_at_their_runs(fake_engines, model)
         assert item["pixel_values"] is inputs["pixel_values"]
         grid = inputs["image_grid_thw"]
         want = sglang_positions(row, strategy.vision.image, strategy.vision.video, grid.tolist(), [])
-        assert torch.equal(strategy.vision.positions(row, inputs)[POSITIONS], want)
+        assert torch.equal(trainer_positions(AutoConfig.from_pretrained(model), row, inputs), want)
         assert token_runs(row, strategy.vision.image) == (grid.prod(dim=1) // 4).tolist()
 
 

@@ -9,10 +9,10 @@ records the multimodal arguments of ``Engine.generate``:
 - ids that do not hold one run of expanded tokens per image are refused by row;
 - scoring: image rows go with their images, and the input log-probs are renormalized without the
   vision tokens (what roll's forward computes, checked against log_softmax of masked logits);
-- rope positions: a Qwen2.5-VL video row's dict holds transformers' positions of its ids and the delta
-  that continues them (``sglang_positions``), which put the text after the video
-  where transformers 5 does, 3 positions before SGLang's own rule (tests/sglang_rope_rule.py); for
-  images the two agree;
+- rope positions: SGLang's (Qwen's rule, tests/sglang_rope_rule.py) are the trainers'
+  (``roll.models.qwen_rope_rule``) for a Qwen2.5-VL video row, where transformers 5.3+'s own rule
+  puts the text after the video 3 positions earlier; for images the rules agree; requests send no
+  positions;
 - a vision-language model type roll has not run on SGLang is refused when the engine starts.
 """
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_rope_rule import sglang_positions  # noqa: E402
+from sglang_rope_rule import sglang_positions, trainer_positions  # noqa: E402
 from test_vllm_sglang_strategies import (  # noqa: E402
     FakeServerArgs,
     FakeSGLangEngine,
@@ -41,13 +41,14 @@ from test_vllm_sglang_strategies import (  # noqa: E402
     tokenizer_dir,  # noqa: F401 - the fixture
 )
 from tiny_vl import build_tiny_vl_tokenizer, tiny_vl_config  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  # noqa: E402
 
 from roll.configs.errors import ConfigError  # noqa: E402
 from roll.configs.strategy_configs import SGLangConfig  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 from roll.distributed.strategy.engine_requests import ScoringRequest  # noqa: E402
 from roll.distributed.strategy.registry import load_strategy_class  # noqa: E402
-from roll.distributed.strategy.sglang_positions import DELTA, POSITIONS  # noqa: E402
 from roll.distributed.strategy.sglang_vision import (  # noqa: E402
     SGLangVision,
     masked_input_logprobs,
@@ -55,6 +56,7 @@ from roll.distributed.strategy.sglang_vision import (  # noqa: E402
     sglang_vision,
     token_runs,
 )
+from roll.models.qwen_rope_rule import transformers_rope_index  # noqa: E402
 from roll.models.vision import EXCLUDED_LOGIT, response_excluded_tokens  # noqa: E402
 
 IMAGE, VIDEO, START = 50, 51, 52  # the tokens of SGLangVision tests that need no model directory
@@ -190,14 +192,23 @@ def test_ids_without_one_expanded_run_per_image_are_refused(ids, match):
 # ------------------------------------------------------------------------------ rope positions
 
 
-def test_a_qwen2_5_vl_video_row_carries_transformers_positions_not_sglangs(vl_dir):
+class _TransformersRule:
+    """transformers' own Qwen2.5-VL ``get_rope_index`` (5.3+), for ``rope_index_positions``."""
+
+    get_rope_index = transformers_rope_index()
+    get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids
+
+
+def test_a_qwen2_5_vl_video_row_is_scored_at_the_positions_sglang_samples_at(vl_dir):
     """The tiny model's video (2 temporal patches of 2 x 2 merged patches, 1 s each,
-    ``tokens_per_second`` 4: temporal positions 4 apart): transformers 5 starts the text after it one
-    past the largest spatial position, SGLang's rule one past the largest temporal one, 3 later.
-    The dict holds transformers', and the delta continues them for the response."""
+    ``tokens_per_second`` 4: temporal positions 4 apart). SGLang computes the positions by Qwen's
+    rule: the text after the video starts one past its largest position, the temporal 8. So do the
+    trainers (``roll.models.qwen_rope_rule``); transformers 5.3+'s own rule would start it 3 earlier.
+    The request sends no positions."""
+    from roll.models.rope_index import rope_index_positions
+
     config = tiny_vl_config(build_tiny_vl_tokenizer())
     vision = sglang_vision(str(vl_dir))
-    assert vision.positions.hf_config.vision_config.tokens_per_second == 4
     start, end, video = config.vision_start_token_id, config.vision_end_token_id, config.video_token_id
     ids = [5, 5, 5, start, *[video] * 8, end, 6, 6, 6, 6]
     inputs = {
@@ -206,36 +217,39 @@ def test_a_qwen2_5_vl_video_row_carries_transformers_positions_not_sglangs(vl_di
         "second_per_grid_ts": torch.tensor([1.0]),
     }
     image, item = vision.row_data(ids, inputs, 0)
-    assert image is None and item["pixel_values_videos"] is inputs["pixel_values_videos"]
-    text = list(range(4))
-    after = [6, 7, 8, 9, 10]  # vision end and the text after: transformers 5
-    assert item[POSITIONS].tolist() == [
+    assert image is None and set(item) == {"format", *inputs}
+    hf_config = AutoConfig.from_pretrained(vl_dir)
+    assert hf_config.vision_config.tokens_per_second == 4
+    text, after = list(range(4)), [9, 10, 11, 12, 13]  # vision end and the text after
+    ours = trainer_positions(hf_config, ids, inputs)
+    assert ours.tolist() == [
         text + [4, 4, 4, 4, 8, 8, 8, 8] + after,
         text + [4, 4, 5, 5, 4, 4, 5, 5] + after,
         text + [4, 5, 4, 5, 4, 5, 4, 5] + after,
     ]
-    assert item[DELTA].tolist() == [[11 - len(ids)]]  # the first response token at 11
     theirs = sglang_positions(ids, config.image_token_id, video, [], [[2, 4, 4]], video_intervals=[4.0])
-    assert torch.equal(theirs[:, :12], item[POSITIONS][:, :12])
-    assert torch.equal(theirs[:, 12:], item[POSITIONS][:, 12:] + 3)  # what SGLang computes without them
-    # scoring sends prompt + response: the response where the generate request's delta puts it
-    _, scored = vision.row_data([*ids, 7, 7], inputs, 0)
-    assert scored[POSITIONS][:, len(ids) :].tolist() == [[11, 12]] * 3
-    assert torch.equal(scored[POSITIONS][:, : len(ids)], item[POSITIONS])
+    assert torch.equal(theirs, ours)
+    transformers_rule = rope_index_positions(
+        _TransformersRule,
+        torch.tensor([ids]),
+        hf_config,
+        image_grid_thw=None,
+        video_grid_thw=inputs["video_grid_thw"],
+        second_per_grid_ts=inputs["second_per_grid_ts"],
+    )[:, 0]
+    assert torch.equal(transformers_rule[:, 12:] + 3, ours[:, 12:])
 
 
-def test_image_rows_leave_the_positions_to_sglang_whose_rule_agrees(vl_dir):
+def test_image_rows_get_the_same_positions_from_both_rules(vl_dir):
     config = tiny_vl_config(build_tiny_vl_tokenizer())
     vision = sglang_vision(str(vl_dir))
     image, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
     ids = [5, start, *[image] * 2, end, 6, start, *[image] * 4, end, 7, 8]
     inputs = images((1, 2, 4), (1, 4, 4))
     item, video = vision.row_data(ids, inputs, 0)
-    assert video is None and POSITIONS not in item and DELTA not in item
+    assert video is None and set(item) == {"format", *inputs}
     want = sglang_positions(ids, image, config.video_token_id, [[1, 2, 4], [1, 4, 4]], [])
-    ours = vision.positions(ids, inputs)
-    assert torch.equal(ours[POSITIONS], want)
-    assert ours[DELTA].tolist() == [[int(want[:, -1].max()) + 1 - len(ids)]]
+    assert torch.equal(trainer_positions(AutoConfig.from_pretrained(vl_dir), ids, inputs), want)
 
 
 # ----------------------------------------------------------------------------- the strategy
@@ -255,7 +269,7 @@ def test_generate_sends_expanded_ids_and_each_rows_images(fake_engines, vl_dir):
     assert [len(d) for d in call["image_data"]] == [1, 1, 0, 0, 1, 1] and "video_data" not in call
     assert call["image_data"][0][0]["pixel_values"] is row0["pixel_values"]
     assert call["image_data"][5][0]["image_grid_thw"] is row2["image_grid_thw"]
-    assert POSITIONS not in call["image_data"][0][0]  # SGLang's own positions equal transformers' here
+    assert set(call["image_data"][0][0]) == {"format", *row0}  # SGLang computes the positions
     bias = {str(t): -1.0e4 for t in response_excluded_tokens(config)}
     assert len(bias) == 3 and all(sp["logit_bias"] == bias for sp in call["sampling_params"])
     assert torch.equal(out["prompts"][::2], batch["prompts"])

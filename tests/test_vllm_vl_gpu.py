@@ -67,11 +67,6 @@ def test_generate_with_images_matches_transformers(engine, models):
     check_generate(engine, vl_prompts(root, a), a, "generate with images")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="1 x H200, 2026-11-28: vLLM's sampled log-probs on video rows were off transformers' by mean "
-    "0.034 / max 0.134 (tolerance 0.02 / 0.25; images 0.010 / 0.039); cause not found yet",
-)
 def test_generate_with_videos_matches_transformers(engine, models):
     root, a, _ = models
     check_generate(engine, video_prompts(root, a), a, "generate with videos")

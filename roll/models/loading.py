@@ -70,6 +70,9 @@ def load_model(
         elif is_vision_model_dir(path):  # Qwen2.5-VL: roll.models.vision
             from transformers import AutoModelForImageTextToText
 
+            from roll.models.qwen_rope_rule import use_qwen_rope_rule
+
+            use_qwen_rope_rule()  # Qwen2.5-VL's positions as its checkpoints and the engines lay them
             model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -1,9 +1,11 @@
-"""transformers' own 3-D rope positions of Qwen-VL rows (``get_rope_index``), without a model.
+"""The 3-D rope positions of Qwen-VL rows from the model class's ``get_rope_index``, without a model
+(Qwen2.5-VL's by Qwen's rule: ``roll.models.qwen_rope_rule``).
 
 The trainers' forwards take these positions (transformers' model computes them; roll's megatron
-models call the same method), so an engine that computes its own can be told them instead:
+models call the same method), and the engines compute the same ones:
 
->>> positions = rope_index_positions(Qwen2_5_VLModel, ids, hf_config, image_grid_thw=g, video_grid_thw=None)
+>>> cls = rope_index_class("qwen2_5_vl")
+>>> positions = rope_index_positions(cls, ids, hf_config, image_grid_thw=g, video_grid_thw=None)
 >>> cls = rope_index_class("qwen3_vl_moe")                    # transformers' Qwen3VLMoeModel
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from roll.models.qwen_rope_rule import use_qwen_rope_rule
 from roll.models.vision import token_types
 
 # model_type -> (module, class) whose ``get_rope_index`` lays the model's positions in transformers
@@ -31,6 +34,7 @@ def rope_index_class(model_type: str) -> Any:
     KeyError naming the types known (``ROPE_INDEX_CLASSES``)."""
     if model_type not in ROPE_INDEX_CLASSES:
         raise KeyError(f"no rope index for model_type {model_type!r}; known: {sorted(ROPE_INDEX_CLASSES)}")
+    use_qwen_rope_rule()  # Qwen2.5-VL's get_rope_index by Qwen's rule (roll.models.qwen_rope_rule)
     module, name = ROPE_INDEX_CLASSES[model_type]
     return getattr(importlib.import_module(module), name)
 
@@ -50,6 +54,7 @@ def rope_index_positions(
     rows without images or videos count up on all three axes. ``types``: the rows'
     ``mm_token_type_ids`` (default: the config's image and video tokens in ``input_ids``), the
     only thing transformers 5 reads to find the images and videos."""
+    use_qwen_rope_rule()  # whichever class the caller passes: Qwen2.5-VL's by Qwen's rule
     if not any(g is not None and len(g) for g in (image_grid_thw, video_grid_thw)):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return positions.view(1, 1, -1).expand(3, input_ids.shape[0], -1)

@@ -8,9 +8,8 @@ holding the HF processor's tensors for all of the request's images; with such a 
 ``input_ids``, SGLang keeps the ids as given (its ``load_mm_data`` fast path), finds each image at a
 run of image tokens and splits ``pixel_values`` per image by ``image_grid_thw``. roll's rows
 already hold both halves: the expanded prompt ids the trainer scores and the processor's pixel
-inputs (``multi_modal_inputs``), so they go as they are, without a second resize. A Qwen2.5-VL row
-with a video also holds transformers' 3-D rope positions of the row (``sglang_positions``): SGLang's
-own rule puts the text after such a video elsewhere than transformers 5 does::
+inputs (``multi_modal_inputs``), so they go as they are, without a second resize. SGLang computes
+the rows' 3-D rope positions by Qwen's rule, as roll's trainers do (``roll.models.qwen_rope_rule``)::
 
     vision = sglang_vision(model_dir)                      # config.json's vision tokens (text: inert)
     kwargs = vision.request_kwargs(batch, prompts, n=4)    # {"image_data": [...], "video_data": [...]}
@@ -36,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +44,6 @@ from roll.configs.errors import ConfigError
 from roll.configs.strategies import get_strategy_spec
 from roll.core.batch import Batch
 from roll.distributed.strategy.engine_requests import ScoringRequest, sglang_input_logprobs
-from roll.distributed.strategy.sglang_positions import RopePositions, rope_positions
 from roll.models.model_dir import config_json
 from roll.models.video_prompt import TIMESTAMPED_VIDEO_MODEL_TYPES
 from roll.models.vision import MULTI_MODAL_INPUTS, is_vision_config, response_excluded_tokens
@@ -74,8 +72,6 @@ class SGLangVision:
     excluded: tuple[int, ...] = ()
     # Qwen3-VL's videos: one run of video tokens per temporal patch (roll.models.video_prompt)
     timestamped: bool = False
-    # transformers' rope positions of a row, sent in its dicts (sglang_positions; None: SGLang's own)
-    positions: RopePositions | None = field(default=None, compare=False)
 
     def logit_bias(self) -> dict[str, float]:
         """SGLang's ``sampling_params["logit_bias"]`` (string keys, as its SamplingParams declares)."""
@@ -131,12 +127,6 @@ class SGLangVision:
             out.append(
                 {"format": PROCESSOR_OUTPUT, **{k: inputs[k] for k in keys if inputs.get(k) is not None}}
             )
-        if self.positions is not None and out[1] is not None and not self.timestamped:
-            # A Qwen2.5-VL video, where SGLang's rule and transformers' differ (sglang_positions); images
-            # and Qwen3-VL's per-patch videos get the same positions from both, so SGLang computes them.
-            # SGLang reads them from the request's first dict; each of the row's dicts holds them.
-            extra = self.positions(ids, inputs)
-            out = [None if d is None else {**d, **extra} for d in out]
         return out[0], out[1]
 
     def expected_runs(self, grid: Any, timestamped: bool) -> list[int]:
@@ -184,12 +174,7 @@ def sglang_vision(model_dir: str | None) -> SGLangVision:
     excluded = tuple(response_excluded_tokens(config))
     timestamped = config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES
     return SGLangVision(
-        config.get("image_token_id"),
-        config.get("video_token_id"),
-        merge,
-        excluded,
-        timestamped,
-        rope_positions(model_dir),
+        config.get("image_token_id"), config.get("video_token_id"), merge, excluded, timestamped
     )
 
 
