@@ -457,7 +457,7 @@ def test_a_join_uses_the_auth_mode_the_environment_names_when_it_joins(monkeypat
     """Ray caches ``RAY_AUTH_MODE`` when it is imported: a driver that names token authentication
     after that (the two-node GPU test did) must still send the token, and a failed join without it
     says what to set."""
-    from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, Config, get_authentication_mode
 
     seen = []
 
@@ -480,7 +480,8 @@ def test_a_join_uses_the_auth_mode_the_environment_names_when_it_joins(monkeypat
         assert seen == [True, False]
     finally:
         monkeypatch.undo()
-        Config.initialize("")  # Ray's mode as the restored environment says
+        Config.initialize("")  # Ray's mode and token as the restored environment says
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def test_each_method_gets_its_stage_timeout():

@@ -77,7 +77,7 @@ def test_a_driver_joins_the_two_nodes_in_process(tmp_path, monkeypatch):
         from two_nodes_one_host import LOCAL_ONLY, TOKEN_AUTH, TwoNodes
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from ray._raylet import Config
+    from ray._raylet import AuthenticationTokenLoader, Config
 
     from roll.distributed.scheduler.placement import PlacementPlan
     from roll.distributed.scheduler.ray_start import init_ray
@@ -94,4 +94,5 @@ def test_a_driver_joins_the_two_nodes_in_process(tmp_path, monkeypatch):
         ray.shutdown()
         nodes.stop()
         monkeypatch.undo()
-        Config.initialize("")
+        Config.initialize("")  # Ray's auth mode and token as the restored environment says: a later
+        AuthenticationTokenLoader.instance().reset_cache()  # local Ray would start with this token
