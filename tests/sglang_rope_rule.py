@@ -50,18 +50,30 @@ def sglang_positions(
 
 def trainer_positions(hf_config, ids: list[int], inputs: dict) -> torch.Tensor:
     """[3, len(ids)] positions roll's trainers compute for one row (``rope_index_positions`` with the
-    model type's class: Qwen2.5-VL by Qwen's rule, ``roll.models.qwen_rope_rule``)."""
-    from roll.models.rope_index import rope_index_class, rope_index_positions
+    model type's transformers class: Qwen2.5-VL by Qwen's rule, ``roll.models.qwen_rope_rule``)."""
+    import importlib
+
+    from roll.models.rope_index import rope_index_positions
+
+    module, name = TRANSFORMERS_CLASSES[hf_config.model_type]
 
     extra = {}
     if inputs.get("second_per_grid_ts") is not None:
         extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"])
     grid = lambda key: None if inputs.get(key) is None else torch.as_tensor(inputs[key])  # noqa: E731
     return rope_index_positions(
-        rope_index_class(hf_config.model_type),
+        getattr(importlib.import_module(f"transformers.models.{module}"), name),
         torch.tensor([ids]),
         hf_config,
         image_grid_thw=grid("image_grid_thw"),
         video_grid_thw=grid("video_grid_thw"),
         **extra,
     )[:, 0]
+
+
+# model_type -> (transformers.models submodule, the model class whose get_rope_index the trainers use)
+TRANSFORMERS_CLASSES = {
+    "qwen2_5_vl": ("qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
+    "qwen3_vl": ("qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel"),
+    "qwen3_vl_moe": ("qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel"),
+}

@@ -109,7 +109,8 @@ def check_vision_layout(name: str, role: RoleConfig) -> None:
 
 
 def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> None:
-    model_type = config_json(role.model_args.model_name_or_path).get("model_type")
+    config = config_json(role.model_args.model_name_or_path)
+    model_type = config.get("model_type")
     if model_type in UNRUN_VISION_MODEL_TYPES:
         raise ConfigError(
             f"{name}.model_args.model_name_or_path",
@@ -131,9 +132,7 @@ def check_vision_model(name: str, role: RoleConfig, strategy: str | None) -> Non
         )
     check_vision_model_type(name, strategy, model_type)
     if strategy == "sglang":
-        check_sglang_deepstack(
-            config_json(role.model_args.model_name_or_path), f"{name}.model_args.model_name_or_path"
-        )
+        check_sglang_deepstack(config, f"{name}.model_args.model_name_or_path")
     if model_type == "qwen3_omni_moe" and strategy == "megatron_train":
         check_audio_tower_frozen(name, role.model_args.freeze_module_prefix)
     for key, value, why in (

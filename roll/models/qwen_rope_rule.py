@@ -18,8 +18,7 @@ the same positions from both.
 in this process (idempotent). Every roll path asks it for Qwen2.5-VL positions:
 
 - the HF forwards and generate (fsdp2_train, hf_infer: ``roll.models.loading``);
-- megatron's positions (``roll.models.rope_index.rope_index_class``);
-- the positions sent to SGLang (the same).
+- megatron's positions (``roll.models.rope_index.rope_index_positions``).
 
 The temporal step is applied before truncating to an integer, as Qwen's code and vLLM do
 (transformers 5.17 truncated ``second_per_grid_ts`` first).

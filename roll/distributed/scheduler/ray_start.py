@@ -75,8 +75,7 @@ def init_ray(plan: PlacementPlan, device: str, log_to_driver: bool = True) -> st
         if address:
             check_ray_address(address)
             loopback = address.partition(":")[0] == LOOPBACK
-            with loopback_kept() if loopback else contextlib.nullcontext(), join_hint(address):
-                token_auth_synced()
+            with loopback_kept() if loopback else contextlib.nullcontext(), joining(address):
                 ray.init(address=address, **kwargs)
         elif device == "cuda" and plan.num_nodes > 1:
             token_auth_synced()
@@ -138,8 +137,7 @@ def _join_local_cluster(kwargs: dict[str, Any]) -> bool:
     address = ray_start_address()
     if address is None:
         return False
-    with join_hint(address):
-        token_auth_synced()
+    with joining(address):
         ray.init(address=address, **kwargs)
     return True
 
@@ -170,10 +168,12 @@ def token_auth_synced() -> None:
 
 
 @contextlib.contextmanager
-def join_hint(address: str) -> Iterator[None]:
-    """A failed join says what to check: a cluster started with ``ray start`` under token
-    authentication refuses a driver without the token, and Ray reports only that it could not
-    connect."""
+def joining(address: str) -> Iterator[None]:
+    """Around a join of the cluster at ``address``: Ray's authentication mode first made the
+    environment's (``token_auth_synced``); a failed join then says what to check, as a cluster
+    started with ``ray start`` under token authentication refuses a driver without the token and Ray
+    reports only that it could not connect."""
+    token_auth_synced()
     try:
         yield
     except ConnectionError as err:

@@ -61,6 +61,7 @@ class VisionTokens:
     # (vision start, vision end) of a model writing videos frame by frame (Qwen3-VL); None: one run.
     frames: tuple[int, int] | None = None
     audio: int | None = None  # the audio token (Qwen3-Omni's thinker_config.audio_token_id)
+    model_type: str | None = None  # config.json's (None for a text model)
 
 
 def vision_tokens(model_dir: str | None) -> VisionTokens:
@@ -74,7 +75,12 @@ def vision_tokens(model_dir: str | None) -> VisionTokens:
         frames = (config.get("vision_start_token_id"), config.get("vision_end_token_id"))
     tokens = multimodal_config(config)  # Qwen3-Omni keeps its token ids in thinker_config
     return VisionTokens(
-        tokens.get("image_token_id"), tokens.get("video_token_id"), bias, frames, tokens.get("audio_token_id")
+        tokens.get("image_token_id"),
+        tokens.get("video_token_id"),
+        bias,
+        frames,
+        tokens.get("audio_token_id"),
+        config.get("model_type"),
     )
 
 

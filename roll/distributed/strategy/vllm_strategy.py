@@ -72,7 +72,6 @@ from roll.distributed.strategy.generation import (
 )
 from roll.distributed.strategy.vllm_worker_extension import RollWorkerExtension, VLLMWorkerCalls
 from roll.distributed.transport.engine_receive import shareable_bucket
-from roll.models.model_dir import config_json
 from roll.models.vision import has_vision_inputs
 
 EXTENSION = "roll.distributed.strategy.vllm_worker_extension.RollWorkerExtension"
@@ -120,7 +119,7 @@ class VLLMStrategy:
         # One call at a time wherever calls cross vLLM's message queue (TP > 1, or Ray's executor).
         in_process = self.config.tensor_parallel_size == 1 and not self.config.workers_on_ray
         self.workers = VLLMWorkerCalls(self.llm, serialize=not in_process)
-        if config_json(self.role_config.model_args.model_name_or_path).get("model_type") == "qwen3_omni_moe":
+        if self.vision.model_type == "qwen3_omni_moe":
             self.workers.call(RollWorkerExtension.roll_fix_mrope_positions)  # vllm_omni_positions
         self._weights_stale = self.config.load_format == "dummy"
 

@@ -9,8 +9,8 @@ decoder as ``decoder_input``.
 
 Every stage computes the 3-D rope positions of its rows (``mrope_positions``, transformers'
 ``get_rope_index`` by Qwen's rule, ``roll.models.qwen_rope_rule``, from the ids, the images' and
-videos' grids and the videos' seconds per temporal patch). Padded rows start at column 0 (roll's shifted layout, ``forward.py``), so trailing padding
-never moves a real token's position; packed (thd) rows, context parallelism included, get each
+videos' grids and the videos' seconds per temporal patch). Padded rows start at column 0 (roll's
+shifted layout, ``forward.py``), so trailing padding never moves a real token's position; packed (thd) rows, context parallelism included, get each
 sequence's positions the same way from the whole packed row (``packed_vision.py``).
 
 >>> model = Qwen2_5_VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
@@ -28,7 +28,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from roll.models.megatron.packed_vision import keep_whole_row, vision_inputs, with_vision_features
-from roll.models.rope_index import rope_index_class, rope_index_positions
+from roll.models.rope_index import rope_index_positions
 from roll.models.vision_tower import idle_tower_output, tower_wants_grads
 
 
@@ -62,8 +62,10 @@ def mrope_positions(
     column 0: text tokens count up on all three axes, an image's or video's tokens take its grid
     coordinates (a video's temporal ones spaced by ``tokens_per_second`` x its seconds per temporal
     patch). The grids hold the rows' images / videos in row order (None: none)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
     return rope_index_positions(
-        rope_index_class("qwen2_5_vl"),  # Qwen's rule (roll.models.qwen_rope_rule)
+        Qwen2_5_VLModel,  # Qwen's rule (roll.models.qwen_rope_rule)
         input_ids,
         hf_config,
         image_grid_thw=image_grid_thw,

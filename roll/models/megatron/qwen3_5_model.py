@@ -19,9 +19,9 @@ from roll.models.megatron.interleaved_mrope import InterleavedMRoPE
 from roll.models.megatron.qwen2_5_vl import (
     Qwen2_5_VLGPTModel,
     build_vision_tower,
-    rope_index_positions,
     tower_tensor_names,
 )
+from roll.models.rope_index import rope_index_positions
 
 
 def mrope_positions(

@@ -49,9 +49,9 @@ from roll.models.megatron.packed_vision import placed_features, with_vision_feat
 from roll.models.megatron.qwen2_5_vl import (
     Qwen2_5_VLGPTModel,
     build_vision_tower,
-    rope_index_positions,
     tower_tensor_names,
 )
+from roll.models.rope_index import rope_index_positions
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
