@@ -12,16 +12,22 @@ into a ``RuntimeError`` naming the call, so the strategy reads as what it asks f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from roll.distributed.strategy.sglang_weight_names import sglang_weight_names
+
 
 class SGLangEngineCalls:
-    """Typed control calls on one ``sglang.Engine`` (generation calls stay in the strategy)."""
+    """Typed control calls on one ``sglang.Engine`` (generation calls stay in the strategy).
+    ``rename``: roll's weight names into the ones the engine's model loads
+    (``sglang_weight_names``), applied to every weight update."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, rename: Callable[[str], str] = sglang_weight_names(None)) -> None:
         self.engine = engine
+        self.rename = rename
 
     def release_memory(self, tags: list[str]) -> None:
         _ok(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
@@ -40,7 +46,9 @@ class SGLangEngineCalls:
         """Full HF-named tensors (CUDA ones cross to the schedulers by IPC); the radix cache is
         flushed by the caller once the KV cache is back."""
         _ok(
-            self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False),
+            self.engine.update_weights_from_tensor(
+                named_tensors=[(self.rename(name), tensor) for name, tensor in named], flush_cache=False
+            ),
             "update_weights_from_tensor",
         )
 
@@ -61,7 +69,7 @@ class SGLangEngineCalls:
         """One bucket's tensors, broadcast on SGLang's group as one flat buffer of them back to back
         in ``meta``'s order (``load_format="flattened_bucket"``); returns once loaded."""
         result = self.engine.update_weights_from_distributed(
-            names=[t.name for t in meta.tensors],
+            names=[self.rename(t.name) for t in meta.tensors],
             dtypes=[str(t.dtype).removeprefix("torch.") for t in meta.tensors],
             shapes=[list(t.shape) for t in meta.tensors],
             group_name=group_name,

@@ -62,6 +62,7 @@ from roll.distributed.strategy.engine_startup import ENGINES, start_engine
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
 from roll.distributed.strategy.sglang_engine_calls import SGLangEngineCalls
 from roll.distributed.strategy.sglang_vision import SGLangVision, sglang_vision
+from roll.distributed.strategy.sglang_weight_names import sglang_weight_names
 from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
 
 MEMORY_TAGS = ["kv_cache", "weights"]
@@ -99,6 +100,7 @@ class SGLangStrategy:
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
         self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
+        self.engine_calls.rename = sglang_weight_names(self.vision.model_type)
         self._weights_stale = self.config.load_format == "dummy"
 
     def shutdown(self) -> None:

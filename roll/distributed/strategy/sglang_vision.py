@@ -72,6 +72,7 @@ class SGLangVision:
     excluded: tuple[int, ...] = ()
     # Qwen3-VL's videos: one run of video tokens per temporal patch (roll.models.video_prompt)
     timestamped: bool = False
+    model_type: str | None = None  # config.json's (None for a text model)
 
     def logit_bias(self) -> dict[str, float]:
         """SGLang's ``sampling_params["logit_bias"]`` (string keys, as its SamplingParams declares)."""
@@ -174,7 +175,12 @@ def sglang_vision(model_dir: str | None) -> SGLangVision:
     excluded = tuple(response_excluded_tokens(config))
     timestamped = config.get("model_type") in TIMESTAMPED_VIDEO_MODEL_TYPES
     return SGLangVision(
-        config.get("image_token_id"), config.get("video_token_id"), merge, excluded, timestamped
+        config.get("image_token_id"),
+        config.get("video_token_id"),
+        merge,
+        excluded,
+        timestamped,
+        config.get("model_type"),
     )
 
 
