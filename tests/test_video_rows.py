@@ -113,10 +113,30 @@ def test_video_r1_rows_read_with_the_question_template_and_their_type(setup):
     assert mm["second_per_grid_ts"].tolist() == [1.0]
     engine = batch["multi_modal_data"][0]
     assert engine["video"][0].shape == (4, 56, 56, 3)
-    assert engine["mm_processor_kwargs"] == {"fps": 2.0, "min_pixels": 3136, "max_pixels": 3136}
+    assert engine["mm_processor_kwargs"] == {
+        "video_metadata": [{"total_num_frames": 4, "fps": 2.0, "frames_indices": [0, 1, 2, 3]}],
+        "min_pixels": 3136,
+        "max_pixels": 3136,
+    }
     assert (
         engine["video"][0][0, 28, 28, 0] > 150 and engine["video"][0][-1, 28, 28, 2] > 150
     )  # red, then blue
+
+
+def test_the_engines_video_metadata_gives_transformers_processor_roll_s_second_per_grid_ts(setup):
+    """vLLM runs transformers' Qwen2.5-VL processor on the frames with the row's
+    ``mm_processor_kwargs``; its ``second_per_grid_ts`` is temporal_patch_size over the metadata's
+    ``sampled_fps``, which must be the row's fps (without metadata transformers takes 24 fps)."""
+    from transformers.video_utils import VideoMetadata, make_batched_metadata
+
+    batch = video_batch(setup)
+    processor = setup[2]
+    for mm, engine in zip(batch[MULTI_MODAL_INPUTS], batch["multi_modal_data"], strict=True):
+        metadata = [VideoMetadata(**m) for m in engine["mm_processor_kwargs"]["video_metadata"]]
+        got = [processor.temporal_patch_size / m.sampled_fps for m in metadata]
+        assert got == mm["second_per_grid_ts"].tolist() == [1.0]
+        assert [m.total_num_frames for m in metadata] == [len(v) for v in engine["video"]]
+        assert make_batched_metadata(engine["video"], None)[0].sampled_fps == 24  # what vLLM got before
 
 
 def test_hf_infer_generates_and_scores_with_videos(setup):
@@ -171,7 +191,7 @@ def test_vllm_prompts_collapse_video_tokens_and_carry_the_frames(setup):
         assert request["prompt_token_ids"].count(video) == 1
         assert len(request["prompt_token_ids"]) == len(row) - 7
         assert request["multi_modal_data"]["video"][0].shape == (4, 56, 56, 3)
-        assert request["mm_processor_kwargs"]["fps"] == 2.0
+        assert request["mm_processor_kwargs"]["video_metadata"][0]["fps"] == 2.0
     with pytest.raises(ValueError, match="0 video token runs for 1 videos"):
         vllm_prompts(batch, ids, image, None)
 

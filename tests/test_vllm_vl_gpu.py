@@ -7,7 +7,8 @@ without vLLM, torchvision or a GPU).
   equal transformers' forward with the pixel values on the same weights (bf16 tolerance,
   tests/engine_gpu.py), which they would not if an image were dropped or misplaced;
 - generate with videos: ROLL's Video-R1 rows with tiny generated videos go to vLLM as one video
-  token per video plus the sampled frames, their fps and pixel area (``mm_processor_kwargs``), and
+  token per video plus the sampled frames, their metadata (sampling fps) and pixel area
+  (``mm_processor_kwargs``), and
   the log-probs equal transformers' forward with ``pixel_values_videos`` (which would not hold if
   vLLM resampled or resized the frames, or placed them at other rope positions);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``,

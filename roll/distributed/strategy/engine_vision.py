@@ -10,9 +10,10 @@ so the engine's prompt collapses each run of image tokens back to one::
     prompts = vllm_prompts(batch, prompt_token_lists(batch), tokens.image, tokens.video)  # a dict per row
 
 Videos go the same way: ``{"video": [frames [T, H, W, 3] uint8]}`` with each run of video tokens
-collapsed to one, and ``mm_processor_kwargs`` holding the frames' sampling ``fps`` (the processor's
-``second_per_grid_ts``) and their pixel area as ``min_pixels``/``max_pixels``, so the engine keeps
-roll's frames as they are (``roll.pipeline.rlvr.data.vision.video_fields``). A model whose prompt
+collapsed to one, and ``mm_processor_kwargs`` holding the frames' ``video_metadata`` (their sampling
+fps, from which the processor computes ``second_per_grid_ts`` and vLLM the temporal rope positions)
+and their pixel area as ``min_pixels``/``max_pixels``, so the engine keeps roll's frames as they are
+(``roll.pipeline.rlvr.data.vision.video_fields``). A model whose prompt
 writes a video frame by frame with timestamps (Qwen3-VL: ``roll.models.video_prompt``) gets each such
 video's frames back as ``<|vision_start|><|video_pad|><|vision_end|>`` inside the video's outer start
 and end, and the frames with their metadata (``(frames, {"fps", "frames_indices", ...})``), from which

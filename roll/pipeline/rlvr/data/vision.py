@@ -157,8 +157,9 @@ def with_vision_fields(batch: Any, processor: VisionProcessor | None) -> Any:
 
 def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model inputs, engine data) of a row with videos: the sampled frames through the processor,
-    and for vLLM the same frames ([frames, H, W, 3] uint8 each) with their sampling fps and pixel
-    area as ``mm_processor_kwargs``, so the engine neither resamples nor resizes them; for a model
+    and for vLLM the same frames ([frames, H, W, 3] uint8 each) with their metadata (their sampling
+    fps, ``sampled_video_metadata``) and pixel area as ``mm_processor_kwargs``, so the engine
+    neither resamples nor resizes them and lays their positions as roll does; for a model
     whose prompt holds each frame's time (``processor.timestamped_videos``, Qwen3-VL), each video
     with its metadata instead (``engine_video_metadata``) and no resize."""
     import numpy as np
@@ -183,12 +184,22 @@ def video_fields(row: Any, processor: VisionProcessor) -> tuple[dict[str, Any], 
     engine = {
         "video": arrays,
         "mm_processor_kwargs": {
-            "fps": fps[0] if len(fps) == 1 else fps,
+            "video_metadata": [sampled_video_metadata(len(a), f) for a, f in zip(arrays, fps, strict=True)],
             "min_pixels": height * width,
             "max_pixels": height * width,
         },
     }
     return mm, engine
+
+
+def sampled_video_metadata(frames: int, fps: float) -> dict[str, Any]:
+    """transformers' ``VideoMetadata`` of ``frames`` frames that roll sampled at ``fps``: its
+    ``sampled_fps`` is ``fps``, so the processor's ``second_per_grid_ts`` (temporal_patch_size /
+    sampled_fps) is the one roll's trainers use. Without metadata, transformers (5.17 to 5.24) takes
+    24 fps for a video given as frames, whatever an ``fps`` option says, and vLLM passes none for
+    Qwen2.5-VL: its rope positions then put a video's temporal patches 12 times closer (at 2 fps)
+    than roll's trainers did."""
+    return {"total_num_frames": frames, "fps": float(fps), "frames_indices": list(range(frames))}
 
 
 def engine_video_metadata(plan: Any) -> dict[str, Any]:
