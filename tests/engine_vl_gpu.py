@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_gpu import assert_close
+from engine_gpu import MEAN_TOL, assert_close
 from tiny_vl import VIDEO_ARGS, build_tiny_vl_dir, detection_rows, math_rows, video_r1_rows
 
 from roll.configs.role import DataArgs
@@ -142,6 +142,64 @@ def check_generate(engine, prompts: Batch, model_dir: Path, what: str) -> None:
     want = hf_sampled_logprobs(hf_vl(model_dir), out)
     print_row_diffs(out["infer_logprobs"], want, out, what)
     assert_close(out["infer_logprobs"], want, out["response_mask"], what)
+
+
+def check_generate_moe(engine, prompts: Batch, model_dir: Path, what: str) -> None:
+    """``check_generate`` for a MoE model: the mean over every sampled token, the max over the
+    tokens whose log-prob a one-step bf16 change of the routers does not move (``routing_steady``)."""
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    assert out["responses"].shape[0] == 2 * len(prompts)
+    assert torch.equal(out["prompts"][::2], prompts["prompts"])
+    assert_close_moe(out["infer_logprobs"], hf_vl(model_dir), out, what)
+
+
+# A token whose transformers log-prob moves by more than this when the routers' weights move by one
+# bf16 step sits on a near tie between experts (bf16 noise in any implementation may flip it).
+ROUTING_SENSITIVE = 0.05
+BF16_STEP = 2.0**-7
+
+
+def assert_close_moe(got: torch.Tensor, model, out: Batch, what: str) -> None:
+    """``got`` (the engine's log-probs of ``out``'s responses) against transformers' on a MoE
+    ``model``: the mean |difference| over every response token within MEAN_TOL, and
+    ``assert_close`` on the tokens ``routing_steady`` keeps. The tokens left out are chosen by
+    transformers alone (never by the engine's numbers), printed with their differences, and at
+    most a tenth of the tokens."""
+    want = hf_sampled_logprobs(model, out)
+    print_row_diffs(got, want, out, what)
+    mask = out["response_mask"].bool()
+    steady = routing_steady(model, out, want) & mask
+    diff = (got.float() - want.float()).abs()
+    left_out = mask & ~steady
+    print(
+        f"{what}: {int(left_out.sum())} of {int(mask.sum())} tokens sit on a routing near tie; "
+        f"their |diff|: {[round(v, 4) for v in diff[left_out].tolist()]}"
+    )
+    assert left_out.sum() <= mask.sum() // 10, f"{what}: too many tokens on routing near ties"
+    assert diff[mask].mean() < MEAN_TOL, f"{what}: mean {diff[mask].mean():.4g} over every token"
+    assert_close(got, want, steady, f"{what} (tokens off routing near ties)")
+
+
+@torch.no_grad()
+def routing_steady(model, out: Batch, want: torch.Tensor, draws: int = 3) -> torch.Tensor:
+    """[B, R] True where each of ``draws`` random one-step bf16 changes of every MoE router's
+    weights (``mlp.gate.weight``, scaled by 1 + N(0, 1) * 2^-7) moves transformers' log-prob of the
+    sampled token by less than ROUTING_SENSITIVE (``want``: the unchanged log-probs)."""
+    routers = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+    assert routers, "no MoE router (mlp.gate.weight) in the model"
+    saved = [p.detach().clone() for p in routers]
+    gen = torch.Generator(device=saved[0].device).manual_seed(0)
+    moved = torch.zeros_like(want)
+    try:
+        for _ in range(draws):
+            for param, weight in zip(routers, saved, strict=True):
+                noise = torch.randn(weight.shape, generator=gen, device=weight.device)
+                param.copy_((weight.float() * (1 + BF16_STEP * noise)).to(weight.dtype))
+            moved = torch.maximum(moved, (hf_sampled_logprobs(model, out) - want).abs())
+    finally:
+        for param, weight in zip(routers, saved, strict=True):
+            param.copy_(weight)
+    return moved < ROUTING_SENSITIVE
 
 
 def check_load_weights(engine, prompts: Batch, new_dir: Path) -> None:

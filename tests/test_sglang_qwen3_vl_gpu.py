@@ -37,7 +37,9 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
 from engine_vl_gpu import (  # noqa: E402
+    assert_close_moe,
     check_generate,
+    check_generate_moe,
     hf_sampled_logprobs,
     hf_vl,
     print_row_diffs,
@@ -91,25 +93,34 @@ def check_prompt_lengths(strategy, prompts: Batch) -> None:
     assert [o["meta_info"]["prompt_tokens"] for o in outputs] == [len(r) for r in ids]
 
 
+def is_moe(strategy) -> bool:
+    return strategy.vision.model_type == "qwen3_vl_moe"
+
+
 def test_generate_with_images_matches_transformers(setup):
     root, model, strategy = setup
     prompts = vl_prompts(root, model)
     check_prompt_lengths(strategy, prompts)
-    check_generate(strategy, prompts, model, f"{model.name} generate with images")
+    check = check_generate_moe if is_moe(strategy) else check_generate
+    check(strategy, prompts, model, f"{strategy.vision.model_type} generate with images")
 
 
 def test_generate_with_videos_matches_transformers(setup):
     root, model, strategy = setup
     prompts = video_prompts(root, model)
     check_prompt_lengths(strategy, prompts)
-    check_generate(strategy, prompts, model, "generate with videos")
+    check = check_generate_moe if is_moe(strategy) else check_generate
+    check(strategy, prompts, model, f"{strategy.vision.model_type} generate with videos")
 
 
 def test_compute_log_probs_of_video_rows_matches_transformers(setup):
     root, model, strategy = setup
     out = strategy.generate(video_prompts(root, model), SamplingParams(n=2, max_new_tokens=16, seed=11))
     scored = strategy.compute_log_probs(out)["log_probs"]
-    want = hf_sampled_logprobs(hf_vl(model), out)
-    print_row_diffs(scored, want, out, "scoring video rows")
-    assert_close(scored, want, out["response_mask"], "scoring video rows")
+    if is_moe(strategy):
+        assert_close_moe(scored, hf_vl(model), out, "qwen3_vl_moe scoring video rows")
+    else:
+        want = hf_sampled_logprobs(hf_vl(model), out)
+        print_row_diffs(scored, want, out, "scoring video rows")
+        assert_close(scored, want, out["response_mask"], "scoring video rows")
     assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
