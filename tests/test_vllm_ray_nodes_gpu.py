@@ -165,13 +165,15 @@ def test_tp2_engine_across_two_nodes(models, one_gpu_tokens, tmp_path, monkeypat
         assert rm.slots[0].node_id != rm.slots[1].node_id
 
         batch = prompt_batch(models[0])
-        (out,) = engine.call(EngineWorker.generate, batch, GREEDY)
-        same_rows = (out["responses"] == one_gpu_tokens["responses"]).all(dim=1)
+        (greedy,) = engine.call(EngineWorker.generate, batch, GREEDY)
+        same_rows = (greedy["responses"] == one_gpu_tokens["responses"]).all(dim=1)
         print(f"greedy rows equal to TP 1's: {int(same_rows.sum())} of {len(same_rows)}")
         old = hf_model(models[0])
-        gap = greedy_gap(old, out)[out["response_mask"].bool()]
+        gap = greedy_gap(old, greedy)[greedy["response_mask"].bool()]
         print(f"transformers' best log-prob less the chosen token's: max {gap.max():.4g}")
         assert gap.max() < MAX_TOL, "TP 2 across nodes picked a token transformers does not rank first"
+        # top_k=1 makes every sampled log-prob 0 (the engine reports them after top-k): sample
+        (out,) = engine.call(EngineWorker.generate, batch, SamplingParams(n=2, max_new_tokens=16, seed=4))
         assert_close(out["infer_logprobs"], hf_logprobs(old, out), out["response_mask"], "TP2 across nodes")
 
         engine.call(EngineWorker.load_model, str(models[1]))  # the model update, into both GPU workers
@@ -181,7 +183,7 @@ def test_tp2_engine_across_two_nodes(models, one_gpu_tokens, tmp_path, monkeypat
 
         engine.call(EngineWorker.sleep_and_wake)
         (again,) = engine.call(EngineWorker.generate, batch, GREEDY)
-        assert torch.equal(again["responses"], out["responses"]), "after sleep and wake"
+        assert torch.equal(again["responses"], greedy["responses"]), "after sleep and wake"
         engine.shutdown()
     finally:
         if rm is not None:
