@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import enum
 import importlib
+import os
 import pickle
 import re
 import subprocess
@@ -249,6 +250,7 @@ class FakeServerArgs:
     max_running_requests: int | None = None
     disable_radix_cache: bool = False
     attention_backend: str | None = None
+    mm_attention_backend: str | None = None
     sampling_backend: str | None = None
     disable_cuda_graph: bool = False
     enable_deterministic_inference: bool = False
@@ -268,6 +270,7 @@ class FakeSGLangEngine:
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
+        self.vlm_cache_env = os.environ.get("SGLANG_VLM_CACHE_SIZE_MB")  # what its schedulers would read
         self.calls: list[tuple] = []
         self.generate_calls: list[dict] = []
         self.loop = asyncio.new_event_loop()
@@ -832,6 +835,28 @@ def test_sglang_memory_release_and_weight_updates(fake_engines, tokenizer_dir):
     )
     strategy.generate(prompt_batch([[5]]), SamplingParams(max_new_tokens=2))  # flushes the radix cache first
     assert ("flush_cache",) == engine.calls[-1]
+
+
+def test_sglang_vl_engine_starts_without_the_vision_embedding_cache(
+    fake_engines, tokenizer_dir, tmp_path, monkeypatch
+):
+    """SGLang's vision-encoder cache outlives weight updates: a VL engine starts with it off (unless
+    the run set it) and sends Qwen2.5-VL weights under its loader's names; a text engine keeps both."""
+    from tiny_vl import build_tiny_vl_dir
+
+    monkeypatch.delenv("SGLANG_VLM_CACHE_SIZE_MB", raising=False)
+    _, text_engine = sglang_strategy(tokenizer_dir)
+    assert text_engine.vlm_cache_env is None
+    vl_dir = str(build_tiny_vl_dir(tmp_path / "vl"))
+    cls = load_strategy_class("sglang")
+    strategy = cls(make_role("sglang", SGLangConfig(), vl_dir), ctx())
+    strategy.initialize()
+    engine = FakeSGLangEngine.instances[-1]
+    assert engine.vlm_cache_env == "0"
+    assert strategy.engine_calls.rename("model.visual.merger.mlp.0.weight") == "visual.merger.mlp.0.weight"
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "64")
+    cls(make_role("sglang", SGLangConfig(), vl_dir), ctx()).initialize()
+    assert FakeSGLangEngine.instances[-1].vlm_cache_env == "64"
 
 
 def test_sglang_judge_role_keeps_its_weights(fake_engines, tokenizer_dir):

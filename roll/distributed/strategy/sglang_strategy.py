@@ -34,6 +34,7 @@ Then ``finish_model_update(version)``. Control calls into the engine are ``SGLan
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -66,6 +67,12 @@ from roll.distributed.strategy.sglang_weight_names import sglang_weight_names
 from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
 
 MEMORY_TAGS = ["kv_cache", "weights"]
+# SGLang's schedulers keep each image's and video's vision-encoder output for later requests with
+# the same pixels (SGLANG_VLM_CACHE_SIZE_MB, 100 by default), and neither flush_cache nor a weight
+# update clears it: after a model update they fed the old tower's embeddings (seen on H200: a
+# Qwen2.5-VL sampled like its old weights after load_weights). A vision-language engine starts with
+# it off (0), as SGLang does for rl_on_policy_target; a run that sets it keeps its value.
+VLM_CACHE_ENV = "SGLANG_VLM_CACHE_SIZE_MB"
 
 
 class SGLangStrategy:
@@ -96,10 +103,12 @@ class SGLangStrategy:
         def options(seed: int) -> EngineOptions:
             return sglang_engine_options(self.config, self.role_config, self.ctx.role, seed)
 
+        self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
+        if self.vision.model_type:
+            os.environ.setdefault(VLM_CACHE_ENV, "0")  # before the schedulers start: they read it
         started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
-        self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
         self.engine_calls.rename = sglang_weight_names(self.vision.model_type)
         self._weights_stale = self.config.load_format == "dummy"
 
