@@ -55,6 +55,7 @@ from engine_vl_gpu import (  # noqa: E402
     vl_prompts,
 )
 
+from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
 
 
@@ -90,7 +91,39 @@ def test_compute_log_probs_of_image_rows_matches_transformers(engine, models):
 
 def test_generate_with_videos_matches_transformers(engine, models):
     root, a, _ = models
-    check_generate(engine, video_prompts(root, a), a, "generate with videos")
+    prompts = video_prompts(root, a)
+    print_rule_diffs(engine, prompts, a)
+    check_generate(engine, prompts, a, "generate with videos")
+
+
+def print_rule_diffs(engine, prompts, model_dir) -> None:
+    """Which positions the engine's video log-probs are nearest to (printed only): transformers'
+    forward by Qwen's rule (what the trainers use), by transformers' own rule, and by Qwen's rule
+    with every temporal position 0."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    from roll.models.qwen_rope_rule import qwen_rope_index, transformers_rope_index
+    from roll.models.vision import MULTI_MODAL_INPUTS
+
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
+    model, mask = hf_vl(model_dir), out["response_mask"].bool()
+    flat_inputs = [
+        {**m, "second_per_grid_ts": m["second_per_grid_ts"] * 0} if m and "second_per_grid_ts" in m else m
+        for m in out[MULTI_MODAL_INPUTS]
+    ]
+    flat = Batch(dict(out.tensors), {**out.non_tensors, MULTI_MODAL_INPUTS: flat_inputs}, dict(out.meta))
+    cls = modeling_qwen2_5_vl.Qwen2_5_VLModel
+    for label, rule, batch in (
+        ("Qwen's rule", qwen_rope_index, out),
+        ("transformers' rule", transformers_rope_index(), out),
+        ("temporal positions 0", qwen_rope_index, flat),
+    ):
+        cls.get_rope_index = rule
+        try:
+            diff = (out["infer_logprobs"].float() - hf_sampled_logprobs(model, batch).float()).abs()[mask]
+        finally:
+            cls.get_rope_index = qwen_rope_index
+        print(f"videos vs transformers by {label}: mean |diff| {diff.mean():.4f}, max {diff.max():.4f}")
 
 
 def test_load_weights_with_module_names_makes_the_engine_sample_like_the_new_model(engine, models):
