@@ -8,13 +8,15 @@ attention, pytorch sampler, no CUDA graphs; the vision tower on ``triton_attn``,
   pixel values on the same weights (bf16 tolerance, tests/engine_gpu.py), which they would not if
   an image were dropped, resized or placed at other rope positions;
 - generate with videos: ROLL's Video-R1 rows, ``pixel_values_videos`` with their grid and
-  ``second_per_grid_ts``, against transformers the same way; the dicts hold transformers' rope
-  positions (roll.distributed.strategy.sglang_positions): SGLang's own rule puts the text after the
-  tiny model's video 3 positions later (1 x H200, 2026-11-28, without them: mean 0.0575, max 0.168);
+  ``second_per_grid_ts``, against transformers with its vision tower laid out as SGLang 0.5.16's
+  (full attention across a video's temporal patches, tests/sglang_vision_tower.py; the reference
+  attends within each, and SGLang's video rows sat 0.020-0.023 off it on an H200); SGLang lays the
+  rope positions by Qwen's rule, as the trainers do;
 - compute_log_probs on image rows: SGLang's input log-probs renormalized without the vision tokens
   equal transformers' (and the sampling log-probs);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``)
-  makes the engine sample like the new weights.
+  makes the engine sample like the new weights (sglang_weight_names renames them; the engine runs
+  without SGLang's vision-embedding cache).
 
 Each row's mean and max |diff| is printed, with its media, before each check asserts.
 
@@ -26,6 +28,7 @@ SGLang's logs (a scheduler's traceback included) also go to /tmp/roll_sglang_log
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -54,6 +57,7 @@ from engine_vl_gpu import (  # noqa: E402
     video_prompts,
     vl_prompts,
 )
+from sglang_vision_tower import tower_attends_across_frames  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
@@ -90,16 +94,21 @@ def test_compute_log_probs_of_image_rows_matches_transformers(engine, models):
 
 
 def test_generate_with_videos_matches_transformers(engine, models):
+    """Against transformers with the vision tower laid out as SGLang 0.5.16's Qwen2.5-VL tower is
+    (full attention across a video's temporal patches, tests/sglang_vision_tower.py): the positions,
+    frames and pixels are then checked at the usual tolerance. The distance to the reference layout
+    (within each temporal patch, what the trainers and vLLM compute) is printed."""
     root, a, _ = models
     prompts = video_prompts(root, a)
     print_rule_diffs(engine, prompts, a)
-    check_generate(engine, prompts, a, "generate with videos")
+    with tower_attends_across_frames():
+        check_generate(engine, prompts, a, "generate with videos (the tower as SGLang's)")
 
 
 def print_rule_diffs(engine, prompts, model_dir) -> None:
-    """Which positions the engine's video log-probs are nearest to (printed only): transformers'
-    forward by Qwen's rule (what the trainers use), by transformers' own rule, and by Qwen's rule
-    with every temporal position 0."""
+    """Which reference the engine's video log-probs are nearest to (printed only): transformers'
+    forward by Qwen's rule (what the trainers use), by transformers' own rule, by Qwen's rule with
+    every temporal position 0, and by Qwen's rule with the tower laid out as SGLang's."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
     from roll.models.qwen_rope_rule import qwen_rope_index, transformers_rope_index
@@ -113,14 +122,17 @@ def print_rule_diffs(engine, prompts, model_dir) -> None:
     ]
     flat = Batch(dict(out.tensors), {**out.non_tensors, MULTI_MODAL_INPUTS: flat_inputs}, dict(out.meta))
     cls = modeling_qwen2_5_vl.Qwen2_5_VLModel
-    for label, rule, batch in (
-        ("Qwen's rule", qwen_rope_index, out),
-        ("transformers' rule", transformers_rope_index(), out),
-        ("temporal positions 0", qwen_rope_index, flat),
+    for label, rule, batch, tower in (
+        ("Qwen's rule", qwen_rope_index, out, contextlib.nullcontext),
+        ("transformers' rule", transformers_rope_index(), out, contextlib.nullcontext),
+        ("temporal positions 0", qwen_rope_index, flat, contextlib.nullcontext),
+        ("Qwen's rule, the tower across frames", qwen_rope_index, out, tower_attends_across_frames),
     ):
         cls.get_rope_index = rule
         try:
-            diff = (out["infer_logprobs"].float() - hf_sampled_logprobs(model, batch).float()).abs()[mask]
+            with tower():
+                want = hf_sampled_logprobs(model, batch)
+            diff = (out["infer_logprobs"].float() - want.float()).abs()[mask]
         finally:
             cls.get_rope_index = qwen_rope_index
         print(f"videos vs transformers by {label}: mean |diff| {diff.mean():.4f}, max {diff.max():.4f}")

@@ -1,0 +1,46 @@
+"""How much SGLang 0.5.16's Qwen2.5-VL tower layout (full attention across a video's temporal
+patches, tests/sglang_vision_tower.py) moves transformers' log-probs, on CPU: video rows move by
+about what SGLang's video rows sat off the trainers on an H200 (mean 0.02), image rows not at all."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("av")  # the video rows' frames are decoded with PyAV
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_vl_gpu import save_image_rows, video_prompts, vl_prompts  # noqa: E402
+from sglang_vision_tower import tower_attends_across_frames  # noqa: E402
+from tiny_vl import build_tiny_vl_dir  # noqa: E402
+
+from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
+from roll.models.logprobs import response_log_probs  # noqa: E402
+
+
+def _moved(model, prompts) -> torch.Tensor:
+    """|log-prob change| of 16 random response tokens per row when the tower attends across frames."""
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(5, 200, (len(prompts), 16), generator=gen).tolist()
+    batch = build_generation_batch(prompts, responses, None, 1, 0, 16)
+    with torch.no_grad():
+        own = response_log_probs(model, batch)["log_probs"]
+        with tower_attends_across_frames():
+            across = response_log_probs(model, batch)["log_probs"]
+    return (own - across).abs()
+
+
+def test_the_tower_across_frames_moves_video_rows_only(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = build_tiny_vl_dir(tmp_path / "vl", seed=0, std=0.1)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    videos = video_prompts(tmp_path, model_dir)
+    assert all(mm["video_grid_thw"][0, 0] > 1 for mm in videos["multi_modal_inputs"])
+    moved = _moved(model, videos)
+    assert 0.005 < moved.mean() < 0.1, moved.mean()
+    save_image_rows(tmp_path)
+    assert _moved(model, vl_prompts(tmp_path, model_dir)).max() == 0
