@@ -196,6 +196,44 @@ def test_vllm_prompts_collapse_video_tokens_and_carry_the_frames(setup):
         vllm_prompts(batch, ids, image, None)
 
 
+def test_a_row_of_several_videos_gets_cache_ids_of_the_row_as_a_whole():
+    """vLLM processes only the videos its cache misses, with the row's whole metadata list: a row
+    of several videos sends ids that make its videos hit or miss together (one per video, the same
+    for the same frames, other when any frame differs); a row of one video sends none."""
+    import numpy as np
+
+    from roll.core.batch import Batch
+
+    image, video = 5, 6
+    frames = [np.full((4, 56, 56, 3), c, dtype=np.uint8) for c in (10, 20, 30)]
+
+    def row(videos):
+        kwargs = {
+            "video_metadata": [{"total_num_frames": 4, "fps": 2.0, "frames_indices": [0, 1, 2, 3]}]
+            * len(videos)
+        }
+        return {"video": videos, "mm_processor_kwargs": kwargs}
+
+    rows = [
+        row([frames[0], frames[1]]),
+        row([frames[0], frames[2]]),
+        row([frames[0], frames[1]]),
+        row([frames[2]]),
+    ]
+    ids = [
+        [1, video, video, 2, video, video],
+        [1, video, video, 2, video, video],
+        [1, video, video, 2, video, video],
+        [1, video, video],
+    ]
+    batch = Batch.from_dict({"prompts": torch.zeros(4, 6, dtype=torch.long)}, {"multi_modal_data": rows})
+    sent = vllm_prompts(batch, ids, image, video)
+    first, second, again, single = (p.get("multi_modal_uuids") for p in sent)
+    assert len(first["video"]) == 2 and len(set(first["video"])) == 2
+    assert again == first and not set(first["video"]) & set(second["video"])
+    assert single is None
+
+
 def test_bad_video_rows(setup, tmp_path):
     _, _, processor = setup
     (tmp_path / "videos").mkdir()

@@ -123,5 +123,26 @@ def vllm_prompts(
         prompt = {"prompt_token_ids": collapsed, "multi_modal_data": items}
         if data.get("mm_processor_kwargs"):  # the file's image_min/max_pixels: vLLM resizes alike
             prompt["mm_processor_kwargs"] = dict(data["mm_processor_kwargs"])
+            if "video_metadata" in prompt["mm_processor_kwargs"] and len(items.get("video", ())) > 1:
+                prompt["multi_modal_uuids"] = {"video": row_video_ids(items["video"])}
         out.append(prompt)
     return out
+
+
+def row_video_ids(videos: Sequence[Any]) -> list[str]:
+    """vLLM cache ids for the videos of one row that has several, whose ``mm_processor_kwargs``
+    list a metadata per video: the digest of all the row's frames, and each video's index. vLLM
+    runs its processor on only the videos its processor cache misses, with the row's whole
+    ``mm_processor_kwargs``; a row sharing a video and the options with an earlier row would hand
+    transformers fewer videos than metadata (a ValueError on fps and video_grid_thw lengths). With
+    ids of the row as a whole its videos hit or miss the cache together."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.blake2b(digest_size=16)
+    for frames in videos:
+        array = np.ascontiguousarray(frames)
+        digest.update(f"{array.shape}{array.dtype}".encode())
+        digest.update(memoryview(array).cast("B"))
+    return [f"roll-video-{digest.hexdigest()}-{i}" for i in range(len(videos))]
