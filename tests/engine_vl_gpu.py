@@ -107,7 +107,8 @@ def hf_vl(path: Path):
 
 @torch.no_grad()
 def hf_sampled_logprobs(model, out) -> torch.Tensor:
-    return response_log_probs(model, out.to("cuda"), temperature=1.0)["log_probs"].cpu()
+    device = next(model.parameters()).device
+    return response_log_probs(model, out.to(device), temperature=1.0)["log_probs"].cpu()
 
 
 def row_modalities(batch: Batch) -> list[str]:
@@ -145,8 +146,8 @@ def check_generate(engine, prompts: Batch, model_dir: Path, what: str) -> None:
 
 
 def check_generate_moe(engine, prompts: Batch, model_dir: Path, what: str) -> None:
-    """``check_generate`` for a MoE model: the mean over every sampled token, the max over the
-    tokens whose log-prob a one-step bf16 change of the routers does not move (``routing_steady``)."""
+    """``check_generate`` for a MoE model: ``assert_close_moe`` (the bounds over the tokens whose
+    log-prob a one-step bf16 change of the routers does not move, ``routing_steady``)."""
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
     assert out["responses"].shape[0] == 2 * len(prompts)
     assert torch.equal(out["prompts"][::2], prompts["prompts"])
