@@ -65,14 +65,20 @@ def hf_model(path: Path):
 
 
 @torch.no_grad()
-def hf_logprobs(model, batch: Batch) -> torch.Tensor:
-    """[B, R] log-probs of ``batch["responses"]`` under ``model`` (prompts left-padded)."""
+def hf_response_logps(model, batch: Batch) -> torch.Tensor:
+    """[B, R, V] log-probs over the vocabulary at each response position under ``model`` (prompts
+    left-padded), on the model's device."""
     ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).cuda()
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).cuda()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
     width = batch["responses"].shape[1]
-    logps = torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
+    return torch.log_softmax(logits[:, -width - 1 : -1], dim=-1)
+
+
+def hf_logprobs(model, batch: Batch) -> torch.Tensor:
+    """[B, R] log-probs of ``batch["responses"]`` under ``model`` (prompts left-padded)."""
+    logps = hf_response_logps(model, batch)
     return logps.gather(-1, batch["responses"].cuda().unsqueeze(-1)).squeeze(-1).cpu()
 
 

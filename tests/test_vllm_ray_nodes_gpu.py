@@ -37,7 +37,15 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from engine_gpu import MAX_TOL, assert_close, hf_logprobs, hf_model, prompt_batch, save_tiny_model  # noqa: E402
+from engine_gpu import (  # noqa: E402
+    MAX_TOL,
+    assert_close,
+    hf_logprobs,
+    hf_model,
+    hf_response_logps,
+    prompt_batch,
+    save_tiny_model,
+)
 from two_nodes_one_host import LOCAL_ONLY, TOKEN_AUTH, TwoNodes  # noqa: E402
 
 from roll.configs.role import ModelArgs, RoleConfig, StrategyArgs  # noqa: E402
@@ -91,17 +99,12 @@ def _where(worker) -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), str(worker.device)
 
 
-@torch.no_grad()
 def greedy_gap(model, batch: Batch) -> torch.Tensor:
     """[B, R] transformers' largest log-prob at each response position less that of the token the
     engine chose there: 0 where the engine's greedy pick is transformers' too, within bf16 noise
     where the two are nearly tied (TP 2 sums its partial products in another order than TP 1, so
     such a tie may go either way), large where the engine computed something else."""
-    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).cuda()
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).cuda()
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    logps = torch.log_softmax(logits[:, -batch["responses"].shape[1] - 1 : -1], dim=-1)
+    logps = hf_response_logps(model, batch)
     chosen = logps.gather(-1, batch["responses"].cuda().unsqueeze(-1)).squeeze(-1)
     return (logps.max(dim=-1).values - chosen).cpu()
 

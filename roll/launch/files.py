@@ -209,6 +209,20 @@ def check_vision_dump(config: RLVRConfig) -> None:
         )
 
 
+# SGLang 0.5.16's vision towers whose full-attention blocks attend across a video's temporal patches
+# (cu_seqlens of t * h * w per video, sglang/srt/models/qwen2_5_vl.py), where Qwen's reference,
+# transformers, vLLM and roll's trainers attend within each (h * w, t times).
+SGLANG_TOWER_ACROSS_FRAMES = {
+    "qwen2_5_vl": (
+        "SGLang 0.5.16's Qwen2.5-VL vision tower attends across a video's frames in its full-attention "
+        "blocks, where Qwen's reference and roll's trainers attend within each frame, so video rollouts "
+        "are sampled from other features than the trainers score (0.02 mean log-prob difference on a tiny "
+        "model, docs/vision_language.md); generate Qwen2.5-VL videos with vllm, or correct it with "
+        "off_policy_correction.mode: tis or mis (the gap is logged as rollout/logprob_mismatch)"
+    ),
+}
+
+
 def check_video_strategies(config: RLVRConfig) -> None:
     """Video-R1 rows (``data_args.row_layout: video_r1``, ROLL's video files) only where roll's
     forwards pass videos: on the Megatron strategies, model families with ``Family.videos``. A
@@ -231,20 +245,6 @@ def check_video_strategies(config: RLVRConfig) -> None:
                 "(its forward takes images only; data_args.row_layout: video_r1 reads videos); use "
                 "fsdp2_train (reference: hf_infer) with vllm rollouts",
             )
-
-
-# SGLang 0.5.16's vision towers whose full-attention blocks attend across a video's temporal patches
-# (cu_seqlens of t * h * w per video, sglang/srt/models/qwen2_5_vl.py), where Qwen's reference,
-# transformers, vLLM and roll's trainers attend within each (h * w, t times).
-SGLANG_TOWER_ACROSS_FRAMES = {
-    "qwen2_5_vl": (
-        "SGLang 0.5.16's Qwen2.5-VL vision tower attends across a video's frames in its full-attention "
-        "blocks, where Qwen's reference and roll's trainers attend within each frame, so video rollouts "
-        "are sampled from other features than the trainers score (0.02 mean log-prob difference on a tiny "
-        "model, docs/vision_language.md); generate Qwen2.5-VL videos with vllm, or correct it with "
-        "off_policy_correction.mode: tis or mis (the gap is logged as rollout/logprob_mismatch)"
-    ),
-}
 
 
 def check_megatron_layout(name: str, role: RoleConfig) -> None:
