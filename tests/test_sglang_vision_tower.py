@@ -1,6 +1,8 @@
-"""How much SGLang 0.5.16's Qwen2.5-VL tower layout (full attention across a video's temporal
-patches, tests/sglang_vision_tower.py) moves transformers' log-probs, on CPU: video rows move by
-about what SGLang's video rows sat off the trainers on an H200 (mean 0.02), image rows not at all."""
+"""SGLang 0.5.16's Qwen2.5-VL tower layout (full attention across a video's temporal patches,
+tests/sglang_vision_tower.py) on transformers' tower, on CPU: it moves video rows' log-probs by about
+what SGLang's video rows sat off the trainers on an H200 (mean 0.02) and image rows not at all, and
+that layout given each video's grid split per temporal patch (``sglang_frames``, what roll's SGLang
+schedulers run) is the reference tower."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from sglang_vision_tower import tower_attends_across_frames  # noqa: E402
 from tiny_vl import build_tiny_vl_dir  # noqa: E402
 
 from roll.distributed.strategy.generation import build_generation_batch  # noqa: E402
+from roll.distributed.strategy.sglang_frames import attend_within_frames  # noqa: E402
 from roll.models.logprobs import response_log_probs  # noqa: E402
 
 
@@ -44,3 +47,23 @@ def test_the_tower_across_frames_moves_video_rows_only(tmp_path):
     assert 0.005 < moved.mean() < 0.1, moved.mean()
     save_image_rows(tmp_path)
     assert _moved(model, vl_prompts(tmp_path, model_dir)).max() == 0
+
+
+def test_the_tower_across_frames_on_a_split_grid_is_the_reference_tower(tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = build_tiny_vl_dir(tmp_path / "vl", seed=0, std=0.1)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tower = model.model.visual
+    mm = video_prompts(tmp_path, model_dir)["multi_modal_inputs"][0]
+    pixels, grid = mm["pixel_values_videos"], mm["video_grid_thw"]
+    assert grid[0, 0] > 1
+    with torch.no_grad():
+        reference = tower(pixels, grid_thw=grid).pooler_output
+        with tower_attends_across_frames():
+            across = tower(pixels, grid_thw=grid).pooler_output
+            monkeypatch.setattr(type(tower), "forward", type(tower).forward)  # restored after the test
+            attend_within_frames(type(tower))
+            split = tower(pixels, grid_thw=grid).pooler_output
+    assert (across - reference).abs().max() > 1e-3
+    torch.testing.assert_close(split, reference, rtol=1e-5, atol=1e-5)

@@ -8,10 +8,10 @@ attention, pytorch sampler, no CUDA graphs; the vision tower on ``triton_attn``,
   pixel values on the same weights (bf16 tolerance, tests/engine_gpu.py), which they would not if
   an image were dropped, resized or placed at other rope positions;
 - generate with videos: ROLL's Video-R1 rows, ``pixel_values_videos`` with their grid and
-  ``second_per_grid_ts``, against transformers with its vision tower laid out as SGLang 0.5.16's
-  (full attention across a video's temporal patches, tests/sglang_vision_tower.py; the reference
-  attends within each, and SGLang's video rows sat 0.020-0.023 off it on an H200); SGLang lays the
-  rope positions by Qwen's rule, as the trainers do;
+  ``second_per_grid_ts``, against transformers' forward: SGLang lays the rope positions by Qwen's
+  rule, as the trainers do, and its tower attends within each temporal patch because roll's
+  schedulers split each video's grid per patch (``sglang_frames``; SGLang 0.5.16 alone attends
+  across them, tests/sglang_vision_tower.py, and its video rows sat 0.020-0.023 off on an H200);
 - compute_log_probs on image rows: SGLang's input log-probs renormalized without the vision tokens
   equal transformers' (and the sampling log-probs);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``)
@@ -61,6 +61,7 @@ from sglang_vision_tower import tower_attends_across_frames  # noqa: E402
 
 from roll.core.batch import Batch  # noqa: E402
 from roll.core.sampling import SamplingParams  # noqa: E402
+from roll.distributed.strategy.sglang_frames import run_scheduler_within_frames  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,21 +95,19 @@ def test_compute_log_probs_of_image_rows_matches_transformers(engine, models):
 
 
 def test_generate_with_videos_matches_transformers(engine, models):
-    """Against transformers with the vision tower laid out as SGLang 0.5.16's Qwen2.5-VL tower is
-    (full attention across a video's temporal patches, tests/sglang_vision_tower.py): the positions,
-    frames and pixels are then checked at the usual tolerance. The distance to the reference layout
-    (within each temporal patch, what the trainers and vLLM compute) is printed."""
+    """Positions, frames, pixels and the tower's per-temporal-patch attention, at the usual
+    tolerance; the distances to other rules and to SGLang's own tower layout are printed first."""
+    assert type(engine.engine).run_scheduler_process_func is run_scheduler_within_frames
     root, a, _ = models
     prompts = video_prompts(root, a)
     print_rule_diffs(engine, prompts, a)
-    with tower_attends_across_frames():
-        check_generate(engine, prompts, a, "generate with videos (the tower as SGLang's)")
+    check_generate(engine, prompts, a, "generate with videos")
 
 
 def print_rule_diffs(engine, prompts, model_dir) -> None:
     """Which reference the engine's video log-probs are nearest to (printed only): transformers'
     forward by Qwen's rule (what the trainers use), by transformers' own rule, by Qwen's rule with
-    every temporal position 0, and by Qwen's rule with the tower laid out as SGLang's."""
+    every temporal position 0, and by Qwen's rule with the tower laid out as SGLang 0.5.16's own."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
     from roll.models.qwen_rope_rule import qwen_rope_index, transformers_rope_index

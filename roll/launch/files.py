@@ -209,31 +209,12 @@ def check_vision_dump(config: RLVRConfig) -> None:
         )
 
 
-# SGLang 0.5.16's vision towers whose full-attention blocks attend across a video's temporal patches
-# (cu_seqlens of t * h * w per video, sglang/srt/models/qwen2_5_vl.py), where Qwen's reference,
-# transformers, vLLM and roll's trainers attend within each (h * w, t times).
-SGLANG_TOWER_ACROSS_FRAMES = {
-    "qwen2_5_vl": (
-        "SGLang 0.5.16's Qwen2.5-VL vision tower attends across a video's frames in its full-attention "
-        "blocks, where Qwen's reference and roll's trainers attend within each frame, so video rollouts "
-        "are sampled from other features than the trainers score (0.02 mean log-prob difference on a tiny "
-        "model, docs/vision_language.md); generate Qwen2.5-VL videos with vllm, or correct it with "
-        "off_policy_correction.mode: tis or mis (the gap is logged as rollout/logprob_mismatch)"
-    ),
-}
-
-
 def check_video_strategies(config: RLVRConfig) -> None:
     """Video-R1 rows (``data_args.row_layout: video_r1``, ROLL's video files) only where roll's
-    forwards pass videos: on the Megatron strategies, model families with ``Family.videos``. A
-    warning where SGLang generates Qwen2.5-VL video rollouts (``SGLANG_TOWER_ACROSS_FRAMES``)."""
+    forwards pass videos: on the Megatron strategies, model families with ``Family.videos``."""
     if config.actor_train.data_args.row_layout != "video_r1":
         return
     for name, role in config.roles().items():
-        if _generates(name, role) and role.strategy_args.strategy_name == "sglang":
-            model_type = config_json(role.model_args.model_name_or_path).get("model_type")
-            if model_type in SGLANG_TOWER_ACROSS_FRAMES:
-                print(f"WARNING: {name}: {SGLANG_TOWER_ACROSS_FRAMES[model_type]}", file=sys.stderr)
         if not isinstance(strategy_options(role), MegatronConfig):
             continue
         model_type = config_json(role.model_args.model_name_or_path).get("model_type")

@@ -95,17 +95,23 @@ def _annotated_fields(source: Path, class_name: str) -> frozenset[str] | None:
 
 
 def start_engine(
-    kind: EngineKind, options: Callable[[int], EngineOptions], role_config: RoleConfig, ctx: WorkerContext
+    kind: EngineKind,
+    options: Callable[[int], EngineOptions],
+    role_config: RoleConfig,
+    ctx: WorkerContext,
+    engine_class: Callable[[ModuleType], Callable[..., Any]] | None = None,
 ) -> StartedEngine:
     """Import, check and construct the engine ``kind`` with ``options(seed)``. The options are
     also checked before launch where the driver imports the engine (roll.launch.roles); here for
-    drivers without it: only this process is sure to have the engine that will run."""
+    drivers without it: only this process is sure to have the engine that will run.
+    ``engine_class(module)`` picks the class to construct (``kind.constructor`` by default)."""
     with init_span(f"{kind.package}.import"):  # what the worker's preload has not done yet
         module = import_engine(kind.package, ctx.role, kind.package)
     built = options(ctx.seed + ctx.rank)
     built.check(accepted_options(kind), kind.display, kind.package)
     with init_span(f"{kind.package}.engine"):
-        engine = getattr(module, kind.constructor)(**built.kwargs)
+        constructor = engine_class(module) if engine_class else getattr(module, kind.constructor)
+        engine = constructor(**built.kwargs)
     margs = role_config.model_args
     pad_token_id = load_tokenizer(margs.model_name_or_path, margs.trust_remote_code).pad_token_id
     return StartedEngine(module, engine, pad_token_id)

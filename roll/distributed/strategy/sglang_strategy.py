@@ -1,9 +1,10 @@
 """``sglang``: generation on SGLang's offline ``Engine``, one engine per worker (``actor_infer`` or
 an LLM judge).
 
-Written against SGLang 0.5.x; the engine calls have not been run on this project's machines (see
-docs/strategies.md for the exact SGLang names used). Everything that does not need SGLang lives in
-``engine_requests``/``engine_options`` and is tested on CPU.
+Written against SGLang 0.5.16, whose engine calls the GPU tests (tests/test_sglang_*gpu.py) run
+(docs/strategies.md lists the SGLang names used). Everything that does not need SGLang lives in
+``engine_requests``/``engine_options`` and is tested on CPU. A Qwen2.5-VL engine's scheduler
+processes split each video's grid per temporal patch before its vision tower (``sglang_frames``).
 
 ``sglang.Engine`` starts its scheduler processes (TP across the worker's ``tensor_parallel_size``
 visible devices) from inside the worker. Each sample is its own request (``rid`` =
@@ -62,6 +63,7 @@ from roll.distributed.strategy.engine_requests import (
 from roll.distributed.strategy.engine_startup import ENGINES, start_engine
 from roll.distributed.strategy.generation import capped, prompt_token_lists, response_width
 from roll.distributed.strategy.sglang_engine_calls import SGLangEngineCalls
+from roll.distributed.strategy.sglang_frames import sglang_engine_class
 from roll.distributed.strategy.sglang_vision import SGLangVision, sglang_vision
 from roll.distributed.strategy.sglang_weight_names import sglang_weight_names
 from roll.distributed.transport.engine_receive import EngineReceiver, shareable_tensors
@@ -106,7 +108,14 @@ class SGLangStrategy:
         self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
         if self.vision.model_type:
             os.environ.setdefault(VLM_CACHE_ENV, "0")  # before the schedulers start: they read it
-        started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx)
+        model_type = self.vision.model_type
+        started = start_engine(
+            ENGINES["sglang"],
+            options,
+            self.role_config,
+            self.ctx,
+            lambda _sglang: sglang_engine_class(model_type),
+        )
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
         self.engine_calls.rename = sglang_weight_names(self.vision.model_type)
