@@ -146,61 +146,66 @@ def check_generate(engine, prompts: Batch, model_dir: Path, what: str) -> None:
 
 
 def check_generate_moe(engine, prompts: Batch, model_dir: Path, what: str) -> None:
-    """``check_generate`` for a MoE model: ``assert_close_moe`` (the bounds over the tokens whose
-    log-prob a one-step bf16 change of the routers does not move, ``routing_steady``)."""
+    """``check_generate`` for a MoE model: ``assert_close_moe`` (each token's difference beyond what
+    a one-step bf16 change of the routers moves transformers' own log-prob, ``routing_moves``)."""
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=3))
     assert out["responses"].shape[0] == 2 * len(prompts)
     assert torch.equal(out["prompts"][::2], prompts["prompts"])
     assert_close_moe(out["infer_logprobs"], hf_vl(model_dir), out, what)
 
 
-# A token whose transformers log-prob moves by more than this when the routers' weights move by one
-# bf16 step sits on a near tie between experts (bf16 noise in any implementation may flip it).
-ROUTING_SENSITIVE = 0.05
-BF16_STEP = 2.0**-7
+BF16_STEP = 2.0**-7  # one bf16 step, relative
 
 
-def assert_close_moe(got: torch.Tensor, model, out: Batch, what: str) -> None:
+def assert_close_moe(got: torch.Tensor, model, out: Batch, what: str) -> torch.Tensor:
     """``got`` (the engine's log-probs of ``out``'s responses) against transformers' on a MoE
-    ``model``: ``assert_close`` on the tokens ``routing_steady`` keeps. The tokens left out are
-    chosen by transformers alone (never by the engine's numbers), printed with their differences
-    (which may be large: that is what a near tie does), and at most a tenth of the tokens; the mean
-    over every token is printed."""
+    ``model``, token by token beyond transformers' own noise (``assert_close_beyond``, with
+    ``routing_moves``); returns the moves, for other comparisons of the same tokens."""
     want = hf_sampled_logprobs(model, out)
     print_row_diffs(got, want, out, what)
-    mask = out["response_mask"].bool()
-    steady = routing_steady(model, out, want) & mask
+    moves = routing_moves(model, out, want)
+    assert_close_beyond(got, want, moves, out["response_mask"], what)
+    return moves
+
+
+def assert_close_beyond(
+    got: torch.Tensor, want: torch.Tensor, moves: torch.Tensor, mask: torch.Tensor, what: str
+) -> None:
+    """``assert_close`` on ``max(|got - want| - moves, 0)``: ``moves`` is how far one-step bf16
+    changes of the routers move transformers' log-prob of each token (``routing_moves``). A token on
+    a near tie between experts, which bf16 noise in any implementation may route either way, gets
+    the room its tie gives, every other token almost none. ``moves`` comes from transformers alone,
+    never from the numbers compared; the plain differences are printed too."""
+    mask = mask.bool()
     diff = (got.float() - want.float()).abs()
-    left_out = mask & ~steady
     print(
-        f"{what}: {int(left_out.sum())} of {int(mask.sum())} tokens sit on a routing near tie; "
-        f"their |diff|: {[round(v, 4) for v in diff[left_out].tolist()]}"
+        f"{what}: every token mean |diff| {diff[mask].mean():.4g}, max {diff[mask].max():.4g}; the routers' "
+        f"bf16 step moves transformers by mean {moves[mask].mean():.4g}, max {moves[mask].max():.4g}"
     )
-    print(f"{what}: mean |diff| over every token {diff[mask].mean():.4g}")
-    assert left_out.sum() <= mask.sum() // 10, f"{what}: too many tokens on routing near ties"
-    assert_close(got, want, steady, f"{what} (tokens off routing near ties)")
+    excess = (diff - moves).clamp(min=0)
+    assert_close(excess, torch.zeros_like(excess), mask, f"{what} (beyond the routers' bf16 step)")
 
 
 @torch.no_grad()
-def routing_steady(model, out: Batch, want: torch.Tensor, draws: int = 8) -> torch.Tensor:
-    """[B, R] True where each of ``draws`` random one-step bf16 changes of every MoE router's
-    weights (``mlp.gate.weight``, scaled by 1 + N(0, 1) * 2^-7) moves transformers' log-prob of the
-    sampled token by less than ROUTING_SENSITIVE (``want``: the unchanged log-probs)."""
+def routing_moves(model, out: Batch, want: torch.Tensor, draws: int = 8) -> torch.Tensor:
+    """[B, R]: the most that ``draws`` random one-step bf16 changes of every MoE router's weights
+    (``mlp.gate.weight``, each scaled by 1 + N(0, 1) * BF16_STEP) move transformers' log-prob of
+    the sampled token (``want``: the unchanged log-probs). The routers are restored after."""
     routers = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
     assert routers, "no MoE router (mlp.gate.weight) in the model"
     saved = [p.detach().clone() for p in routers]
     gen = torch.Generator(device=saved[0].device).manual_seed(0)
-    moved = torch.zeros_like(want)
+    moves = torch.zeros_like(want, dtype=torch.float32)
     try:
         for _ in range(draws):
             for param, weight in zip(routers, saved, strict=True):
                 noise = torch.randn(weight.shape, generator=gen, device=weight.device)
                 param.copy_((weight.float() * (1 + BF16_STEP * noise)).to(weight.dtype))
-            moved = torch.maximum(moved, (hf_sampled_logprobs(model, out) - want).abs())
+            moves = torch.maximum(moves, (hf_sampled_logprobs(model, out) - want).abs().float())
     finally:
         for param, weight in zip(routers, saved, strict=True):
             param.copy_(weight)
-    return moved < ROUTING_SENSITIVE
+    return moves
 
 
 def check_load_weights(engine, prompts: Batch, new_dir: Path) -> None:

@@ -13,6 +13,10 @@ the module's engine fixture is parametrized and pytest finishes one model's test
 - compute_log_probs on video rows: SGLang's input log-probs renormalized without the vision tokens
   equal transformers'.
 
+The MoE model's checks bound each token's difference beyond how far one-step bf16 changes of the
+routers move transformers' own log-prob of it (``assert_close_moe``: routing near ties may go either
+way in any bf16 implementation; tests/test_routing_moves.py shows the bound on CPU).
+
     pytest -s -x tests/test_sglang_qwen3_vl_gpu.py -m gpu     # SGLang 0.5.16, torchvision, PyAV, 1 GPU
 
 SGLang's logs (a scheduler's traceback included) also go to /tmp/roll_sglang_logs/qwen3_vl_<model>.log
@@ -37,6 +41,7 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_gpu import assert_close, make_strategy  # noqa: E402
 from engine_vl_gpu import (  # noqa: E402
+    assert_close_beyond,
     assert_close_moe,
     check_generate,
     check_generate_moe,
@@ -117,10 +122,12 @@ def test_compute_log_probs_of_video_rows_matches_transformers(setup):
     root, model, strategy = setup
     out = strategy.generate(video_prompts(root, model), SamplingParams(n=2, max_new_tokens=16, seed=11))
     scored = strategy.compute_log_probs(out)["log_probs"]
-    if is_moe(strategy):
-        assert_close_moe(scored, hf_vl(model), out, "qwen3_vl_moe scoring video rows")
+    mask = out["response_mask"]
+    if is_moe(strategy):  # the engine's prefill and decode may each route a near tie either way
+        moves = assert_close_moe(scored, hf_vl(model), out, "qwen3_vl_moe scoring video rows")
+        assert_close_beyond(scored, out["infer_logprobs"], moves, mask, "scoring vs sampling log-probs")
     else:
         want = hf_sampled_logprobs(hf_vl(model), out)
         print_row_diffs(scored, want, out, "scoring video rows")
-        assert_close(scored, want, out["response_mask"], "scoring video rows")
-    assert_close(scored, out["infer_logprobs"], out["response_mask"], "scoring vs sampling log-probs")
+        assert_close(scored, want, mask, "scoring video rows")
+        assert_close(scored, out["infer_logprobs"], mask, "scoring vs sampling log-probs")
