@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from roll.distributed.strategy import sglang_frames
 from roll.distributed.strategy.sglang_frames import (
     attend_within_frames,
     per_frame_grid,
@@ -44,11 +45,26 @@ class Engine:
     run_scheduler_process_func = staticmethod(print)
 
 
+class LazyEngine:
+    """As ``sglang/__init__.py`` exports Engine: a callable that is not the class."""
+
+    def __call__(self, **kwargs):
+        return Engine()
+
+
 def test_only_qwen2_5_vl_engines_start_their_schedulers_through_the_split(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fake_sglang_engine", SimpleNamespace(Engine=Engine))
+    sglang = SimpleNamespace(Engine=Engine)
     for model_type in (None, "qwen3_vl", "qwen3_vl_moe"):
-        assert sglang_engine_class(model_type, "fake_sglang_engine") is Engine
-    within = sglang_engine_class("qwen2_5_vl", "fake_sglang_engine")
+        assert sglang_engine_class(sglang, model_type) is Engine
+    within = sglang_engine_class(sglang, "qwen2_5_vl")
     assert issubclass(within, Engine) and within.run_scheduler_process_func is run_scheduler_within_frames
     # SGLang spawns its schedulers: the target travels by name
     assert pickle.loads(pickle.dumps(within.run_scheduler_process_func)) is run_scheduler_within_frames
+
+
+def test_a_lazy_engine_export_is_subclassed_through_its_module(monkeypatch):
+    lazy = SimpleNamespace(Engine=LazyEngine())
+    assert sglang_engine_class(lazy, None) is lazy.Engine  # a text model: sglang.Engine as it is
+    monkeypatch.setattr(sglang_frames, "ENGINE_MODULE", "fake_sglang_engine")
+    monkeypatch.setitem(sys.modules, "fake_sglang_engine", SimpleNamespace(Engine=Engine))
+    assert issubclass(sglang_engine_class(lazy, "qwen2_5_vl"), Engine)

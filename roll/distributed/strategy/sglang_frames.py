@@ -13,7 +13,7 @@ The tower runs in SGLang's scheduler processes, which the engine spawns; the eng
 Qwen2.5-VL model starts them through ``run_scheduler_within_frames``, which splits the grids there
 before SGLang's scheduler loads the model::
 
-    engine_class = sglang_engine_class("qwen2_5_vl")    # SGLang's Engine for any other model
+    engine_class = sglang_engine_class(sglang, "qwen2_5_vl")   # sglang.Engine for any other model
     engine = engine_class(model_path=..., tp_size=...)
 """
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ import torch
 # config.json model types whose SGLang 0.5.16 tower attends across a video's temporal patches
 # (SGLang's Qwen3-VL towers split per temporal patch, as the reference does).
 TOWER_ACROSS_FRAMES = ("qwen2_5_vl",)
-# The class itself: ``sglang.Engine`` is a lazy import (sglang/__init__.py), which cannot be a base.
+# Where SGLang's Engine class lives (``sglang.Engine`` is a lazy import of it).
 ENGINE_MODULE = "sglang.srt.entrypoints.engine"
 SPLIT_MARK = "_roll_splits_frames"  # set on the patched forward: patching twice splits once
 
@@ -67,13 +69,16 @@ def run_scheduler_within_frames(*args: Any, **kwargs: Any) -> Any:
     return run_scheduler_process(*args, **kwargs)
 
 
-def sglang_engine_class(model_type: str | None, engine_module: str = ENGINE_MODULE) -> type:
-    """SGLang's ``Engine`` class, or for a model whose tower attends across frames a subclass whose
-    scheduler processes split video grids first (``Engine.run_scheduler_process_func``, SGLang's
-    hook for its subprocess targets; a module-level function, as spawned processes need)."""
-    engine = importlib.import_module(engine_module).Engine
+def sglang_engine_class(sglang: ModuleType, model_type: str | None) -> Callable[..., Any]:
+    """``sglang.Engine`` as it is, or for a model whose tower attends across frames a subclass of
+    SGLang's Engine class whose scheduler processes split video grids first
+    (``Engine.run_scheduler_process_func``, SGLang's hook for its subprocess targets; a module-level
+    function, as spawned processes need)."""
+    engine = sglang.Engine
     if model_type not in TOWER_ACROSS_FRAMES:
         return engine
+    if not isinstance(engine, type):  # sglang/__init__.py exports a lazy import, which cannot be a base
+        engine = importlib.import_module(ENGINE_MODULE).Engine
     return type(
         "WithinFramesEngine",
         (engine,),

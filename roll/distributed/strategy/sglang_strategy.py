@@ -114,7 +114,7 @@ class SGLangStrategy:
             options,
             self.role_config,
             self.ctx,
-            lambda _sglang: sglang_engine_class(model_type),
+            lambda sglang: sglang_engine_class(sglang, model_type),
         )
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
