@@ -36,26 +36,30 @@ def _moved(model, prompts) -> torch.Tensor:
     return (own - across).abs()
 
 
-def test_the_tower_across_frames_moves_video_rows_only(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(root, the tiny Qwen2.5-VL's directory, the model in fp32, its two Video-R1 rows)."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = build_tiny_vl_dir(tmp_path / "vl", seed=0, std=0.1)
+    root = tmp_path_factory.mktemp("tower")
+    model_dir = build_tiny_vl_dir(root / "vl", seed=0, std=0.1)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    videos = video_prompts(tmp_path, model_dir)
+    return root, model_dir, model, video_prompts(root, model_dir)
+
+
+def test_the_tower_across_frames_moves_video_rows_only(tiny):
+    root, model_dir, model, videos = tiny
     assert all(mm["video_grid_thw"][0, 0] > 1 for mm in videos["multi_modal_inputs"])
     moved = _moved(model, videos)
     assert 0.005 < moved.mean() < 0.1, moved.mean()
-    save_image_rows(tmp_path)
-    assert _moved(model, vl_prompts(tmp_path, model_dir)).max() == 0
+    save_image_rows(root)
+    assert _moved(model, vl_prompts(root, model_dir)).max() == 0
 
 
-def test_the_tower_across_frames_on_a_split_grid_is_the_reference_tower(tmp_path, monkeypatch):
-    from transformers import AutoModelForImageTextToText
-
-    model_dir = build_tiny_vl_dir(tmp_path / "vl", seed=0, std=0.1)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+def test_the_tower_across_frames_on_a_split_grid_is_the_reference_tower(tiny, monkeypatch):
+    _, _, model, videos = tiny
     tower = model.model.visual
-    mm = video_prompts(tmp_path, model_dir)["multi_modal_inputs"][0]
+    mm = videos["multi_modal_inputs"][0]
     pixels, grid = mm["pixel_values_videos"], mm["video_grid_thw"]
     assert grid[0, 0] > 1
     with torch.no_grad():

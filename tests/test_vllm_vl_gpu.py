@@ -8,8 +8,9 @@ without vLLM, torchvision or a GPU).
   tests/engine_gpu.py), which they would not if an image were dropped or misplaced;
 - generate with videos: ROLL's Video-R1 rows with tiny generated videos go to vLLM as one video
   token per video plus the sampled frames, their metadata (sampling fps) and pixel area
-  (``mm_processor_kwargs``), and the log-probs equal transformers' forward with ``pixel_values_videos`` (which would not hold if
-  vLLM resampled or resized the frames, or placed them at other rope positions);
+  (``mm_processor_kwargs``), and the log-probs equal transformers' forward with
+  ``pixel_values_videos`` (which would not hold if vLLM resampled or resized the frames, or placed
+  them at other rope positions);
 - load_weights with transformers 5's module names (``model.language_model.*``, ``model.visual.*``,
   what fsdp2_train and hf_infer send in a model update): the engine then samples like the new
   weights, and not before.

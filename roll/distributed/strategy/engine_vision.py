@@ -30,9 +30,12 @@ trainer and the reference score the same tokens the engine conditioned on.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from roll.core.batch import Batch
 from roll.models.model_dir import config_json
@@ -136,10 +139,6 @@ def row_video_ids(videos: Sequence[Any]) -> list[str]:
     ``mm_processor_kwargs``; a row sharing a video and the options with an earlier row would hand
     transformers fewer videos than metadata (a ValueError on fps and video_grid_thw lengths). With
     ids of the row as a whole its videos hit or miss the cache together."""
-    import hashlib
-
-    import numpy as np
-
     digest = hashlib.blake2b(digest_size=16)
     for frames in videos:
         array = np.ascontiguousarray(frames)

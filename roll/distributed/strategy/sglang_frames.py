@@ -32,7 +32,6 @@ import torch
 TOWER_ACROSS_FRAMES = ("qwen2_5_vl",)
 # Where SGLang's Engine class lives (``sglang.Engine`` is a lazy import of it).
 ENGINE_MODULE = "sglang.srt.entrypoints.engine"
-SPLIT_MARK = "_roll_splits_frames"  # set on the patched forward: patching twice splits once
 
 
 def per_frame_grid(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -46,16 +45,14 @@ def per_frame_grid(grid_thw: torch.Tensor) -> torch.Tensor:
 
 
 def attend_within_frames(tower: type) -> None:
-    """Make ``tower.forward(x, grid_thw)`` see each video's grid split per temporal patch."""
+    """Make ``tower.forward(x, grid_thw)`` see each video's grid split per temporal patch (a split
+    grid splits no further, so patching twice changes nothing)."""
     own = tower.forward
-    if getattr(own, SPLIT_MARK, False):
-        return
 
     @functools.wraps(own)
     def forward(self: Any, x: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
         return own(self, x, per_frame_grid(grid_thw), **kwargs)
 
-    setattr(forward, SPLIT_MARK, True)
     tower.forward = forward
 
 

@@ -35,6 +35,7 @@ Then ``finish_model_update(version)``. Control calls into the engine are ``SGLan
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -108,14 +109,8 @@ class SGLangStrategy:
         self.vision = sglang_vision(self.role_config.model_args.model_name_or_path)
         if self.vision.model_type:
             os.environ.setdefault(VLM_CACHE_ENV, "0")  # before the schedulers start: they read it
-        model_type = self.vision.model_type
-        started = start_engine(
-            ENGINES["sglang"],
-            options,
-            self.role_config,
-            self.ctx,
-            lambda sglang: sglang_engine_class(sglang, model_type),
-        )
+        engine_class = functools.partial(sglang_engine_class, model_type=self.vision.model_type)
+        started = start_engine(ENGINES["sglang"], options, self.role_config, self.ctx, engine_class)
         self.engine, self.pad_token_id = started.engine, started.pad_token_id
         self.engine_calls.engine = self.engine
         self.engine_calls.rename = sglang_weight_names(self.vision.model_type)

@@ -10,8 +10,9 @@ decoder as ``decoder_input``.
 Every stage computes the 3-D rope positions of its rows (``mrope_positions``, transformers'
 ``get_rope_index`` by Qwen's rule, ``roll.models.qwen_rope_rule``, from the ids, the images' and
 videos' grids and the videos' seconds per temporal patch). Padded rows start at column 0 (roll's
-shifted layout, ``forward.py``), so trailing padding never moves a real token's position; packed (thd) rows, context parallelism included, get each
-sequence's positions the same way from the whole packed row (``packed_vision.py``).
+shifted layout, ``forward.py``), so trailing padding never moves a real token's position; packed
+(thd) rows, context parallelism included, get each sequence's positions the same way from the
+whole packed row (``packed_vision.py``).
 
 >>> model = Qwen2_5_VLGPTModel(config, block_spec, hf_config=hf, vocab_size=..., ...)
 >>> logits = model(input_ids, position_ids, None, pixel_values=pv, image_grid_thw=grid)
